@@ -1,0 +1,14 @@
+"""lightning-zeropp: ZeRO++ as a PyTorch Lightning strategy on FSDP2."""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from .callback import CommVolumeMonitor
+from .config import ZeroPPConfig
+from .ledger import CommLedger
+from .strategy import ZeroPPStrategy
+from .topology import Topology
+
+ZeroPPStrategy.register_strategies(StrategyRegistry)
+
+__all__ = ["CommLedger", "CommVolumeMonitor", "Topology", "ZeroPPConfig", "ZeroPPStrategy"]
+__version__ = "0.1.0"

@@ -1,0 +1,86 @@
+"""The two collectives FSDP2 delegates to us, and how each picks its ZeRO++ technique.
+
+FSDP2 hands every sharded module's all-gather and reduce-scatter to the objects installed with
+``set_custom_all_gather`` / ``set_custom_reduce_scatter`` (see ``fsdp_hooks.py``). Those objects call
+:meth:`ZeroPPComms.all_gather` and :meth:`ZeroPPComms.reduce_scatter`, which decide:
+
+============================  ==========================  ===========================================
+FSDP call                      group FSDP passes           what runs (on our own groups)
+============================  ==========================  ===========================================
+forward all-gather             whole data-parallel group   qwZ quantized all-gather, or exact
+backward all-gather (hpZ)      hpZ group (R ranks)         exact all-gather of the dequantized copy
+backward all-gather (no hpZ)   whole group                 same as forward (identical weights)
+gradient reduce-scatter        whole group                 qgZ 2-hop all-to-all, or exact
+============================  ==========================  ===========================================
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+
+from . import hpz
+from .collectives import all_gather_flat, reduce_scatter_flat, split_reduce_op
+from .config import ZeroPPConfig
+from .ledger import CommLedger
+from .topology import ProcessGroups
+
+log = logging.getLogger(__name__)
+
+
+class ZeroPPComms:
+    """Shared by every sharded module of one model; owns the groups, the ledger and the technique switches."""
+
+    def __init__(self, config: ZeroPPConfig, groups: ProcessGroups, ledger: CommLedger) -> None:
+        self.config = config
+        self.groups = groups
+        self.ledger = ledger
+        self.topology = groups.topology
+        self.use_qgz = config.quantize_gradients and self.topology.num_nodes > 1
+        if config.quantize_gradients and not self.use_qgz and self.topology.rank == 0:
+            log.info(
+                "ZeroPPStrategy: qgZ is on but the job has one node (%d ranks per node): there is no inter-node"
+                " traffic to save, so gradients use the exact reduce-scatter.",
+                self.topology.ranks_per_node,
+            )
+
+    # ----------------------------------------------------------------- all-gather
+    def all_gather(
+        self, output: torch.Tensor, input: torch.Tensor, fsdp_group: dist.ProcessGroup, async_op: bool
+    ) -> dist.Work | None:
+        role = self.groups.role_of(fsdp_group)
+        group, ranks = self.groups.group(role), self.groups.ranks(role)
+        if role == "hpz":
+            return hpz.secondary_all_gather(output, input, group, ranks, self.ledger, async_op)
+        # Inside autograd's backward the graph task id is set: this is the re-gather of a resharded module.
+        kind = "weight_all_gather_backward" if torch._C._current_graph_task_id() != -1 else "weight_all_gather"
+        self.ledger.record_all_gather(kind, ranks, input.numel() * input.element_size())
+        return all_gather_flat(output, input, group, async_op)
+
+    # ----------------------------------------------------------------- reduce-scatter
+    def reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, fsdp_group: dist.ProcessGroup, op
+    ) -> dist.Work | None:
+        role = self.groups.role_of(fsdp_group)
+        if role != "world":
+            raise RuntimeError(f"ZeroPPStrategy: gradient reduce-scatter on the {role} group is not expected.")
+        base_op, premul = split_reduce_op(op)
+        return exact_reduce_scatter(output, input, base_op, premul, self.groups, self.ledger)
+
+
+def exact_reduce_scatter(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    base_op,
+    premul: float | None,
+    groups: ProcessGroups,
+    ledger: CommLedger,
+) -> None:
+    """The ZeRO-3 reduce-scatter, on our world group. PREMUL_SUM is a multiply then SUM (gloo has no PREMUL_SUM)."""
+    if premul is not None:
+        input.mul_(premul)  # the input is FSDP's scratch buffer, consumed by this call
+    ranks = groups.ranks("world")
+    ledger.record_to_peers("gradient_reduce_scatter", ranks, output.numel() * output.element_size())
+    reduce_scatter_flat(output, input, groups.world, base_op)

@@ -1,0 +1,174 @@
+"""Validated configuration of :class:`~lightning_zeropp.ZeroPPStrategy`.
+
+Every user-facing argument is checked here, once, at construction. Arguments that can only be checked against the
+running job (the world size, the model's module classes) are checked by :meth:`ZeroPPConfig.resolve` and by the
+sharding code, with errors of the same form: the argument, the value, what is allowed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch.distributed as dist
+from torch import nn
+
+KernelBackend = Literal["auto", "triton", "torch"]
+StateDictType = Literal["sharded", "full"]
+GradientRounding = Literal["nearest", "stochastic"]
+ModuleSelection = set[type[nn.Module]] | list[str] | None
+
+_KERNEL_BACKENDS = ("auto", "triton", "torch")
+_STATE_DICT_TYPES = ("sharded", "full")
+_GRADIENT_ROUNDINGS = ("nearest", "stochastic")
+# A block's scale is one fp32 (4 bytes): blocks smaller than this make the scales outweigh the payload.
+_MIN_BLOCK_SIZE = 8
+_MAX_BLOCK_SIZE = 1 << 16
+
+
+def _fail(name: str, value: object, allowed: str) -> ValueError:
+    return ValueError(f"ZeroPPStrategy: `{name}={value!r}` is not allowed; {allowed}.")
+
+
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"ZeroPPStrategy: `{name}` must be True or False, got {value!r} ({type(value).__name__}).")
+
+
+def _check_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"ZeroPPStrategy: `{name}` must be an int, got {value!r} ({type(value).__name__}).")
+
+
+def _check_bits(name: str, value: object, allowed: tuple[int, ...]) -> None:
+    _check_int(name, value)
+    if value not in allowed:
+        raise _fail(name, value, f"choose one of {', '.join(map(str, allowed))} bits")
+
+
+def _check_block(name: str, value: object, bits: int) -> None:
+    _check_int(name, value)
+    if not _MIN_BLOCK_SIZE <= value <= _MAX_BLOCK_SIZE:
+        raise _fail(name, value, f"use a block size between {_MIN_BLOCK_SIZE} and {_MAX_BLOCK_SIZE} elements")
+    if bits == 4 and value % 2:
+        raise _fail(name, value, "INT4 packs two values per byte, so use an even block size such as 128 or 256")
+
+
+def _check_size_or_auto(name: str, value: object) -> None:
+    if value == "auto":
+        return
+    _check_int(name, value)
+    if value < 1:
+        raise _fail(name, value, 'use a positive int or "auto"')
+
+
+def _check_module_selection(name: str, value: object) -> None:
+    if value is None:
+        return
+    if isinstance(value, str) or not isinstance(value, (set, frozenset, list, tuple)):
+        raise TypeError(
+            f"ZeroPPStrategy: `{name}` must be a set of nn.Module classes or a list of class names,"
+            f" got {value!r} ({type(value).__name__}). Example: {name}={{Block}} or {name}=['Block']."
+        )
+    for item in value:
+        if isinstance(item, str):
+            continue
+        if isinstance(item, type) and issubclass(item, nn.Module):
+            continue
+        raise TypeError(
+            f"ZeroPPStrategy: `{name}` holds {item!r}, which is neither an nn.Module subclass nor a class name."
+        )
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class ZeroPPConfig:
+    """The ZeRO++ knobs. Field docs are the user documentation; see the strategy's docstring for the full table."""
+
+    quantize_weights: bool = True
+    """qwZ: all-gather weights in block-quantized INT8 (or INT4) in the forward pass."""
+    weight_bits: Literal[8, 4] = 8
+    """Bits per weight element on the wire for qwZ."""
+    hpz_partition_size: int | Literal["auto"] = "auto"
+    """hpZ: ranks that hold a secondary copy of the weights after forward. "auto" = ranks per node; 1 = off."""
+    quantize_gradients: bool = True
+    """qgZ: reduce gradients with the 2-hop quantized all-to-all instead of a reduce-scatter."""
+    gradient_bits: Literal[4, 8] = 4
+    """Bits per gradient element on the inter-node hop of qgZ."""
+    intra_node_gradient_bits: Literal[4, 8] = 8
+    """Bits per gradient element on the intra-node hop of qgZ."""
+    weight_block_size: int = 256
+    """Weight elements that share one fp32 scale."""
+    gradient_block_size: int = 128
+    """Gradient elements that share one fp32 scale."""
+    gradient_rounding: GradientRounding = "nearest"
+    """Rounding of gradients: "nearest" (half to even) or "stochastic" (unbiased)."""
+    pipeline_stages: int = 2
+    """qgZ: pieces each chunk is cut into, so one piece's intra-node hop overlaps another's inter-node hop."""
+    ranks_per_node: int | Literal["auto"] = "auto"
+    """Ranks per (real or emulated) node. "auto" = the launcher's local world size."""
+    kernel_backend: KernelBackend = "auto"
+    """"auto": Triton on CUDA tensors, pure torch elsewhere; "triton" or "torch" to force one."""
+
+    def __post_init__(self) -> None:
+        _check_bool("quantize_weights", self.quantize_weights)
+        _check_bool("quantize_gradients", self.quantize_gradients)
+        _check_bits("weight_bits", self.weight_bits, (8, 4))
+        _check_bits("gradient_bits", self.gradient_bits, (4, 8))
+        _check_bits("intra_node_gradient_bits", self.intra_node_gradient_bits, (4, 8))
+        _check_block("weight_block_size", self.weight_block_size, self.weight_bits)
+        _check_block(
+            "gradient_block_size", self.gradient_block_size, min(self.gradient_bits, self.intra_node_gradient_bits)
+        )
+        if self.gradient_rounding not in _GRADIENT_ROUNDINGS:
+            raise _fail("gradient_rounding", self.gradient_rounding, f"choose one of {_GRADIENT_ROUNDINGS}")
+        _check_int("pipeline_stages", self.pipeline_stages)
+        if self.pipeline_stages < 1:
+            raise _fail("pipeline_stages", self.pipeline_stages, "use 1 (no overlap) or more")
+        _check_size_or_auto("hpz_partition_size", self.hpz_partition_size)
+        _check_size_or_auto("ranks_per_node", self.ranks_per_node)
+        if self.kernel_backend not in _KERNEL_BACKENDS:
+            raise _fail("kernel_backend", self.kernel_backend, f"choose one of {_KERNEL_BACKENDS}")
+
+    def resolve(self, world_size: int, local_world_size: int) -> tuple[int, int]:
+        """Returns ``(ranks_per_node, hpz_partition_size)`` for a job, or raises naming the argument at fault."""
+        ranks_per_node = local_world_size if self.ranks_per_node == "auto" else self.ranks_per_node
+        if world_size % ranks_per_node:
+            raise _fail(
+                "ranks_per_node",
+                self.ranks_per_node,
+                f"it resolves to {ranks_per_node}, which does not divide the world size {world_size}; use a divisor"
+                f" of {world_size}: {_divisors(world_size)}",
+            )
+        hpz = ranks_per_node if self.hpz_partition_size == "auto" else self.hpz_partition_size
+        if world_size % hpz:
+            raise _fail(
+                "hpz_partition_size",
+                self.hpz_partition_size,
+                f"the secondary partition must divide the world size {world_size}; use one of {_divisors(world_size)}"
+                f" (1 turns hpZ off, {ranks_per_node} keeps it inside a node)",
+            )
+        return ranks_per_node, hpz
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_strategy_arguments(
+    *,
+    wrap_modules: object,
+    activation_checkpointing: object,
+    cpu_offload: object,
+    state_dict_type: object,
+    process_group_backend: object,
+) -> None:
+    """Checks the strategy arguments that are not part of :class:`ZeroPPConfig`."""
+    _check_module_selection("wrap_modules", wrap_modules)
+    _check_module_selection("activation_checkpointing", activation_checkpointing)
+    _check_bool("cpu_offload", cpu_offload)
+    if state_dict_type not in _STATE_DICT_TYPES:
+        raise _fail("state_dict_type", state_dict_type, f"choose one of {_STATE_DICT_TYPES}")
+    if process_group_backend is not None:
+        known = [b for b in dist.Backend.backend_list if b != "undefined"]
+        if process_group_backend not in known:
+            raise _fail("process_group_backend", process_group_backend, f"choose one of {known} or None (automatic)")

@@ -1,0 +1,62 @@
+"""The only file that imports FSDP2's private communication interfaces.
+
+FSDP2 calls ``AllGather.__call__(output, input, group, async_op)`` with ``input`` aliasing this rank's slot of
+``output`` (an in-place all-gather of one flat buffer holding every parameter's padded shard), and
+``ReduceScatter.__call__(output, input, group, op)`` with ``input`` laid out as world-size equal chunks in rank
+order. ``allocate`` must hand out fresh memory: the reduce-scatter output becomes ``param.grad``'s storage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+from .comm import ZeroPPComms
+
+
+def _fresh(size: Sequence[int | torch.SymInt], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.empty(*size, dtype=dtype, device=device)
+
+
+class ZeroPPAllGather(AllGather):
+    def __init__(self, comms: ZeroPPComms) -> None:
+        self.comms = comms
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return _fresh(size, dtype, device)
+
+    def __call__(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
+    ) -> dist.Work | None:
+        return self.comms.all_gather(output_tensor, input_tensor, group, async_op)
+
+
+class ZeroPPReduceScatter(ReduceScatter):
+    def __init__(self, comms: ZeroPPComms) -> None:
+        self.comms = comms
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return _fresh(size, dtype, device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        work = self.comms.reduce_scatter(output_tensor, input_tensor, group, op)
+        if work is not None and not async_op:
+            work.wait()
+            return None
+        return work
+
+
+def install(module: torch.nn.Module, comms: ZeroPPComms) -> None:
+    """Routes the collectives of an ``FSDPModule`` through ``comms``."""
+    module.set_custom_all_gather(ZeroPPAllGather(comms))
+    module.set_custom_reduce_scatter(ZeroPPReduceScatter(comms))

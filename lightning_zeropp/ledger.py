@@ -1,0 +1,116 @@
+"""Communication ledger: the payload bytes each collective of the strategy sends, split by where the peer lives.
+
+Accounting is logical and per peer, independent of the algorithm the backend picks:
+
+- all-gather: this rank's buffer is sent once to every other member of the group;
+- all-to-all and reduce-scatter: the chunk addressed to each other member is sent to it.
+
+So a ZeRO-3 vs ZeRO++ ratio read off the ledger is exact and repeatable. What a ring or tree algorithm actually
+puts on a wire differs by a constant factor per algorithm; ``benchmarks/cluster.py`` measures that separately.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from .topology import Topology
+
+KINDS = (
+    "weight_all_gather",  # forward, from the primary shards (whole world)
+    "weight_all_gather_backward",  # backward without hpZ: from the primary shards again
+    "weight_all_gather_secondary",  # from the hpZ secondary partition (backward, or a forward right after eval)
+    "gradient_reduce_scatter",
+    "gradient_all_to_all_intra",
+    "gradient_all_to_all_inter",
+)
+
+
+@dataclass(slots=True)
+class Traffic:
+    intra_node_bytes: int = 0
+    inter_node_bytes: int = 0
+    calls: int = 0
+
+    def add(self, other: Traffic) -> None:
+        self.intra_node_bytes += other.intra_node_bytes
+        self.inter_node_bytes += other.inter_node_bytes
+        self.calls += other.calls
+
+    @property
+    def total_bytes(self) -> int:
+        return self.intra_node_bytes + self.inter_node_bytes
+
+
+class CommLedger:
+    """Per-rank byte counts by collective kind, for the current step and since the start (or the last reset)."""
+
+    def __init__(self, topology: Topology) -> None:
+        self.topology = topology
+        self._total: dict[str, Traffic] = defaultdict(Traffic)
+        self._step: dict[str, Traffic] = defaultdict(Traffic)
+
+    # ----------------------------------------------------------------- recording
+    def record_all_gather(self, kind: str, group_ranks: list[int], buffer_bytes: int) -> None:
+        intra, inter = self.topology.peers_split(group_ranks)
+        self._record(kind, Traffic(intra * buffer_bytes, inter * buffer_bytes, 1))
+
+    def record_to_peers(self, kind: str, group_ranks: list[int], chunk_bytes: list[int] | int) -> None:
+        """A reduce-scatter or all-to-all: ``chunk_bytes[i]`` is sent to ``group_ranks[i]`` (one int: all equal)."""
+        if isinstance(chunk_bytes, int):
+            chunk_bytes = [chunk_bytes] * len(group_ranks)
+        me, node_of = self.topology.rank, self.topology.node_of
+        traffic = Traffic(calls=1)
+        for peer, nbytes in zip(group_ranks, chunk_bytes, strict=True):
+            if peer == me:
+                continue
+            if node_of(peer) == node_of(me):
+                traffic.intra_node_bytes += nbytes
+            else:
+                traffic.inter_node_bytes += nbytes
+        self._record(kind, traffic)
+
+    def _record(self, kind: str, traffic: Traffic) -> None:
+        if kind not in KINDS:
+            raise KeyError(f"unknown ledger kind {kind!r}; known: {KINDS}")
+        self._total[kind].add(traffic)
+        self._step[kind].add(traffic)
+
+    # ----------------------------------------------------------------- reading
+    def start_step(self) -> None:
+        """Zeroes the per-step counters (the callback calls this when a training batch starts)."""
+        self._step = defaultdict(Traffic)
+
+    def reset(self) -> None:
+        self._total = defaultdict(Traffic)
+        self.start_step()
+
+    def step(self, kind: str | None = None) -> Traffic:
+        return _sum(self._step, kind)
+
+    def total(self, kind: str | None = None) -> Traffic:
+        return _sum(self._total, kind)
+
+    def by_kind(self, *, step: bool = False) -> dict[str, Traffic]:
+        table = self._step if step else self._total
+        return {k: Traffic(t.intra_node_bytes, t.inter_node_bytes, t.calls) for k, t in table.items() if t.calls}
+
+    @property
+    def inter_node_bytes(self) -> int:
+        return self.total().inter_node_bytes
+
+    @property
+    def intra_node_bytes(self) -> int:
+        return self.total().intra_node_bytes
+
+
+def _sum(table: dict[str, Traffic], kind: str | None) -> Traffic:
+    if kind is not None:
+        if kind not in KINDS:
+            raise KeyError(f"unknown ledger kind {kind!r}; known: {KINDS}")
+        t = table.get(kind, Traffic())
+        return Traffic(t.intra_node_bytes, t.inter_node_bytes, t.calls)
+    out = Traffic()
+    for t in table.values():
+        out.add(t)
+    return out

@@ -1,0 +1,116 @@
+"""Applies ZeRO-3 sharding with FSDP2 to a model and routes its collectives through ZeRO++.
+
+Order matters: activation checkpointing first (it must see the plain blocks), then ``fully_shard`` bottom-up (a
+parent's ``fully_shard`` skips parameters its sharded children already manage), the root last, and only then the
+custom collectives, which every sharded module shares.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from . import fsdp_hooks
+from .comm import ZeroPPComms
+from .config import ModuleSelection
+
+
+def resolve_module_classes(model: nn.Module, selection: ModuleSelection, argument: str) -> set[type[nn.Module]]:
+    """Turns classes or class names (as written in YAML) into classes present in ``model``."""
+    if not selection:
+        return set()
+    present = {type(m).__name__: type(m) for m in model.modules()}
+    classes: set[type[nn.Module]] = set()
+    for item in selection:
+        if isinstance(item, str):
+            if item not in present:
+                raise ValueError(
+                    f"ZeroPPStrategy: `{argument}` names {item!r}, but the model has no module of that class."
+                    f" Classes in the model: {sorted(present)}."
+                )
+            classes.add(present[item])
+        else:
+            classes.add(item)
+    return classes
+
+
+def default_wrap_targets(model: nn.Module) -> list[nn.Module]:
+    """Every module held directly in an ``nn.ModuleList`` (transformer blocks): one FSDP unit each."""
+    targets: list[nn.Module] = []
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList):
+            targets.extend(module)
+    return targets
+
+
+def wrap_targets(model: nn.Module, classes: set[type[nn.Module]]) -> list[nn.Module]:
+    targets = [m for m in model.modules() if m is not model and isinstance(m, tuple(classes))]
+    if not targets:
+        raise ValueError(
+            f"ZeroPPStrategy: `wrap_modules` selects {sorted(c.__name__ for c in classes)}, but the model holds no"
+            " submodule of those classes. Name the classes of your transformer blocks, or leave it None to shard"
+            " every module held in an nn.ModuleList."
+        )
+    return targets
+
+
+def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
+    """bf16-mixed is DeepSpeed's bf16 mode: fp32 sharded master weights, bf16 compute, all-gather and reduction."""
+    if precision == "bf16-mixed":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    return MixedPrecisionPolicy()
+
+
+def apply_zeropp(
+    model: nn.Module,
+    *,
+    mesh: DeviceMesh,
+    comms: ZeroPPComms,
+    reshard_after_forward: bool | int,
+    precision: str,
+    wrap_modules: ModuleSelection,
+    activation_checkpointing: ModuleSelection,
+    cpu_offload: bool,
+) -> list[nn.Module]:
+    """Shards ``model`` in place; returns the sharded modules, root last."""
+    if any(isinstance(m, FSDPModule) for m in model.modules()):
+        raise TypeError(
+            "ZeroPPStrategy shards the model itself, but it already holds modules wrapped with `fully_shard`."
+            " Build the layers in `configure_model` without calling `fully_shard`; choose the units with"
+            " `ZeroPPStrategy(wrap_modules=...)`."
+        )
+    wrap_classes = resolve_module_classes(model, wrap_modules, "wrap_modules")
+    targets = wrap_targets(model, wrap_classes) if wrap_classes else default_wrap_targets(model)
+    # A nested target (a block inside a block) is sharded before its parent: reverse module order is bottom-up.
+    order = {id(m): i for i, m in enumerate(model.modules())}
+    targets.sort(key=lambda m: order[id(m)], reverse=True)
+
+    ac_classes = resolve_module_classes(model, activation_checkpointing, "activation_checkpointing")
+    if ac_classes:
+        from torch.distributed._composable import checkpoint  # in place, keeps parameter names unchanged
+
+        for module in model.modules():
+            if module is not model and isinstance(module, tuple(ac_classes)):
+                checkpoint(module)
+
+    kwargs = {
+        "mesh": mesh,
+        "reshard_after_forward": reshard_after_forward,
+        "mp_policy": mixed_precision_policy(precision),
+        "offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy(),
+    }
+    for module in targets:
+        fully_shard(module, **kwargs)
+    # The steps run inside the root's forward with its hooks firing once (strategy._RootStepRedirection), so a
+    # root that cast its inputs would cast the whole batch, labels included. The units below still cast theirs,
+    # and bf16-mixed autocast covers the root's own layers.
+    root_policy = dataclasses.replace(kwargs["mp_policy"], cast_forward_inputs=False)
+    fully_shard(model, **{**kwargs, "mp_policy": root_policy})
+    sharded = [*targets, model]
+    for module in sharded:
+        fsdp_hooks.install(module, comms)
+    return sharded

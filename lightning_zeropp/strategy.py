@@ -1,0 +1,300 @@
+"""``ZeroPPStrategy``: ZeRO-3 sharding on FSDP2 with ZeRO++'s qwZ, hpZ and qgZ, as a Lightning strategy."""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from datetime import timedelta
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.init import _materialize_distributed_module
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies.strategy import _ForwardRedirection
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.types import STEP_OUTPUT
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from typing_extensions import override
+
+from . import hpz
+from .comm import ZeroPPComms
+from .config import (
+    KernelBackend,
+    ModuleSelection,
+    StateDictType,
+    ZeroPPConfig,
+    check_strategy_arguments,
+)
+from .ledger import CommLedger
+from .sharding import apply_zeropp
+from .topology import ProcessGroups, Topology
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-true")
+
+
+class _RootStepRedirection(_ForwardRedirection):
+    """Runs a step method inside one call of the sharded root module, with FSDP2's root hooks firing once.
+
+    The step runs inside the root's ``forward`` so FSDP2's pre-forward (lazy init, unshard) and post-forward
+    (reshard, pre-backward hooks on the loss) wrap it. A step that calls ``self(x)`` calls the root again; if its
+    hooks fired on that nested call, the nested post-forward would reshard the root and leave it idle, and the outer
+    post-forward would then reshard it fully, defeating hpZ for the root's parameters. So the root's own forward
+    hooks are set aside while the step runs.
+    """
+
+    def __call__(
+        self, wrapper_module: nn.Module, original_module: pl.LightningModule, method_name: str, *args, **kwargs
+    ) -> STEP_OUTPUT:
+        original_forward = original_module.forward
+
+        def step_as_forward(*_args: Any, **_kwargs: Any) -> Any:
+            original_module.forward = original_forward  # type: ignore[method-assign]
+            hooks = (original_module._forward_pre_hooks, original_module._forward_hooks)
+            original_module._forward_pre_hooks, original_module._forward_hooks = OrderedDict(), OrderedDict()
+            try:
+                return getattr(original_module, method_name)(*_args, **_kwargs)
+            finally:
+                original_module._forward_pre_hooks, original_module._forward_hooks = hooks
+
+        original_module.forward = step_as_forward  # type: ignore[method-assign]
+        try:
+            return wrapper_module(*args, **kwargs)
+        finally:
+            original_module.forward = original_forward  # type: ignore[method-assign]
+
+
+class ZeroPPStrategy(ModelParallelStrategy):
+    """ZeRO++: ZeRO-3 (FSDP2) with quantized weight all-gather, a secondary weight partition per node, and a
+    2-hop quantized gradient reduce-scatter. ``ZeroPPStrategy(quantize_weights=False, hpz_partition_size=1,
+    quantize_gradients=False)`` is plain ZeRO-3 (registered as ``"zero3"``); the defaults are ``"zeropp"``.
+
+    Arguments:
+        quantize_weights: qwZ. All-gather weights in the forward pass as block-quantized integers.
+        weight_bits: 8 or 4 bits per weight on the wire.
+        hpz_partition_size: hpZ. After forward each rank keeps 1/R of the dequantized weights so the backward
+            all-gather runs among R consecutive ranks. ``"auto"``: ranks per node (never leaves the node);
+            ``1``: off. Must divide the world size.
+        quantize_gradients: qgZ. Reduce gradients by an intra-node then an inter-node all-to-all of quantized
+            blocks, summed in fp32. On one node the exact reduce-scatter is used (nothing crosses nodes).
+        gradient_bits: 4 or 8 bits per gradient on the inter-node hop.
+        intra_node_gradient_bits: 4 or 8 bits per gradient on the intra-node hop.
+        weight_block_size: weight elements per fp32 scale.
+        gradient_block_size: gradient elements per fp32 scale.
+        gradient_rounding: ``"nearest"`` (round half to even) or ``"stochastic"`` (unbiased) for gradients.
+        pipeline_stages: qgZ pieces per chunk; piece s+1 crosses the node's links while piece s crosses nodes.
+        ranks_per_node: ranks per node; ``"auto"`` is the launcher's local world size. A smaller value makes one
+            machine act as several nodes (tests, demos). Must divide the local world size.
+        wrap_modules: module classes (or class names, as in YAML) that each become one FSDP unit. Default: every
+            module held in an ``nn.ModuleList`` (transformer blocks). The root is always sharded last.
+        activation_checkpointing: module classes (or names) whose activations are recomputed in backward.
+        cpu_offload: keep sharded parameters, gradients and optimizer state in host memory.
+        state_dict_type: ``"sharded"``: a checkpoint folder written by every rank; ``"full"``: one file.
+        kernel_backend: ``"auto"`` (Triton on CUDA, pure torch elsewhere), ``"triton"`` or ``"torch"``.
+        process_group_backend: ``"nccl"``, ``"gloo"``, ...; default: chosen for the device.
+        timeout: timeout of collectives.
+    """
+
+    strategy_name = "zeropp"
+
+    def __init__(
+        self,
+        quantize_weights: bool = False,
+        weight_bits: Literal[8, 4] = 8,
+        hpz_partition_size: int | Literal["auto"] = "auto",
+        quantize_gradients: bool = False,
+        gradient_bits: Literal[4, 8] = 4,
+        intra_node_gradient_bits: Literal[4, 8] = 8,
+        weight_block_size: int = 256,
+        gradient_block_size: int = 128,
+        gradient_rounding: Literal["nearest", "stochastic"] = "nearest",
+        pipeline_stages: int = 2,
+        ranks_per_node: int | Literal["auto"] = "auto",
+        wrap_modules: ModuleSelection = None,
+        activation_checkpointing: ModuleSelection = None,
+        cpu_offload: bool = False,
+        state_dict_type: StateDictType = "sharded",
+        kernel_backend: KernelBackend = "auto",
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        self.zeropp_config = ZeroPPConfig(
+            quantize_weights=quantize_weights,
+            weight_bits=weight_bits,
+            hpz_partition_size=hpz_partition_size,
+            quantize_gradients=quantize_gradients,
+            gradient_bits=gradient_bits,
+            intra_node_gradient_bits=intra_node_gradient_bits,
+            weight_block_size=weight_block_size,
+            gradient_block_size=gradient_block_size,
+            gradient_rounding=gradient_rounding,
+            pipeline_stages=pipeline_stages,
+            ranks_per_node=ranks_per_node,
+            kernel_backend=kernel_backend,
+        )
+        check_strategy_arguments(
+            wrap_modules=wrap_modules,
+            activation_checkpointing=activation_checkpointing,
+            cpu_offload=cpu_offload,
+            state_dict_type=state_dict_type,
+            process_group_backend=process_group_backend,
+        )
+        for name, value in (("quantize_weights", quantize_weights), ("quantize_gradients", quantize_gradients)):
+            if value:
+                raise NotImplementedError(
+                    f'ZeroPPStrategy: `{name}=True` arrives with the issue "qwZ and qgZ"; pass `{name}=False`.'
+                )
+        super().__init__(
+            save_distributed_checkpoint=state_dict_type == "sharded",
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        self._wrap_modules = wrap_modules
+        self._activation_checkpointing = activation_checkpointing
+        self._cpu_offload = cpu_offload
+        self._state_dict_type = state_dict_type
+        self._topology: Topology | None = None
+        self._groups: ProcessGroups | None = None
+        self._ledger: CommLedger | None = None
+        self._comms: ZeroPPComms | None = None
+        self._sharded_model: nn.Module | None = None
+        self._forward_redirection = _RootStepRedirection()
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def topology(self) -> Topology:
+        if self._topology is None:
+            raise RuntimeError("ZeroPPStrategy.topology is known once the processes have started (Trainer.fit).")
+        return self._topology
+
+    @property
+    def comm_ledger(self) -> CommLedger:
+        """Bytes this rank sent, by collective kind, split into same-node and other-node peers."""
+        if self._ledger is None:
+            raise RuntimeError("ZeroPPStrategy.comm_ledger exists once the processes have started (Trainer.fit).")
+        return self._ledger
+
+    @property
+    def state_dict_type(self) -> StateDictType:
+        return self._state_dict_type
+
+    # ------------------------------------------------------------------ setup
+    @override
+    def setup_environment(self) -> None:
+        self._setup_distributed()
+        local_world_size = self.num_processes
+        ranks_per_node, hpz_size = self.zeropp_config.resolve(self.world_size, local_world_size)
+        if local_world_size % ranks_per_node:
+            raise ValueError(
+                f"ZeroPPStrategy: `ranks_per_node={self.zeropp_config.ranks_per_node!r}` must divide the"
+                f" {local_world_size} ranks launched per machine, or ranks of different machines would count as one"
+                " node. Use"
+                f" 'auto' or a divisor of {local_world_size}."
+            )
+        self._topology = Topology(self.world_size, ranks_per_node, self.global_rank, hpz_size)
+        if self._topology.hpz_crosses_nodes and self.global_rank == 0:
+            log.warning(
+                "ZeroPPStrategy: hpz_partition_size=%d spans %d nodes, so the backward all-gather crosses nodes."
+                " Use a divisor of ranks_per_node=%d to keep it inside a node.",
+                hpz_size,
+                hpz_size // ranks_per_node,
+                ranks_per_node,
+            )
+        self._device_mesh = init_device_mesh(
+            self.root_device.type, (self.world_size,), mesh_dim_names=("data_parallel",)
+        )
+        self._groups = ProcessGroups.build(self._topology)
+        self._ledger = CommLedger(self._topology)
+        self._comms = ZeroPPComms(self.zeropp_config, self._groups, self._ledger)
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.model is not None
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        precision = str(self.precision_plugin.precision)
+        if precision not in SUPPORTED_PRECISIONS:
+            raise ValueError(
+                f"ZeroPPStrategy does not support `precision={precision!r}`; use one of {SUPPORTED_PRECISIONS}."
+            )
+        if self._sharded_model is not self.model:
+            # Dtype conversion (bf16-true, 16-true) before sharding: the shards then hold the converted values.
+            self.model = self.precision_plugin.convert_module(self.model)
+            assert self._comms is not None and self._topology is not None
+            apply_zeropp(
+                self.model,
+                mesh=self.device_mesh,
+                comms=self._comms,
+                reshard_after_forward=hpz.reshard_after_forward(
+                    self._topology.hpz_partition_size, self._topology.world_size
+                ),
+                precision=precision,
+                wrap_modules=self._wrap_modules,
+                activation_checkpointing=self._activation_checkpointing,
+                cpu_offload=self._cpu_offload,
+            )
+            self._sharded_model = self.model
+            _materialize_distributed_module(self.model, self.root_device)
+        self.model_to_device()
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    @override
+    def model_to_device(self) -> None:
+        if self._cpu_offload:
+            return  # FSDP's CPUOffloadPolicy owns placement: shards on the host, unsharded weights on the device
+        super().model_to_device()
+
+    # ------------------------------------------------------------------ steps
+    # ``fully_shard`` is applied in place to the LightningModule, so ``self.model is self.lightning_module`` and
+    # Lightning would call ``training_step`` directly, skipping FSDP2's root forward hooks (lazy init, unsharding
+    # the root's own parameters). Always route the steps through ``forward`` (see ``_RootStepRedirection``).
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        with self.precision_plugin.train_step_context():
+            return self._forward_redirection(self.model, self.lightning_module, "training_step", *args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        with self.precision_plugin.val_step_context():
+            return self._forward_redirection(self.model, self.lightning_module, "validation_step", *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        with self.precision_plugin.test_step_context():
+            return self._forward_redirection(self.model, self.lightning_module, "test_step", *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        with self.precision_plugin.predict_step_context():
+            return self._forward_redirection(self.model, self.lightning_module, "predict_step", *args, **kwargs)
+
+    # ------------------------------------------------------------------ registry
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            "zeropp",
+            cls,
+            description="ZeRO++: ZeRO-3 on FSDP2 with quantized weights (qwZ), hpZ and quantized gradients (qgZ)",
+            override=True,
+        )
+        strategy_registry.register(
+            "zero3",
+            cls,
+            description="ZeRO-3 on FSDP2 (ZeroPPStrategy with qwZ, hpZ and qgZ off): the ZeRO++ baseline",
+            override=True,
+            quantize_weights=False,
+            hpz_partition_size=1,
+            quantize_gradients=False,
+        )
