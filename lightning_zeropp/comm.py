@@ -21,7 +21,7 @@ import logging
 import torch
 import torch.distributed as dist
 
-from . import hpz
+from . import hpz, qgz, qwz
 from .collectives import all_gather_flat, reduce_scatter_flat, split_reduce_op
 from .config import ZeroPPConfig
 from .ledger import CommLedger
@@ -56,6 +56,8 @@ class ZeroPPComms:
             return hpz.secondary_all_gather(output, input, group, ranks, self.ledger, async_op)
         # Inside autograd's backward the graph task id is set: this is the re-gather of a resharded module.
         kind = "weight_all_gather_backward" if torch._C._current_graph_task_id() != -1 else "weight_all_gather"
+        if self.config.quantize_weights:
+            return qwz.quantized_all_gather(output, input, group, ranks, self.ledger, self.config, kind, async_op)
         self.ledger.record_all_gather(kind, ranks, input.numel() * input.element_size())
         return all_gather_flat(output, input, group, async_op)
 
@@ -67,6 +69,9 @@ class ZeroPPComms:
         if role != "world":
             raise RuntimeError(f"ZeroPPStrategy: gradient reduce-scatter on the {role} group is not expected.")
         base_op, premul = split_reduce_op(op)
+        if self.use_qgz:
+            qgz.quantized_reduce_scatter(output, input, base_op, premul, self.groups, self.ledger, self.config)
+            return None
         return exact_reduce_scatter(output, input, base_op, premul, self.groups, self.ledger)
 
 

@@ -103,10 +103,10 @@ class ZeroPPStrategy(ModelParallelStrategy):
 
     def __init__(
         self,
-        quantize_weights: bool = False,
+        quantize_weights: bool = True,
         weight_bits: Literal[8, 4] = 8,
         hpz_partition_size: int | Literal["auto"] = "auto",
-        quantize_gradients: bool = False,
+        quantize_gradients: bool = True,
         gradient_bits: Literal[4, 8] = 4,
         intra_node_gradient_bits: Literal[4, 8] = 8,
         weight_block_size: int = 256,
@@ -143,11 +143,6 @@ class ZeroPPStrategy(ModelParallelStrategy):
             state_dict_type=state_dict_type,
             process_group_backend=process_group_backend,
         )
-        for name, value in (("quantize_weights", quantize_weights), ("quantize_gradients", quantize_gradients)):
-            if value:
-                raise NotImplementedError(
-                    f'ZeroPPStrategy: `{name}=True` arrives with the issue "qwZ and qgZ"; pass `{name}=False`.'
-                )
         super().__init__(
             save_distributed_checkpoint=state_dict_type == "sharded",
             process_group_backend=process_group_backend,

@@ -1,112 +1,24 @@
-"""Spawning gloo ranks on CPU for tests, and small shared fixtures.
-
-``spawn(fn, world_size, ...)`` starts one process per rank (multiprocessing "spawn"), sets the variables a
-launcher would (MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK, NODE_RANK), runs ``fn(rank, world_size, *args)``
-and returns every rank's return value. A rank that raises fails the test with its traceback; ranks that hang are
-killed after ``timeout`` seconds, so a test never hangs.
-"""
+"""Helpers for the tests: spawning gloo ranks (with the example importable) and a quiet CPU Trainer."""
 
 from __future__ import annotations
 
-import os
-import pickle
-import socket
-import sys
-import tempfile
-import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch.multiprocessing as mp
+from lightning_zeropp.spawn import free_port, run_local_ranks  # noqa: F401  (free_port: for tests that need one)
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "gpt"
+TESTS = ROOT / "tests"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(
-    fn: Callable,
-    rank: int,
-    world_size: int,
-    ranks_per_machine: int,
-    port: int,
-    out: str,
-    args: tuple,
-    env: dict[str, str],
-) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank % ranks_per_machine),
-        NODE_RANK=str(rank // ranks_per_machine),
-        **env,
-    )
-    sys.path.insert(0, str(EXAMPLE))
-    import torch
-
-    torch.set_num_threads(1)
+def spawn(fn: Callable, world_size: int, *args: Any, **kwargs: Any) -> list[Any]:
+    """``run_local_ranks`` with the example on the ranks' import path; a failing rank fails the test."""
     try:
-        result = ("ok", fn(rank, world_size, *args))
-    except BaseException:
-        result = ("error", traceback.format_exc())
-    with open(Path(out) / f"rank{rank}.pkl", "wb") as f:
-        pickle.dump(result, f)
-
-
-def spawn(
-    fn: Callable,
-    world_size: int,
-    *args: Any,
-    ranks_per_machine: int | None = None,
-    timeout: float = 300,
-    env: dict[str, str] | None = None,
-) -> list[Any]:
-    """Runs ``fn(rank, world_size, *args)`` on ``world_size`` processes; returns the per-rank results."""
-    ctx = mp.get_context("spawn")
-    ranks_per_machine = ranks_per_machine or world_size
-    port = free_port()
-    with tempfile.TemporaryDirectory() as out:
-        procs = [
-            ctx.Process(
-                target=_entry, args=(fn, r, world_size, ranks_per_machine, port, out, args, env or {}), daemon=True
-            )
-            for r in range(world_size)
-        ]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-        results, errors = [], []
-        for r in range(world_size):
-            path = Path(out) / f"rank{r}.pkl"
-            if not path.exists():
-                errors.append(f"rank {r}: no result (exit code {procs[r].exitcode})")
-                results.append(None)
-                continue
-            status, value = pickle.loads(path.read_bytes())
-            if status == "error":
-                errors.append(f"rank {r} raised:\n{value}")
-            results.append(value)
-        if hung:
-            errors.insert(0, f"ranks {hung} still ran after {timeout}s and were killed")
-        if errors:
-            raise AssertionError("\n".join(errors))
-        return results
+        return run_local_ranks(fn, world_size, *args, sys_path=[str(EXAMPLE), str(TESTS)], **kwargs)
+    except RuntimeError as err:
+        raise AssertionError(str(err)) from None
 
 
 def lightning_trainer(world_size: int, strategy: Any, num_nodes: int = 1, **kwargs: Any):

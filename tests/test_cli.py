@@ -67,7 +67,7 @@ def test_class_path_form_parses():
     assert s._wrap_modules == ["Block"]
 
 
-@pytest.mark.parametrize(("alias", "quantized", "hpz"), [("zeropp", False, "auto"), ("zero3", False, 1)])
+@pytest.mark.parametrize(("alias", "quantized", "hpz"), [("zeropp", True, "auto"), ("zero3", False, 1)])
 def test_string_alias_parses(alias, quantized, hpz):
     cli = _parse("--trainer.strategy", alias)
     s = cli.trainer.strategy

@@ -73,9 +73,3 @@ def test_resolve_auto():
     assert ZeroPPConfig(ranks_per_node=2).resolve(8, 4) == (2, 2)
     assert ZeroPPConfig(hpz_partition_size=1).resolve(8, 4) == (4, 1)
     assert ZeroPPConfig(ranks_per_node=2, hpz_partition_size=4).resolve(8, 8) == (2, 4)
-
-
-@pytest.mark.parametrize("name", ["quantize_weights", "quantize_gradients"])
-def test_quantization_not_yet_available(name):
-    with pytest.raises(NotImplementedError, match=rf'`{name}=True` arrives with the issue "qwZ and qgZ"'):
-        ZeroPPStrategy(**{name: True})

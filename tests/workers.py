@@ -72,6 +72,28 @@ class LossRecorder(Callback):
         self.losses.append(float(outputs["loss"]))
 
 
+class WeightProbe(Callback):
+    """Checks that every Linear in the blocks computes backward with bit-identical weights to its forward."""
+
+    def __init__(self) -> None:
+        self.compared, self.mismatched = 0, 0
+        self._seen: dict[int, torch.Tensor] = {}
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        for module in pl_module.net.blocks.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.register_forward_hook(self._forward)
+                module.register_full_backward_pre_hook(self._backward)
+
+    def _forward(self, module, args, output) -> None:
+        if torch.is_grad_enabled():
+            self._seen[id(module)] = module.weight.detach().clone()
+
+    def _backward(self, module, grad_output) -> None:
+        self.compared += 1
+        self.mismatched += int(not torch.equal(self._seen.pop(id(module)), module.weight.detach()))
+
+
 def train_worker(
     rank: int,
     world_size: int,
@@ -82,6 +104,7 @@ def train_worker(
     steps: int,
     precision: str = "32-true",
     num_nodes: int = 1,
+    probe_weights: bool = False,
 ) -> dict[str, Any]:
     """Trains the tiny GPT with ZeroPPStrategy; returns the full weights (rank 0), losses and the ledger."""
     from helpers import lightning_trainer
@@ -93,13 +116,14 @@ def train_worker(
     model = tiny_gpt(init_path)
     strategy = ZeroPPStrategy(**strategy_kwargs)
     recorder = LossRecorder()
+    probe = WeightProbe()
     trainer = lightning_trainer(
         world_size,
         strategy,
         num_nodes=num_nodes,
         max_steps=steps,
         precision=precision,
-        callbacks=[recorder],
+        callbacks=[recorder, probe] if probe_weights else [recorder],
         use_distributed_sampler=False,
     )
     # rank r takes samples r, r + W, ...: batch k of all ranks together is the reference's global batch k
@@ -111,6 +135,8 @@ def train_worker(
         "state": {k: v.float() for k, v in state.items()} if rank == 0 else None,
         "losses": recorder.losses,
         "ledger": ledger,
+        "weights_compared": probe.compared,
+        "weights_mismatched": probe.mismatched,
     }
 
 

@@ -1,0 +1,130 @@
+"""qgZ: the gradient reduce-scatter as a 2-hop all-to-all of quantized blocks, reduced in fp32.
+
+FSDP's input is W = N x K equal chunks in rank order (chunk j -> rank j = node k * N + local l); the output is this
+rank's reduced chunk. For each pipeline stage s (piece s of every chunk)::
+
+    1. swizzle + quantize     chunk k*N + l -> slot l*K + k; INT8 (intra_node_gradient_bits)   [fused kernel]
+    2. all-to-all in the node slots [l*K, (l+1)*K) go to local peer l
+    3. dequantize N copies, sum in fp32, re-quantize to INT4 (gradient_bits)               [fused kernel]
+    4. all-to-all on the rail piece for node k goes to the rank with my local rank on node k
+    5. dequantize K pieces, sum in fp32, apply AVG / SUM / PREMUL_SUM, write the output    [fused kernel]
+
+Stage s + 1's intra-node hop is started before stage s's inter-node hop is waited on, so the two links work at once.
+Nothing is divided before the last step: AVG divides the fp32 sum by W exactly once. The sizes are free: any chunk
+length (tails are partial blocks), 1-D or not, any N and K. With N = 1 the intra hop is skipped (nothing to send);
+with K = 1 the inter hop is skipped and the N copies are reduced straight into the output.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.distributed as dist
+
+import triton_kernels as tk
+
+from .config import ZeroPPConfig
+from .ledger import CommLedger
+from .topology import ProcessGroups
+
+_calls = itertools.count()
+
+
+def _seeds(config: ZeroPPConfig, rank: int) -> tuple[int | None, int | None]:
+    """Per call, per hop, per rank seeds for stochastic rounding (independent noise on every rank and hop)."""
+    if config.gradient_rounding != "stochastic":
+        return None, None
+    base = (next(_calls) * 1_000_003 + rank) * 2
+    return base, base + 1
+
+
+def quantized_reduce_scatter(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    base_op,
+    premul: float | None,
+    groups: ProcessGroups,
+    ledger: CommLedger,
+    config: ZeroPPConfig,
+) -> None:
+    topo = groups.topology
+    N, K, W = topo.ranks_per_node, topo.num_nodes, topo.world_size
+    chunk = output.numel()
+    if input.numel() != W * chunk:
+        raise RuntimeError(f"qgZ: reduce-scatter input has {input.numel()} elements, expected {W} x {chunk}.")
+    if chunk == 0:
+        return
+    multiplier = premul if premul is not None else 1.0
+    if base_op == dist.ReduceOp.AVG:
+        multiplier /= W
+    stochastic = config.gradient_rounding == "stochastic"
+    intra_bits, inter_bits, block = config.intra_node_gradient_bits, config.gradient_bits, config.gradient_block_size
+    backend = config.kernel_backend
+    seed_intra, seed_inter = _seeds(config, topo.rank)
+    flat_out = output.view(-1)
+    intra_ranks, rail_ranks = topo.intra_node_ranks(), topo.rail_ranks()
+
+    stages = []
+    for s in range(config.pipeline_stages):
+        start, size = tk.stage_bounds(chunk, config.pipeline_stages, s)
+        if size:
+            stages.append((s, start, size))
+
+    def start_intra(s: int, size: int):
+        if N == 1:
+            return None, None
+        send = tk.swizzle_quantize(
+            input, N, K, config.pipeline_stages, s, intra_bits, block,
+            stochastic=stochastic, seed=_mix(seed_intra, s), backend=backend,
+        )  # fmt: skip
+        recv = torch.empty_like(send)
+        ledger.record_to_peers("gradient_all_to_all_intra", intra_ranks, K * send.shape[1])
+        return dist.all_to_all_single(recv, send, group=groups.intra_node, async_op=True), recv
+
+    def reduce_in_node(s: int, start: int, size: int, work, recv) -> torch.Tensor | None:
+        """Steps 3 (K > 1: returns the buffer for the rail) or 3 + 5 (K == 1: writes the output)."""
+        if work is not None:
+            work.wait()
+        if K == 1:
+            tk.dequantize_reduce(
+                recv, size, intra_bits, block, multiplier=multiplier, out=flat_out[start : start + size],
+                backend=backend,
+            )  # fmt: skip
+            return None
+        if N == 1:  # nothing arrived from local peers: this rank's own K pieces go straight to the rail
+            pieces = input.view(W, chunk)[:, start : start + size]
+            return tk.quantize(pieces, inter_bits, block, stochastic=stochastic, seed=_mix(seed_inter, s),
+                               backend=backend)  # fmt: skip
+        return tk.dequantize_reduce_quantize(
+            recv.view(N, K, -1), size, intra_bits, inter_bits, block,
+            stochastic=stochastic, seed=_mix(seed_inter, s), backend=backend,
+        )  # fmt: skip
+
+    def start_inter(send: torch.Tensor):
+        recv = torch.empty_like(send)
+        ledger.record_to_peers("gradient_all_to_all_inter", rail_ranks, send.shape[1])
+        return dist.all_to_all_single(recv, send, group=groups.inter_node, async_op=True), recv
+
+    def finish(start: int, size: int, work, recv) -> None:
+        work.wait()
+        tk.dequantize_reduce(
+            recv, size, inter_bits, block, multiplier=multiplier, out=flat_out[start : start + size], backend=backend
+        )
+
+    intra = start_intra(stages[0][0], stages[0][2])
+    in_flight = None
+    for i, (s, start, size) in enumerate(stages):
+        to_rail = reduce_in_node(s, start, size, *intra)
+        inter = start_inter(to_rail) if to_rail is not None else None
+        if i + 1 < len(stages):  # the next stage's intra-node hop overlaps this stage's inter-node hop
+            intra = start_intra(stages[i + 1][0], stages[i + 1][2])
+        if in_flight is not None:
+            finish(*in_flight)
+        in_flight = (start, size, *inter) if inter is not None else None
+    if in_flight is not None:
+        finish(*in_flight)
+
+
+def _mix(seed: int | None, stage: int) -> int | None:
+    return None if seed is None else seed * 64 + stage

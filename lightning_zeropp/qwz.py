@@ -1,0 +1,87 @@
+"""qwZ: the forward weight all-gather in block-quantized INT8 (or INT4).
+
+::
+
+    FSDP's all-gather output (W slots, this rank's input aliases its own slot)
+    [ shard 0 | shard 1 | ... | shard W-1 ]           dtype: compute dtype (fp32 / bf16)
+          |  quantize own shard (payload + fp32 scales in ONE uint8 buffer)
+          v
+    [ q0 | q1 | ... | qW-1 ]  one all-gather of uint8 buffers (1 byte/elem + 4 bytes/block at INT8)
+          |  dequantize every slot, own included
+          v
+    [ shard 0' | shard 1' | ... ]                      every rank now holds bit-identical weights
+
+The own slot is overwritten with its dequantized value too, so every rank computes with the same weights. The
+quantizer is deterministic (round half to even), so re-gathering the same shards (backward without hpZ) gives the
+same weights as forward.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+
+import triton_kernels as tk
+
+from .collectives import all_gather_flat
+from .config import ZeroPPConfig
+from .ledger import CommLedger
+
+log = logging.getLogger(__name__)
+_warned_non_float = False
+
+
+class _FinishOnWait(dist.Work):
+    """A Work that, once the all-gather finished, dequantizes into FSDP's output before reporting completion."""
+
+    def __init__(self, inner: dist.Work, finish) -> None:
+        super().__init__()
+        self._inner, self._finish = inner, finish
+
+    def wait(self, timeout=None) -> bool:
+        if self._finish is not None:
+            self._inner.wait()
+            self._finish()
+            self._finish = None
+        return True
+
+
+def quantized_all_gather(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: dist.ProcessGroup,
+    ranks: list[int],
+    ledger: CommLedger,
+    config: ZeroPPConfig,
+    kind: str,
+    async_op: bool,
+) -> dist.Work | None:
+    global _warned_non_float
+    if not input.is_floating_point():
+        # FSDP gathers raw bytes (uint8) when one unit mixes parameter dtypes; quantizing bytes would corrupt them.
+        if not _warned_non_float:
+            log.warning(
+                "ZeroPPStrategy: a sharded unit mixes parameter dtypes, so FSDP gathers it as raw bytes; qwZ leaves"
+                " such units exact. Give every parameter of a unit the same dtype to quantize it."
+            )
+            _warned_non_float = True
+        ledger.record_all_gather(kind, ranks, input.numel() * input.element_size())
+        return all_gather_flat(output, input, group, async_op)
+
+    bits, block, backend = config.weight_bits, config.weight_block_size, config.kernel_backend
+    numel, world = input.numel(), len(ranks)
+    packed = tk.quantize(input, bits, block, backend=backend)
+    gathered = torch.empty(world * packed.numel(), dtype=torch.uint8, device=input.device)
+    ledger.record_all_gather(kind, ranks, packed.numel())
+    work = all_gather_flat(gathered, packed, group, async_op)
+
+    def finish() -> None:
+        weights = tk.dequantize(gathered.view(world, -1), numel, bits, block, output.dtype, backend=backend)
+        output.view(world, numel).copy_(weights)
+
+    if async_op:
+        return _FinishOnWait(work, finish)
+    finish()
+    return None

@@ -1,0 +1,110 @@
+"""Run a function on several local processes that act as the ranks of a job (gloo on CPU).
+
+Used by the tests and the benchmarks: ``run_local_ranks(fn, world_size, ...)`` starts one process per rank
+(multiprocessing "spawn"), sets the variables a launcher would (MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK,
+NODE_RANK), runs ``fn(rank, world_size, *args)`` and returns every rank's return value. A rank that raises fails
+the call with its traceback; ranks that hang are killed after ``timeout`` seconds, so nothing hangs.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(
+    fn: Callable,
+    rank: int,
+    world_size: int,
+    ranks_per_machine: int,
+    port: int,
+    out: str,
+    args: tuple,
+    env: dict[str, str],
+    sys_path: list[str],
+) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank % ranks_per_machine),
+        NODE_RANK=str(rank // ranks_per_machine),
+        **env,
+    )
+    sys.path[:0] = sys_path
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        result = ("ok", fn(rank, world_size, *args))
+    except BaseException:
+        result = ("error", traceback.format_exc())
+    with open(Path(out) / f"rank{rank}.pkl", "wb") as f:
+        pickle.dump(result, f)
+
+
+def run_local_ranks(
+    fn: Callable,
+    world_size: int,
+    *args: Any,
+    ranks_per_machine: int | None = None,
+    timeout: float = 300,
+    env: dict[str, str] | None = None,
+    sys_path: list[str] | None = None,
+) -> list[Any]:
+    """Runs ``fn(rank, world_size, *args)`` on ``world_size`` processes; returns the per-rank results."""
+    ctx = mp.get_context("spawn")
+    ranks_per_machine = ranks_per_machine or world_size
+    port = free_port()
+    with tempfile.TemporaryDirectory() as out:
+        procs = [
+            ctx.Process(
+                target=_entry,
+                args=(fn, r, world_size, ranks_per_machine, port, out, args, env or {}, sys_path or []),
+                daemon=True,
+            )
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        results, errors = [], []
+        for r in range(world_size):
+            path = Path(out) / f"rank{r}.pkl"
+            if not path.exists():
+                errors.append(f"rank {r}: no result (exit code {procs[r].exitcode})")
+                results.append(None)
+                continue
+            status, value = pickle.loads(path.read_bytes())
+            if status == "error":
+                errors.append(f"rank {r} raised:\n{value}")
+            results.append(value)
+        if hung:
+            errors.insert(0, f"ranks {hung} still ran after {timeout}s and were killed")
+        if errors:
+            raise RuntimeError("\n".join(errors))
+        return results

@@ -1,0 +1,184 @@
+"""The pure-torch quantizer (the wire format's specification): error bounds, layout, edge cases, fused qgZ ops."""
+
+import itertools
+
+import pytest
+import torch
+
+import triton_kernels as tk
+from triton_kernels import reference as ref
+
+SIZES = [1, 2, 127, 257, 4231]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _blocks_absmax(x: torch.Tensor, block: int) -> torch.Tensor:
+    """Per element: the absmax of its block (computed here independently, with a loop over blocks)."""
+    out = torch.empty(x.numel())
+    xf = x.float()
+    for start in range(0, x.numel(), block):
+        out[start : start + block] = xf[start : start + block].abs().max()
+    return out
+
+
+@pytest.mark.parametrize(("bits", "block", "n", "dtype"), itertools.product([8, 4], [8, 64, 256], SIZES, DTYPES))
+def test_round_trip_error_within_half_a_step(bits, block, n, dtype):
+    torch.manual_seed(n)
+    x = (torch.randn(n) * torch.logspace(-3, 2, n)).to(dtype)  # blocks of very different scales
+    buf = tk.quantize(x, bits, block)
+    assert buf.dtype == torch.uint8 and buf.numel() == tk.wire_size(n, bits, block) and buf.numel() % 16 == 0
+    y = tk.dequantize(buf, n, bits, block, torch.float32)
+    step = _blocks_absmax(x, block) / tk.QMAX[bits]
+    err = (x.float() - y).abs()
+    slack = 4 * torch.finfo(torch.float32).eps * x.float().abs()  # fp32 rounding of x / scale and q * scale
+    assert torch.all(err <= step / 2 + slack), f"max excess {(err - step / 2 - slack).max()}"
+    assert tk.dequantize(buf, n, bits, block, dtype).dtype == dtype
+
+
+def test_empty_input():
+    buf = tk.quantize(torch.empty(0), 8, 64)
+    assert buf.numel() == 0 and tk.dequantize(buf, 0, 8, 64, torch.float32).numel() == 0
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_zero_blocks_are_exact_and_nonfinite_blocks_are_nan(bits):
+    x = torch.tensor([0.0] * 8 + [1.0, 2.0, float("nan"), 3.0] + [0.5, float("inf"), 1.0, 2.0] + [-4.0, 1.0, 0.0, 2.0])
+    x = torch.cat([x, -torch.ones(3) * float("inf"), torch.tensor([1.0])])
+    y = tk.dequantize(tk.quantize(x, bits, 4), x.numel(), bits, 4, torch.float32)
+    assert torch.equal(y[:8], torch.zeros(8))
+    assert torch.isnan(y[8:12]).all() and torch.isnan(y[12:16]).all() and torch.isnan(y[20:24]).all()
+    assert torch.isfinite(y[16:20]).all() and y[16] == -4.0
+
+
+def test_int8_layout_and_half_to_even():
+    x = torch.tensor([0.5, 1.5, 2.5, -0.5, -2.5, 127.0, 3.0, 0.0])  # absmax 127 -> scale exactly 1
+    buf = tk.quantize(x, 8, 8)
+    q = buf[:8].view(torch.int8).tolist()
+    assert q == [0, 2, 2, 0, -2, 127, 3, 0]
+    assert buf[16:20].view(torch.float32).item() == 1.0 and buf.numel() == 32
+
+
+def test_int4_packing_order():
+    x = torch.tensor([7.0, -7.0, 3.0, 0.0, 1.0])  # block 4: scale 1; tail block [1.0]: scale 1/7
+    buf = tk.quantize(x, 4, 4)
+    assert buf[0].item() == 0x97  # element 0 (7) low nibble, element 1 (-7 = 0b1001) high nibble
+    assert buf[1].item() == 0x03
+    assert buf[2].item() == 0x07  # the tail element alone, high nibble padding 0
+    assert buf[16:20].view(torch.float32).item() == 1.0
+    assert tk.payload_bytes(5, 4) == 3 and tk.scale_offset(5, 4) == 16 and tk.wire_size(5, 4, 4) == 32
+
+
+def test_deterministic_and_rows_are_independent():
+    torch.manual_seed(0)
+    x = torch.randn(5, 300)
+    rows = tk.quantize(x, 4, 64)
+    assert rows.shape == (5, tk.wire_size(300, 4, 64))
+    for i in range(5):
+        assert torch.equal(rows[i], tk.quantize(x[i], 4, 64))
+    assert torch.equal(rows, tk.quantize(x.clone(), 4, 64))
+    assert torch.equal(
+        tk.dequantize(rows, 300, 4, 64, torch.float32)[2], tk.dequantize(rows[2], 300, 4, 64, torch.float32)
+    )
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_stochastic_rounding_is_unbiased(bits):
+    torch.manual_seed(1)
+    n, block, trials = 512, 64, 2000
+    x = torch.randn(n)
+    step = _blocks_absmax(x, block) / tk.QMAX[bits]
+    samples = torch.stack(
+        [tk.dequantize(tk.quantize(x, bits, block, stochastic=True, seed=s), n, bits, block, torch.float32)
+         for s in range(trials)]
+    )  # fmt: skip
+    slack = 4 * torch.finfo(torch.float32).eps * x.abs()
+    assert torch.all((samples - x).abs() <= step + slack)  # never more than one step away
+    # each sample's error is within one step, so the mean of `trials` has std <= step / (2 sqrt(trials))
+    assert torch.all((samples.mean(0) - x).abs() <= 6 * step / (2 * trials**0.5))
+    nearest = tk.dequantize(tk.quantize(x, bits, block), n, bits, block, torch.float32)
+    assert (samples.mean(0) - x).abs().mean() < (nearest - x).abs().mean() / 5  # nearest is biased, this is not
+    assert not torch.equal(samples[0], samples[1])
+    assert torch.equal(
+        tk.quantize(x, bits, block, stochastic=True, seed=7), tk.quantize(x, bits, block, stochastic=True, seed=7)
+    )
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "match"),
+    [
+        (lambda: tk.quantize(torch.ones(4), 5, 4), ValueError, "bits=5"),
+        (lambda: tk.quantize(torch.ones(4), 8, 0), ValueError, "block_size=0"),
+        (lambda: tk.quantize(torch.ones(4), 4, 3), ValueError, "must be even"),
+        (lambda: tk.dequantize(torch.zeros(31, dtype=torch.uint8), 4, 8, 4, torch.float32), ValueError, "32 bytes"),
+        (lambda: tk.dequantize(torch.zeros(32), 4, 8, 4, torch.float32), TypeError, "uint8"),
+        (lambda: tk.quantize(torch.ones(4), 8, 4, backend="cuda"), ValueError, "backend='cuda'"),
+    ],
+)
+def test_bad_inputs(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
+
+
+# ----------------------------------------------------------------------------- qgZ slot order and fused ops
+def _naive_order(N, K):
+    order = []
+    for local in range(N):  # slots grouped by the local peer they go to ...
+        for node in range(K):  # ... holding the chunks of the ranks with that local rank, node by node
+            order.append(node * N + local)
+    return order
+
+
+@pytest.mark.parametrize(("N", "K"), [(1, 1), (2, 2), (2, 3), (4, 2), (3, 5), (8, 1), (1, 4)])
+def test_swizzle_order_matches_naive_loop(N, K):
+    assert tk.swizzle_order(N, K) == _naive_order(N, K)
+
+
+def test_swizzle_paper_example():
+    # 2 nodes x 2 ranks: [0, 1, 2, 3] -> [0, 2, 1, 3] ([0, X, 1, X+1] with X = 2)
+    assert tk.swizzle_order(2, 2) == [0, 2, 1, 3]
+
+
+@pytest.mark.parametrize(("N", "K", "S"), [(2, 2, 1), (2, 2, 2), (2, 3, 3), (4, 2, 2)])
+def test_generalized_swizzle_slots(N, K, S):
+    naive = {}
+    slot = 0
+    for s in range(S):
+        for local in range(N):
+            for node in range(K):
+                naive[(node * N + local, s)] = slot
+                slot += 1
+    got = {(j, s): tk.generalized_swizzle_slot(j, s, N, K) for j in range(N * K) for s in range(S)}
+    assert got == naive and sorted(got.values()) == list(range(N * K * S))
+
+
+@pytest.mark.parametrize(("C", "S"), [(10, 1), (10, 3), (2, 3), (0, 2), (7, 7), (1000, 4)])
+def test_stage_bounds_cover_the_chunk(C, S):
+    covered = []
+    for s in range(S):
+        start, size = tk.stage_bounds(C, S, s)
+        covered.extend(range(start, start + size))
+    assert covered == list(range(C))
+
+
+@pytest.mark.parametrize(("N", "K", "C", "S"), [(2, 2, 37, 2), (2, 3, 300, 3), (4, 1, 5, 1)])
+def test_swizzle_quantize_is_gather_then_quantize(N, K, C, S):
+    torch.manual_seed(0)
+    W = N * K
+    x = torch.randn(W * C)
+    for s in range(S):
+        start, size = tk.stage_bounds(C, S, s)
+        pieces = torch.stack([x[j * C + start : j * C + start + size] for j in _naive_order(N, K)])
+        assert torch.equal(tk.swizzle_quantize(x, N, K, S, s, 8, 16), ref.quantize(pieces, 8, 16))
+
+
+def test_dequantize_reduce_quantize_and_dequantize_reduce():
+    torch.manual_seed(0)
+    N, K, n = 3, 2, 301
+    vals = torch.randn(N, K, n)
+    buf = tk.quantize(vals.view(N * K, n), 8, 32).view(N, K, -1)
+    deq = tk.dequantize(buf.view(N * K, -1), n, 8, 32, torch.float32).view(N, K, n)
+    summed = deq[0] + deq[1] + deq[2]
+    assert torch.equal(tk.dequantize_reduce_quantize(buf, n, 8, 4, 32), tk.quantize(summed, 4, 32))
+    out = torch.empty(n, dtype=torch.bfloat16)
+    tk.dequantize_reduce(buf[:, 0], n, 8, 32, multiplier=0.25, out=out)
+    assert torch.equal(out, (summed[0] * 0.25).to(torch.bfloat16))
