@@ -6,6 +6,8 @@ to 1e-5, test_zero3.py). Tolerances, from the quantizers' error (measured values
 - parameter update (final - initial) over the whole model, relative L2 error vs the reference update.
 """
 
+import os
+
 import pytest
 import torch
 from helpers import spawn
@@ -60,3 +62,18 @@ def test_quantized_training_tracks_zero3(inputs, name):
         assert "gradient_reduce_scatter" not in ledger and ledger["gradient_all_to_all_inter"][1] > 0
     else:
         assert "gradient_all_to_all_inter" not in ledger
+
+
+@pytest.mark.triton_interpret
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 (set without a GPU)")
+def test_triton_backend_trains_bit_identically(inputs):
+    """ZeRO++ through the Triton kernels (interpreted on the CPU) gives exactly the torch path's weights."""
+    init_path, data_path, *_ = inputs
+    runs = {
+        backend: spawn(
+            train_worker, WORLD, dict(ranks_per_node=PER_NODE, kernel_backend=backend), init_path, data_path, BATCH, 2
+        )[0]["state"]
+        for backend in ("torch", "triton")
+    }
+    for name, value in runs["torch"].items():
+        assert torch.equal(value, runs["triton"][name]), name

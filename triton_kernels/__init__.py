@@ -7,6 +7,7 @@ Importing this package never imports triton.
 
 from __future__ import annotations
 
+import os
 from typing import Literal
 
 import torch
@@ -28,10 +29,18 @@ Backend = Literal["auto", "triton", "torch"]
 _BACKENDS = ("auto", "triton", "torch")
 
 
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 def _triton_ops():
-    raise NotImplementedError(
-        'kernel_backend="triton": the Triton kernels arrive with the issue "Triton kernels"; use "torch" or "auto".'
-    )
+    try:
+        from . import triton_ops
+    except ImportError as err:  # triton is a Linux x86-64 dependency only
+        raise ImportError(
+            f'triton_kernels: backend "triton" needs the triton package ({err}); install it or use backend "torch".'
+        ) from err
+    return triton_ops
 
 
 def _impl(backend: Backend, tensor: torch.Tensor):
@@ -40,6 +49,11 @@ def _impl(backend: Backend, tensor: torch.Tensor):
         raise ValueError(f"triton_kernels: `backend={backend!r}` is not one of {_BACKENDS}.")
     if backend == "torch" or (backend == "auto" and not tensor.is_cuda):
         return reference
+    if not tensor.is_cuda and not _interpreting():
+        raise ValueError(
+            f'triton_kernels: backend "triton" got a {tensor.device.type} tensor; Triton runs on CUDA tensors, or on'
+            ' the CPU under TRITON_INTERPRET=1 (set before triton is imported). Use backend "auto" or "torch".'
+        )
     return _triton_ops()
 
 

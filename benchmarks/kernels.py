@@ -1,0 +1,155 @@
+"""Kernel bandwidth: GB/s of each Triton kernel (bytes read + written / time), as a fraction of the device's
+measured device-to-device copy bandwidth, and the speedup over the torch twins (eager and torch.compile).
+
+    python benchmarks/kernels.py [--sizes-mb 1 4 16 64 256 1024] [--json benchmarks/kernels.json]
+
+Needs a CUDA device. ``--smoke`` runs tiny sizes on the CPU under TRITON_INTERPRET=1 to check the script itself
+(its figures mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+N, K = 8, 4  # qgZ shapes: 8 ranks per node, 4 nodes
+
+
+def timer(device: str) -> Callable[[Callable[[], object], int], float]:
+    import torch
+
+    def cuda_time(fn: Callable[[], object], reps: int) -> float:
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        return statistics.median(times)
+
+    def cpu_time(fn: Callable[[], object], reps: int) -> float:
+        fn()
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return statistics.median(times)
+
+    return cuda_time if device == "cuda" else cpu_time
+
+
+def cases(numel: int, device: str):
+    """(name, {impl: callable}, bytes moved) for one input size."""
+    import torch
+
+    import triton_kernels as tk
+    from triton_kernels import reference, triton_ops
+
+    x = torch.randn(numel, device=device, dtype=torch.bfloat16)
+    q8 = tk.quantize(x, 8, 256, backend="torch")
+    wire8 = q8.numel()
+    # qgZ: a gradient of numel elements over N*K ranks; one stage
+    g = torch.randn(numel - numel % (N * K), device=device, dtype=torch.bfloat16)
+    chunk = g.numel() // (N * K)
+    sq = tk.swizzle_quantize(g, N, K, 1, 0, 8, 128, backend="torch")
+    piece = chunk  # after the intra hop a rank holds N x K pieces of one chunk each
+    recv = tk.quantize(torch.randn(N * K, piece, device=device), 8, 128, backend="torch").view(N, K, -1)
+    rail = tk.quantize(torch.randn(K, piece, device=device), 4, 128, backend="torch")
+    out = torch.empty(piece, device=device, dtype=torch.bfloat16)
+
+    def impls(fn_name: str, *args, **kwargs):
+        twin = getattr(reference, fn_name)
+        compiled = torch.compile(twin, dynamic=False)
+        return {
+            "triton": lambda: getattr(triton_ops, fn_name)(*args, **kwargs),
+            "torch": lambda: twin(*args, **kwargs),
+            "torch.compile": lambda: compiled(*args, **kwargs),
+        }
+
+    yield "quantize int8", impls("quantize", x, 8, 256), x.numel() * 2 + wire8
+    yield "quantize int4", impls("quantize", x, 4, 256), x.numel() * 2 + tk.wire_size(numel, 4, 256)
+    yield "dequantize int8", impls("dequantize", q8, numel, 8, 256, torch.bfloat16), wire8 + numel * 2
+    yield "swizzle_quantize int8", impls("swizzle_quantize", g, N, K, 1, 0, 8, 128), g.numel() * 2 + sq.numel()
+    yield (
+        "dequantize_reduce_quantize 8->4",
+        impls("dequantize_reduce_quantize", recv, piece, 8, 4, 128),
+        recv.numel() + K * tk.wire_size(piece, 4, 128),
+    )
+    yield "dequantize_reduce int4", impls("dequantize_reduce", rail, piece, 4, 128, out=out), rail.numel() + piece * 2
+
+
+def copy_bandwidth(device: str, time_fn) -> float:
+    import torch
+
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / time_fn(lambda: dst.copy_(src), 20)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 4, 16, 64, 256, 1024])
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--smoke", action="store_true", help="tiny CPU run under TRITON_INTERPRET=1")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        os.environ["TRITON_INTERPRET"] = "1"
+    sys.path.insert(0, str(ROOT))
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    if device == "cpu" and not args.smoke:
+        sys.exit("benchmarks/kernels.py needs a CUDA device (or --smoke for a CPU check of the script).")
+    sizes = [0.01, 0.02] if args.smoke else args.sizes_mb
+    reps = 2 if args.smoke else args.reps
+    time_fn = timer(device)
+    copy = 2 * 4096 * 1024 / time_fn(lambda: None, 1) if args.smoke else copy_bandwidth(device, time_fn)
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter smoke run)"
+    print(f"device: {name}; device-to-device copy: {copy / 1e9:.0f} GB/s")
+    print("| kernel | MB (bf16 input) | triton GB/s | % of copy | x eager | x compile |")
+    print("|---|---|---|---|---|---|")
+    rows = []
+    for mb in sizes:
+        numel = int(mb * 1e6 / 2)
+        for kernel, fns, nbytes in cases(numel, device):
+            times = {}
+            for impl, fn in fns.items():
+                if args.smoke and impl == "torch.compile":
+                    continue
+                times[impl] = time_fn(fn, reps)
+            gbps = nbytes / times["triton"] / 1e9
+            row = {
+                "kernel": kernel, "size_mb": mb, "bytes_moved": nbytes, "triton_s": times["triton"],
+                "triton_GBps": gbps, "fraction_of_copy": nbytes / times["triton"] / copy,
+                "speedup_vs_eager": times["torch"] / times["triton"],
+                "speedup_vs_compile": times["torch.compile"] / times["triton"] if "torch.compile" in times else None,
+                "device": name,
+            }  # fmt: skip
+            rows.append(row)
+            compiled = f"{row['speedup_vs_compile']:.1f}" if row["speedup_vs_compile"] else "-"
+            print(
+                f"| {kernel} | {mb:g} | {gbps:.0f} | {100 * row['fraction_of_copy']:.0f}% |"
+                f" {row['speedup_vs_eager']:.1f} | {compiled} |"
+            )
+    if args.json:
+        args.json.write_text(json.dumps({"device": name, "copy_GBps": copy / 1e9, "rows": rows}, indent=2))
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""Triton kernels on the CPU under TRITON_INTERPRET=1, bit for bit against the torch twins (small sizes: the
+interpreter is slow). The same checks run on CUDA in test_kernels_gpu.py."""
+
+import itertools
+import os
+
+import pytest
+import torch
+from kernel_checks import (
+    DTYPES,
+    SIZES,
+    check_quantize_dequantize,
+    check_reduce,
+    check_rows,
+    check_stochastic,
+    check_swizzle_quantize,
+)
+
+import triton_kernels as tk
+
+pytestmark = [
+    pytest.mark.triton_interpret,
+    pytest.mark.skipif(
+        os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 (set by conftest without a GPU)"
+    ),
+]
+DEVICE = "cpu"
+
+
+@pytest.mark.parametrize(("n", "bits", "block", "dtype"), itertools.product(SIZES, [8, 4], [64, 256], DTYPES))
+def test_quantize_dequantize(n, bits, block, dtype):
+    check_quantize_dequantize(DEVICE, n, bits, block, dtype)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_block_plus_one_and_odd_block(bits):
+    check_quantize_dequantize(DEVICE, 257, bits, 256, torch.float32)
+    if bits == 8:
+        check_quantize_dequantize(DEVICE, 100, 8, 33, torch.bfloat16)
+
+
+def test_rows():
+    check_rows(DEVICE)
+
+
+@pytest.mark.parametrize(
+    ("N", "K", "chunk", "stages"), [(2, 2, 37, 2), (2, 3, 100, 3), (4, 2, 33, 2), (1, 4, 20, 1), (4, 1, 5, 1)]
+)
+@pytest.mark.parametrize("bits", [8, 4])
+def test_swizzle_quantize(N, K, chunk, stages, bits):
+    check_swizzle_quantize(DEVICE, N, K, chunk, stages, bits)
+
+
+@pytest.mark.parametrize(("N", "K", "n"), [(2, 2, 37), (3, 2, 301), (1, 1, 5)])
+@pytest.mark.parametrize(("in_bits", "out_bits"), [(8, 4), (4, 4), (8, 8), (4, 8)])
+def test_reduce(N, K, n, in_bits, out_bits):
+    check_reduce(DEVICE, N, K, n, in_bits, out_bits)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_stochastic_rounding(bits):
+    check_stochastic(DEVICE, bits)
+
+
+def test_empty():
+    buf = tk.quantize(torch.empty(0), 8, 64, backend="triton")
+    assert buf.numel() == 0 and tk.dequantize(buf, 0, 8, 64, torch.float32, backend="triton").numel() == 0
+
+
+def test_dispatch():
+    x = torch.randn(10)
+    assert tk._impl("auto", x) is tk.reference  # CPU tensors take the twins unless Triton is asked for
+    assert tk._impl("triton", x).__name__.endswith("triton_ops")
+    with pytest.raises(TypeError, match="float32, bfloat16 or float16"):
+        tk.quantize(torch.arange(10), 8, 8, backend="triton")
+
+
+def test_triton_on_cpu_without_interpreter_is_refused(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        tk.quantize(torch.randn(4), 8, 8, backend="triton")
