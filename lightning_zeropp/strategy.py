@@ -4,22 +4,30 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Generator
+from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
+import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.init import _materialize_distributed_module
+from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.strategies.strategy import _ForwardRedirection
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
 
-from . import hpz
+from . import checkpoint as ckpt
+from . import fsdp_hooks, hpz
 from .comm import ZeroPPComms
 from .config import (
     KernelBackend,
@@ -35,6 +43,7 @@ from .topology import ProcessGroups, Topology
 log = logging.getLogger(__name__)
 
 SUPPORTED_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-true")
+_SHARDED_MARK = "_zeropp_sharded_for_world_size"
 
 
 class _RootStepRedirection(_ForwardRedirection):
@@ -190,8 +199,8 @@ class ZeroPPStrategy(ModelParallelStrategy):
                 " node. Use"
                 f" 'auto' or a divisor of {local_world_size}."
             )
-        self._topology = Topology(self.world_size, ranks_per_node, self.global_rank, hpz_size)
-        if self._topology.hpz_crosses_nodes and self.global_rank == 0:
+        topology = Topology(self.world_size, ranks_per_node, self.global_rank, hpz_size)
+        if topology.hpz_crosses_nodes and self.global_rank == 0:
             log.warning(
                 "ZeroPPStrategy: hpz_partition_size=%d spans %d nodes, so the backward all-gather crosses nodes."
                 " Use a divisor of ranks_per_node=%d to keep it inside a node.",
@@ -202,9 +211,11 @@ class ZeroPPStrategy(ModelParallelStrategy):
         self._device_mesh = init_device_mesh(
             self.root_device.type, (self.world_size,), mesh_dim_names=("data_parallel",)
         )
-        self._groups = ProcessGroups.build(self._topology)
-        self._ledger = CommLedger(self._topology)
-        self._comms = ZeroPPComms(self.zeropp_config, self._groups, self._ledger)
+        if topology != self._topology:  # fit, then validate with the same Trainer: keep groups and ledger
+            self._topology = topology
+            self._groups = ProcessGroups.build(topology)
+            self._ledger = CommLedger(topology)
+            self._comms = ZeroPPComms(self.zeropp_config, self._groups, self._ledger)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
 
@@ -218,10 +229,12 @@ class ZeroPPStrategy(ModelParallelStrategy):
             raise ValueError(
                 f"ZeroPPStrategy does not support `precision={precision!r}`; use one of {SUPPORTED_PRECISIONS}."
             )
-        if self._sharded_model is not self.model:
+        assert self._comms is not None and self._topology is not None
+        if getattr(self.model, _SHARDED_MARK, None) is not None:
+            self._adopt_sharded_model()
+        elif self._sharded_model is not self.model:
             # Dtype conversion (bf16-true, 16-true) before sharding: the shards then hold the converted values.
             self.model = self.precision_plugin.convert_module(self.model)
-            assert self._comms is not None and self._topology is not None
             apply_zeropp(
                 self.model,
                 mesh=self.device_mesh,
@@ -235,6 +248,7 @@ class ZeroPPStrategy(ModelParallelStrategy):
                 cpu_offload=self._cpu_offload,
             )
             self._sharded_model = self.model
+            setattr(self.model, _SHARDED_MARK, self._topology.world_size)
             _materialize_distributed_module(self.model, self.root_device)
         self.model_to_device()
         self.barrier()
@@ -243,6 +257,110 @@ class ZeroPPStrategy(ModelParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _adopt_sharded_model(self) -> None:
+        """A model sharded by an earlier ZeroPPStrategy (an earlier Trainer): route its collectives through ours."""
+        assert self.model is not None and self._comms is not None and self._topology is not None
+        sharded_for = getattr(self.model, _SHARDED_MARK)
+        if sharded_for != self._topology.world_size:
+            raise ValueError(
+                f"ZeroPPStrategy: this model was sharded for {sharded_for} ranks and cannot run on"
+                f" {self._topology.world_size}. Build a fresh model and load a sharded checkpoint instead: those load"
+                " on any world size."
+            )
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                fsdp_hooks.install(module, self._comms)
+        self._sharded_model = self.model
+        self._reshard()
+
+    def _reshard(self) -> None:
+        """Drops every unsharded and hpZ secondary copy of the weights; the next forward gathers the primary shards.
+
+        Called after evaluation loops and checkpoint loads: the secondary copies are slices of weights gathered
+        earlier, and anything that changed the weights since (a checkpoint load, a callback swapping in EMA weights
+        for validation) would otherwise be silently undone by the next forward.
+        """
+        if self.model is None:
+            return
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
+    @override
+    def on_validation_end(self) -> None:
+        self._reshard()
+
+    @override
+    def on_test_end(self) -> None:
+        self._reshard()
+
+    @override
+    def on_predict_end(self) -> None:
+        self._reshard()
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Gradient accumulation: no gradient communication on non-final micro-batches (FSDP2 accumulates the
+        unsharded gradients locally and reduces once, on the micro-batch that steps the optimizer)."""
+        if not isinstance(self.model, FSDPModule):
+            yield
+            return
+        self.model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.model.set_requires_gradient_sync(True)
+
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        """Writes to a temporary name and renames it into place when complete, so an interrupted save never
+        damages the checkpoint already at ``filepath``."""
+        if storage_options is not None:
+            raise TypeError(
+                "ZeroPPStrategy.save_checkpoint(..., storage_options=...) is not supported: the strategy writes the"
+                " checkpoint itself (a sharded folder or one file), not through a CheckpointIO plugin."
+            )
+        path = Path(self.broadcast(filepath))
+        if self._state_dict_type == "full":
+            if self.is_global_zero:
+                ckpt.save_full(checkpoint, path, self.checkpoint_io.save_checkpoint)
+            self.barrier()
+            return
+        from lightning.fabric.strategies.fsdp import _distributed_checkpoint_save
+
+        tmp = Path(self.broadcast(str(ckpt.temporary_name(path)) if self.is_global_zero else None))
+        converted = {ckpt.MODEL_KEY: checkpoint.pop("state_dict")}
+        converted.update({f"optimizer_{i}": state for i, state in enumerate(checkpoint.pop("optimizer_states", []))})
+        try:
+            _distributed_checkpoint_save(converted, tmp)  # every rank writes its shards; raises on all on failure
+            if self.is_global_zero:
+                torch.save(checkpoint, tmp / _METADATA_FILENAME)  # last: a folder without it is incomplete
+                ckpt.replace_atomically(tmp, path)
+        except BaseException:
+            if self.is_global_zero:
+                ckpt.remove(tmp)
+            raise
+        self.barrier()
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(checkpoint_path))
+        if not path.exists():
+            raise FileNotFoundError(f"ZeroPPStrategy: checkpoint {path} does not exist.")
+        assert self.model is not None and self.lightning_module is not None
+        strict = self.lightning_module.strict_loading
+        ckpt.check_compatible(path, {k: tuple(v.shape) for k, v in self.model.state_dict().items()}, strict)
+        try:
+            loaded = super().load_checkpoint(path, weights_only=weights_only)
+        except ckpt.CheckpointMismatchError:
+            raise
+        except Exception as err:  # a truncated shard, an unreadable file: name the checkpoint and the cause
+            raise ckpt.CheckpointMismatchError(f"ZeroPPStrategy: loading the checkpoint {path} failed: {err}") from err
+        self._reshard()
+        return loaded
 
     @override
     def model_to_device(self) -> None:

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback
+from model import GPTModule
 from torch.utils.data import DataLoader, TensorDataset
 
 TINY = dict(vocab_size=256, block_size=16, n_layer=2, n_head=2, n_embd=32, warmup_steps=1, learning_rate=1e-2)
@@ -22,44 +23,78 @@ def make_batches(n_samples: int, block_size: int = 16, seed: int = 0) -> tuple[t
     return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
 
 
-def tiny_gpt(init_path: str | None = None, **overrides: Any):
+class TinyGPT(GPTModule):
     """The example's GPTModule, tiny; with ``init_path`` its weights come from that file (same start everywhere)."""
-    from model import GPTModule
 
-    class TinyGPT(GPTModule):
-        def configure_model(self) -> None:
-            fresh = self.net is None
-            super().configure_model()
-            if fresh and init_path is not None:
-                self.net.load_state_dict(torch.load(init_path, weights_only=True))
+    def __init__(self, init_path: str | None = None, **kwargs: Any) -> None:
+        super().__init__(**{**TINY, **kwargs})
+        self.init_path = init_path
 
-        def configure_optimizers(self):
-            # SGD with momentum, not the example's AdamW: Adam divides by the root of the squared gradient, so
-            # parameters whose true gradient is zero (the key bias: softmax ignores it) turn rounding noise into
-            # full-size steps, and parity checks would measure that noise instead of the strategy.
-            optimizer = torch.optim.SGD(self.parameters(), lr=0.3, momentum=0.9)
-            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+    def configure_model(self) -> None:
+        fresh = self.net is None
+        super().configure_model()
+        if fresh and self.init_path is not None:
+            self.net.load_state_dict(torch.load(self.init_path, weights_only=True))
 
-    return TinyGPT(**{**TINY, **overrides})
+    def configure_optimizers(self):
+        # SGD with momentum, not the example's AdamW: Adam divides by the root of the squared gradient, so
+        # parameters whose true gradient is zero (the key bias: softmax ignores it) turn rounding noise into
+        # full-size steps, and parity checks would measure that noise instead of the strategy.
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.3, momentum=0.9)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0])
 
 
-def reference_training(init_path: str, x: torch.Tensor, y: torch.Tensor, global_batch: int, steps: int):
+def tiny_gpt(init_path: str | None = None, **overrides: Any) -> TinyGPT:
+    return TinyGPT(init_path, **overrides)
+
+
+def reference_training(
+    init_path: str,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    global_batch: int,
+    steps: int,
+    *,
+    accumulate: int = 1,
+    clip: tuple[str, float] | None = None,
+    freeze_matrices: bool = False,
+):
     """Single-process training on the global batch: what every data-parallel run must reproduce."""
     model = tiny_gpt(init_path)
     model.configure_model()
+    if freeze_matrices:
+        freeze_all_but_biases_and_norms(model)
     opt_conf = model.configure_optimizers()
     optimizer, scheduler = opt_conf["optimizer"], opt_conf["lr_scheduler"]["scheduler"]
     losses = []
     for k in range(steps):
-        sl = slice(k * global_batch, (k + 1) * global_batch)
-        loss = model._loss((x[sl], y[sl]))
-        loss.backward()
+        for m in range(accumulate):
+            i = k * accumulate + m
+            sl = slice(i * global_batch, (i + 1) * global_batch)
+            loss = model._loss((x[sl], y[sl]))
+            (loss / accumulate).backward()
+            losses.append(loss.item())
+        if clip is not None:
+            kind, value = clip
+            params = [p for p in model.parameters() if p.grad is not None]
+            if kind == "norm":
+                torch.nn.utils.clip_grad_norm_(params, value)
+            else:
+                torch.nn.utils.clip_grad_value_(params, value)
         optimizer.step()
         optimizer.zero_grad()
         scheduler.step()
-        losses.append(loss.item())
     return {f"net.{k}": v.detach().clone() for k, v in model.net.state_dict().items()}, losses
+
+
+def freeze_all_but_biases_and_norms(model) -> None:
+    """Most weights frozen (every matrix and embedding), as when fine-tuning only a few parameters."""
+    for p in model.net.parameters():
+        p.requires_grad_(p.dim() < 2)
 
 
 class LossRecorder(Callback):

@@ -1,0 +1,251 @@
+"""The whole Lightning lifecycle under ZeroPPStrategy, on 4 gloo ranks as 2 nodes x 2 (ZeRO-3 + hpZ, exact paths, so
+results can be compared with one process to 1e-5): gradient accumulation, clipping by norm and by value, activation
+checkpointing, CPU offload, frozen weights, manual optimization with two optimizers, no optimizer, the evaluation
+loops, bf16-true and 16-true, and a single process."""
+
+import pytest
+import torch
+from helpers import lightning_trainer, spawn
+from torch.utils.data import DataLoader, TensorDataset
+from workers import (
+    LossRecorder,
+    TinyGPT,
+    freeze_all_but_biases_and_norms,
+    reference_training,
+    relative_error,
+    save_inputs,
+    tiny_gpt,
+)
+
+pytestmark = pytest.mark.multiprocess
+
+WORLD, PER_NODE, BATCH, STEPS = 4, 2, 2, 2
+EXACT = dict(ranks_per_node=PER_NODE, hpz_partition_size=PER_NODE, quantize_weights=False, quantize_gradients=False)
+
+
+def _fit(rank, world, init_path, data_path, *, steps=STEPS, accumulate=1, strategy=None, trainer_kwargs=None,
+         model=None, precision="32-true"):  # fmt: skip
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from lightning_zeropp import ZeroPPStrategy
+
+    x, y = torch.load(data_path, weights_only=True)
+    model = model or tiny_gpt(init_path)
+    strat = ZeroPPStrategy(**(EXACT if strategy is None else strategy)) if not isinstance(strategy, str) else strategy
+    recorder = LossRecorder()
+    trainer = lightning_trainer(
+        world, strat, max_steps=steps, precision=precision, callbacks=[recorder], use_distributed_sampler=False,
+        accumulate_grad_batches=accumulate, **(trainer_kwargs or {}),
+    )  # fmt: skip
+    local = TensorDataset(x[rank::world], y[rank::world])
+    trainer.fit(model, DataLoader(local, batch_size=BATCH, shuffle=False))
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    ledger = trainer.strategy.comm_ledger
+    return (
+        trainer,
+        model,
+        {
+            "state": {k: v.float() for k, v in state.items()} if rank == 0 else None,
+            "dtypes": sorted({str(v.dtype) for v in state.values()}),
+            "losses": recorder.losses,
+            "ledger": {k: (t.intra_node_bytes, t.inter_node_bytes, t.calls) for k, t in ledger.by_kind().items()},
+        },
+    )
+
+
+def _accumulation(rank, world, init_path, data_path):
+    return _fit(rank, world, init_path, data_path, accumulate=2)[2]
+
+
+def _clip_norm(rank, world, init_path, data_path):
+    kw = dict(gradient_clip_val=0.05, gradient_clip_algorithm="norm")
+    return _fit(rank, world, init_path, data_path, trainer_kwargs=kw)[2]
+
+
+def _clip_value(rank, world, init_path, data_path):
+    kw = dict(gradient_clip_val=2e-3, gradient_clip_algorithm="value")
+    return _fit(rank, world, init_path, data_path, trainer_kwargs=kw)[2]
+
+
+def _activation_checkpointing(rank, world, init_path, data_path):
+    return _fit(rank, world, init_path, data_path, strategy={**EXACT, "activation_checkpointing": ["Block"]})[2]
+
+
+def _cpu_offload(rank, world, init_path, data_path):
+    return _fit(rank, world, init_path, data_path, strategy={**EXACT, "cpu_offload": True})[2]
+
+
+def _frozen(rank, world, init_path, data_path):
+    class Frozen(TinyGPT):
+        def configure_model(self):
+            super().configure_model()
+            freeze_all_but_biases_and_norms(self)
+
+    return _fit(rank, world, init_path, data_path, model=Frozen(init_path))[2]
+
+
+def _manual_two_optimizers(rank, world, init_path, data_path):
+    class Manual(TinyGPT):
+        def __init__(self, init_path):
+            super().__init__(init_path)
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            blocks, rest = self.optimizers()
+            loss = self._loss(batch)
+            self.manual_backward(loss)
+            blocks.step()
+            rest.step()
+            blocks.zero_grad()
+            rest.zero_grad()
+            return loss
+
+        def configure_optimizers(self):
+            in_blocks = {id(p) for p in self.net.blocks.parameters()}
+            others = [p for p in self.parameters() if id(p) not in in_blocks]
+            return [
+                torch.optim.SGD(self.net.blocks.parameters(), lr=0.3, momentum=0.9),
+                torch.optim.SGD(others, lr=0.3, momentum=0.9),
+            ]
+
+    # Lightning counts every optimizer.step() as a global step: two optimizers -> 2 x STEPS
+    return _fit(rank, world, init_path, data_path, model=Manual(init_path), steps=2 * STEPS)[2]
+
+
+def _no_optimizer(rank, world, init_path, data_path):
+    class NoOptimizer(TinyGPT):
+        def configure_optimizers(self):
+            return None
+
+    return _fit(rank, world, init_path, data_path, model=NoOptimizer(init_path))[2]
+
+
+def _evaluation_loops(rank, world, init_path, data_path):
+    trainer, model, out = _fit(rank, world, init_path, data_path)
+    x, y = torch.load(data_path, weights_only=True)
+    every = DataLoader(TensorDataset(x[:8], y[:8]), batch_size=4)  # every rank evaluates the same 8 windows
+    ledger = trainer.strategy.comm_ledger
+    before = ledger.by_kind()
+    trainer.limit_val_batches = trainer.limit_test_batches = 1.0
+    out["val"] = trainer.validate(model, every, verbose=False)[0]["val/loss"]
+    predictions = trainer.predict(model, DataLoader(TensorDataset(x[:4]), batch_size=4))
+    out["predicted_shape"] = tuple(predictions[0].shape)
+    after = ledger.by_kind()
+    out["eval_kinds"] = sorted(k for k in after if after[k].calls != before.get(k, after[k]).calls or k not in before)
+    return out
+
+
+def _bf16_true(rank, world, init_path, data_path):
+    return _fit(rank, world, init_path, data_path, precision="bf16-true", steps=3)[2]
+
+
+def _fp16_true(rank, world, init_path, data_path):
+    return _fit(rank, world, init_path, data_path, precision="16-true", steps=3)[2]
+
+
+SCENARIOS = {
+    f.__name__.lstrip("_"): f
+    for f in (_accumulation, _clip_norm, _clip_value, _activation_checkpointing, _cpu_offload, _frozen,
+              _manual_two_optimizers, _no_optimizer, _evaluation_loops, _bf16_true, _fp16_true)
+}  # fmt: skip
+
+
+def _worker(rank, world, names, init_path, data_path):
+    return {name: SCENARIOS[name](rank, world, init_path, data_path) for name in names}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    init_path, data_path, x, y = save_inputs(tmp_path_factory.mktemp("lifecycle"), WORLD * BATCH * STEPS * 2)
+    results = spawn(_worker, WORLD, list(SCENARIOS), init_path, data_path, timeout=900)
+    init = {f"net.{k}": v for k, v in torch.load(init_path).items()}
+    return init_path, x, y, init, results
+
+
+def _assert_matches(state, ref_state, tol=1e-5):
+    for name, ref in ref_state.items():
+        err = relative_error(state[name], ref)
+        assert err <= tol, f"{name}: relative error {err:.2e}"
+
+
+def test_gradient_accumulation_reduces_once_per_step(run):
+    init_path, x, y, _, results = run
+    ref, _ = reference_training(init_path, x, y, WORLD * BATCH, STEPS, accumulate=2)
+    _assert_matches(results[0]["accumulation"]["state"], ref)
+    units = 3  # 2 blocks + the root
+    for r in results:
+        assert r["accumulation"]["ledger"]["gradient_reduce_scatter"][2] == STEPS * units  # not 2 x per step
+        assert r["accumulation"]["ledger"]["weight_all_gather"][2] == 2 * STEPS * units  # every micro-batch gathers
+
+
+@pytest.mark.parametrize(("name", "clip"), [("clip_norm", ("norm", 0.05)), ("clip_value", ("value", 2e-3))])
+def test_gradient_clipping(run, name, clip):
+    init_path, x, y, init, results = run
+    ref, _ = reference_training(init_path, x, y, WORLD * BATCH, STEPS, clip=clip)
+    unclipped, _ = reference_training(init_path, x, y, WORLD * BATCH, STEPS)
+    assert relative_error(ref["net.blocks.0.mlp.0.weight"], unclipped["net.blocks.0.mlp.0.weight"]) > 1e-4
+    _assert_matches(results[0][name]["state"], ref)
+
+
+@pytest.mark.parametrize("name", ["activation_checkpointing", "cpu_offload", "manual_two_optimizers"])
+def test_matches_single_process(run, name):
+    init_path, x, y, _, results = run
+    ref, _ = reference_training(init_path, x, y, WORLD * BATCH, STEPS)
+    _assert_matches(results[0][name]["state"], ref)
+
+
+def test_frozen_weights(run):
+    init_path, x, y, init, results = run
+    ref, _ = reference_training(init_path, x, y, WORLD * BATCH, STEPS, freeze_matrices=True)
+    state = results[0]["frozen"]["state"]
+    _assert_matches(state, ref)
+    for name, value in init.items():
+        if value.dim() >= 2:
+            assert torch.equal(state[name], value), f"{name} is frozen but changed"
+    assert not torch.equal(state["net.ln_f.weight"], init["net.ln_f.weight"])
+
+
+def test_no_optimizer(run):
+    *_, init, results = run
+    state = results[0]["no_optimizer"]["state"]
+    assert all(torch.equal(state[k], v) for k, v in init.items())
+    assert len(results[0]["no_optimizer"]["losses"]) == STEPS
+
+
+def test_evaluation_loops_do_not_communicate_gradients(run):
+    init_path, x, y, _, results = run
+    ref_state, _ = reference_training(init_path, x, y, WORLD * BATCH, STEPS)
+    model = tiny_gpt(init_path)
+    model.configure_model()
+    model.net.load_state_dict({k[len("net.") :]: v for k, v in ref_state.items()})
+    with torch.no_grad():
+        expected = model._loss((x[:4], y[:4])).item() / 2 + model._loss((x[4:8], y[4:8])).item() / 2
+    for r in results:
+        out = r["evaluation_loops"]
+        assert out["val"] == pytest.approx(expected, rel=1e-5)
+        assert out["predicted_shape"] == (4, 16, 256)
+        # weights only (the hpZ secondary copy serves the later batches of a loop), no gradient traffic
+        assert "weight_all_gather" in out["eval_kinds"], out["eval_kinds"]
+        assert not [k for k in out["eval_kinds"] if k.startswith("gradient")], out["eval_kinds"]
+
+
+@pytest.mark.parametrize(("name", "dtype"), [("bf16_true", "torch.bfloat16"), ("fp16_true", "torch.float16")])
+def test_half_precision_trains(run, name, dtype):
+    *_, init, results = run
+    assert results[0][name]["dtypes"] == [dtype]
+    for r in results:
+        assert all(torch.isfinite(torch.tensor(r[name]["losses"])))
+    weight = "net.blocks.0.mlp.0.weight"
+    assert relative_error(results[0][name]["state"][weight], init[weight]) > 1e-3  # it trained
+
+
+def _single_process(rank, world, init_path, data_path):
+    return _fit(rank, world, init_path, data_path, strategy="zeropp")[2]
+
+
+def test_single_process_zeropp(tmp_path):
+    init_path, data_path, x, y = save_inputs(tmp_path, BATCH * STEPS)
+    (result,) = spawn(_single_process, 1, init_path, data_path)
+    ref, _ = reference_training(init_path, x, y, BATCH, STEPS)
+    _assert_matches(result["state"], ref)
+    assert result["ledger"] == {}  # one rank: FSDP issues no collectives
