@@ -277,27 +277,17 @@ class ZeroPPStrategy(ModelParallelStrategy):
     def _reshard(self) -> None:
         """Drops every unsharded and hpZ secondary copy of the weights; the next forward gathers the primary shards.
 
-        Called after evaluation loops and checkpoint loads: the secondary copies are slices of weights gathered
-        earlier, and anything that changed the weights since (a checkpoint load, a callback swapping in EMA weights
-        for validation) would otherwise be silently undone by the next forward.
+        Called after every evaluation step and checkpoint load. A forward without backward (validation, test,
+        predict) leaves each unit holding its hpZ slice as the module's parameters: callbacks would then see other
+        parameter objects than before the loop, and anything that changed the weights meanwhile (a checkpoint load,
+        a callback swapping EMA weights in for validation and back) would be silently undone by the next forward,
+        which gathers from those slices.
         """
         if self.model is None:
             return
         for module in self.model.modules():
             if isinstance(module, FSDPModule):
                 module.reshard()
-
-    @override
-    def on_validation_end(self) -> None:
-        self._reshard()
-
-    @override
-    def on_test_end(self) -> None:
-        self._reshard()
-
-    @override
-    def on_predict_end(self) -> None:
-        self._reshard()
 
     @contextmanager
     @override
@@ -325,25 +315,51 @@ class ZeroPPStrategy(ModelParallelStrategy):
             )
         path = Path(self.broadcast(filepath))
         if self._state_dict_type == "full":
-            if self.is_global_zero:
-                ckpt.save_full(checkpoint, path, self.checkpoint_io.save_checkpoint)
-            self.barrier()
+            self._on_rank_zero_or_raise(
+                path, lambda: ckpt.save_full(checkpoint, path, self.checkpoint_io.save_checkpoint)
+            )
             return
         from lightning.fabric.strategies.fsdp import _distributed_checkpoint_save
+        from torch.distributed.checkpoint.api import CheckpointException
 
         tmp = Path(self.broadcast(str(ckpt.temporary_name(path)) if self.is_global_zero else None))
         converted = {ckpt.MODEL_KEY: checkpoint.pop("state_dict")}
         converted.update({f"optimizer_{i}": state for i, state in enumerate(checkpoint.pop("optimizer_states", []))})
         try:
-            _distributed_checkpoint_save(converted, tmp)  # every rank writes its shards; raises on all on failure
-            if self.is_global_zero:
-                torch.save(checkpoint, tmp / _METADATA_FILENAME)  # last: a folder without it is incomplete
-                ckpt.replace_atomically(tmp, path)
-        except BaseException:
+            _distributed_checkpoint_save(converted, tmp)  # every rank writes its shards; fails on all if one does
+        except CheckpointException as err:  # a BaseException: it would slip past `except Exception` in user code
             if self.is_global_zero:
                 ckpt.remove(tmp)
-            raise
-        self.barrier()
+            failures = "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, e in sorted(err.failures.items()))
+            raise RuntimeError(
+                f"ZeroPPStrategy: saving the checkpoint {path} failed ({failures}). The checkpoint previously at that"
+                " path, if any, is untouched."
+            ) from err
+
+        def finish() -> None:
+            try:
+                torch.save(checkpoint, tmp / _METADATA_FILENAME)  # last: a folder without it is incomplete
+                ckpt.replace_atomically(tmp, path)
+            except BaseException:
+                ckpt.remove(tmp)
+                raise
+
+        self._on_rank_zero_or_raise(path, finish)
+
+    def _on_rank_zero_or_raise(self, path: Path, write: Any) -> None:
+        """Runs ``write`` on rank 0 and makes every rank raise if it failed (no rank is left waiting)."""
+        error: BaseException | None = None
+        if self.is_global_zero:
+            try:
+                write()
+            except Exception as err:
+                error = err
+        message = self.broadcast(None if error is None else f"{type(error).__name__}: {error}")
+        if message is not None:
+            raise RuntimeError(
+                f"ZeroPPStrategy: saving the checkpoint {path} failed on rank 0 ({message}). The checkpoint previously"
+                " at that path, if any, is untouched."
+            ) from error
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
@@ -353,11 +369,13 @@ class ZeroPPStrategy(ModelParallelStrategy):
         assert self.model is not None and self.lightning_module is not None
         strict = self.lightning_module.strict_loading
         ckpt.check_compatible(path, {k: tuple(v.shape) for k, v in self.model.state_dict().items()}, strict)
+        from torch.distributed.checkpoint.api import CheckpointException
+
         try:
             loaded = super().load_checkpoint(path, weights_only=weights_only)
         except ckpt.CheckpointMismatchError:
             raise
-        except Exception as err:  # a truncated shard, an unreadable file: name the checkpoint and the cause
+        except (Exception, CheckpointException) as err:  # a truncated shard, an unreadable file: name them
             raise ckpt.CheckpointMismatchError(f"ZeroPPStrategy: loading the checkpoint {path} failed: {err}") from err
         self._reshard()
         return loaded
@@ -380,17 +398,23 @@ class ZeroPPStrategy(ModelParallelStrategy):
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         with self.precision_plugin.val_step_context():
-            return self._forward_redirection(self.model, self.lightning_module, "validation_step", *args, **kwargs)
+            out = self._forward_redirection(self.model, self.lightning_module, "validation_step", *args, **kwargs)
+        self._reshard()
+        return out
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         with self.precision_plugin.test_step_context():
-            return self._forward_redirection(self.model, self.lightning_module, "test_step", *args, **kwargs)
+            out = self._forward_redirection(self.model, self.lightning_module, "test_step", *args, **kwargs)
+        self._reshard()
+        return out
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         with self.precision_plugin.predict_step_context():
-            return self._forward_redirection(self.model, self.lightning_module, "predict_step", *args, **kwargs)
+            out = self._forward_redirection(self.model, self.lightning_module, "predict_step", *args, **kwargs)
+        self._reshard()
+        return out
 
     # ------------------------------------------------------------------ registry
     @classmethod

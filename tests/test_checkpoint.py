@@ -1,0 +1,248 @@
+"""Checkpoints: exact resume (sharded and full), resume with quantization after an evaluation (no stale hpZ copy),
+resume on another world size and back, consolidation into one ordinary file, interrupted saves, and mismatches."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import ROOT, lightning_trainer, spawn
+from torch.utils.data import DataLoader, TensorDataset
+from workers import TINY, LossRecorder, TinyGPT, save_inputs
+
+pytestmark = pytest.mark.multiprocess
+
+BATCH = 2
+EXACT = dict(hpz_partition_size=2, quantize_weights=False, quantize_gradients=False)
+
+
+def _loaders(rank, world, data_path):
+    x, y = torch.load(data_path, weights_only=True)
+    train = DataLoader(TensorDataset(x[rank::world][: 2 * BATCH], y[rank::world][: 2 * BATCH]), batch_size=BATCH)
+    every = DataLoader(TensorDataset(x[:8], y[:8]), batch_size=4)  # each rank evaluates the same 8 windows
+    return train, every
+
+
+def _trainer(world, strategy_kwargs, per_node, **kwargs):
+    from lightning_zeropp import ZeroPPStrategy
+
+    recorder = LossRecorder()
+    strategy = ZeroPPStrategy(ranks_per_node=per_node, **strategy_kwargs)
+    kwargs.setdefault("limit_val_batches", 1.0)
+    trainer = lightning_trainer(world, strategy, callbacks=[recorder], use_distributed_sampler=False, **kwargs)
+    return trainer, recorder
+
+
+def _full_state(model):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+# ------------------------------------------------------------------------------------------------ exact resume
+def _resume_worker(rank, world, init_path, data_path, ckpt, strategy_kwargs, evaluate_first):
+    train, every = _loaders(rank, world, data_path)
+    trainer, uninterrupted = _trainer(world, strategy_kwargs, 2, max_epochs=2)
+    trainer.fit(TinyGPT(init_path), train)
+
+    trainer, first = _trainer(world, strategy_kwargs, 2, max_epochs=1)
+    trainer.fit(TinyGPT(init_path), train)
+    trainer.save_checkpoint(ckpt)
+
+    trainer, resumed = _trainer(world, strategy_kwargs, 2, max_epochs=2)
+    model = TinyGPT(init_path)
+    if evaluate_first:  # leaves hpZ secondary copies of the *initial* weights behind, unless they are dropped
+        trainer.validate(model, every, verbose=False)
+    trainer.fit(model, train, ckpt_path=ckpt)
+    return {"uninterrupted": uninterrupted.losses, "first": first.losses, "resumed": resumed.losses}
+
+
+@pytest.mark.parametrize(
+    ("state_dict_type", "quantized"), [("sharded", False), ("full", False), ("sharded", True)], ids=str
+)
+def test_resume_continues_exactly(tmp_path, state_dict_type, quantized):
+    init_path, data_path, *_ = save_inputs(tmp_path, 4 * 2 * BATCH)
+    kwargs = {**({} if quantized else EXACT), "state_dict_type": state_dict_type}
+    ckpt = str(tmp_path / ("ckpt" if state_dict_type == "sharded" else "last.ckpt"))
+    for rank, r in enumerate(spawn(_resume_worker, 4, init_path, data_path, ckpt, kwargs, quantized)):
+        assert r["first"] == r["uninterrupted"][:2], f"rank {rank}: the two runs started differently"
+        continued = torch.tensor(r["resumed"])
+        expected = torch.tensor(r["uninterrupted"][2:])
+        assert len(r["resumed"]) == 2, f"rank {rank}: resumed for {len(r['resumed'])} steps"
+        if quantized:  # the first step after resume must see exactly the saved weights
+            assert continued[0] == expected[0], f"rank {rank}: {continued.tolist()} vs {expected.tolist()}"
+        torch.testing.assert_close(continued, expected, rtol=1e-6, atol=0)
+
+
+# ----------------------------------------------------------------------------------- another world size and back
+def _save_on(rank, world, per_node, init_path, data_path, ckpt, steps, resume_from):
+    train, every = _loaders(rank, world, data_path)
+    trainer, _ = _trainer(world, EXACT, per_node, max_steps=steps)
+    model = TinyGPT(init_path)
+    if resume_from is None:
+        trainer.fit(model, train)
+        loaded = None
+    else:
+        loaded_loss = trainer.validate(model, every, ckpt_path=resume_from, verbose=False)[0]["val/loss"]
+        loaded = {"loss": loaded_loss, "state": {k: v.clone() for k, v in _full_state(model).items()}}
+        trainer.fit(model, train, ckpt_path=resume_from)
+    trainer.save_checkpoint(ckpt)
+    loss = trainer.validate(model, every, verbose=False)[0]["val/loss"]
+    return {"loaded": loaded, "saved_loss": loss, "saved_state": _full_state(model)}
+
+
+@pytest.fixture(scope="module")
+def cross_world(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("cross_world")
+    init_path, data_path, *_ = save_inputs(tmp, 4 * 2 * BATCH)
+    a, b, c = str(tmp / "a"), str(tmp / "b"), str(tmp / "c")
+    on4 = spawn(_save_on, 4, 2, init_path, data_path, a, 2, None)  # 2 nodes x 2
+    on2 = spawn(_save_on, 2, 2, init_path, data_path, b, 3, a)  # 1 node x 2
+    back = spawn(_save_on, 4, 2, init_path, data_path, c, 4, b)  # 2 nodes x 2 again
+    return tmp, init_path, data_path, a, on4, on2, back
+
+
+def test_resume_on_another_world_size_and_back(cross_world):
+    _, _, _, _, on4, on2, back = cross_world
+    for rank, r in enumerate(on2):
+        assert r["loaded"]["loss"] == pytest.approx(on4[0]["saved_loss"], rel=1e-5), f"4 -> 2 ranks, rank {rank}"
+    for name, value in on4[0]["saved_state"].items():
+        assert torch.equal(on2[0]["loaded"]["state"][name], value), f"4 -> 2 ranks: {name} changed"
+    for rank, r in enumerate(back):
+        assert r["loaded"]["loss"] == pytest.approx(on2[0]["saved_loss"], rel=1e-5), f"2 -> 4 ranks, rank {rank}"
+    assert on2[0]["saved_loss"] != on4[0]["saved_loss"]  # the 2-rank job trained on
+
+
+def test_consolidate_to_one_ordinary_checkpoint(cross_world):
+    tmp, init_path, data_path, sharded, on4, *_ = cross_world
+    out = tmp / "consolidated.ckpt"
+    cmd = [sys.executable, "-m", "lightning_zeropp.consolidate", sharded, str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    plain = torch.load(out, weights_only=False)
+    for name, value in on4[0]["saved_state"].items():
+        assert torch.equal(plain["state_dict"][name], value), name
+    momentum = plain["optimizer_states"][0]["state"]
+    assert all(isinstance(k, int) for k in momentum) and len(momentum) == len(
+        plain["optimizer_states"][0]["param_groups"][0]["params"]
+    )
+    assert plain["global_step"] == 2 and "hyper_parameters" in plain
+
+    model = TinyGPT.load_from_checkpoint(out)  # one process, no strategy
+    x, y = torch.load(data_path, weights_only=True)
+    with torch.no_grad():
+        loss = (model._loss((x[:4], y[:4])).item() + model._loss((x[4:8], y[4:8])).item()) / 2
+    assert loss == pytest.approx(on4[0]["saved_loss"], rel=1e-5)
+
+    bad = subprocess.run([sys.executable, "-m", "lightning_zeropp.consolidate", str(tmp), str(tmp / "x.ckpt")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert bad.returncode == 2 and "not a sharded checkpoint folder" in bad.stderr
+
+
+# ------------------------------------------------------------------------------ interrupted saves and mismatches
+def _interrupted_worker(rank, world, init_path, data_path, tmp):
+    from pathlib import Path
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    train, _ = _loaders(rank, world, data_path)
+    report = {}
+    for kind in ("sharded", "full"):
+        path = Path(tmp) / ("ckpt" if kind == "sharded" else "last.ckpt")
+        trainer, _ = _trainer(world, {**EXACT, "state_dict_type": kind}, 2, max_steps=1)
+        model = TinyGPT(init_path)
+        trainer.fit(model, train)
+        trainer.save_checkpoint(path)
+        saved = {k: v.clone() for k, v in _full_state(model).items()}
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)  # the weights a failed save would have written
+
+        def full_disk(*args, **kwargs):
+            raise OSError(28, "No space left on device")
+
+        original = (FileSystemWriter.write_data, trainer.strategy.checkpoint_io.save_checkpoint)
+        if kind == "sharded" and rank == 1:
+            FileSystemWriter.write_data = full_disk  # one rank's disk fills up mid-save
+        if kind == "full":
+            trainer.strategy.checkpoint_io.save_checkpoint = lambda c, p, storage_options=None: (
+                Path(p).write_bytes(b"half a checkpoint"),
+                full_disk(),
+            )
+        try:
+            trainer.save_checkpoint(path)
+            report[kind] = "no error"
+        except Exception as err:
+            report[kind] = f"{type(err).__name__}: {err}"
+        finally:
+            FileSystemWriter.write_data, trainer.strategy.checkpoint_io.save_checkpoint = original
+        fresh = TinyGPT(init_path)
+        trainer2, _ = _trainer(world, {**EXACT, "state_dict_type": kind}, 2, max_steps=1)
+        trainer2.validate(fresh, _loaders(rank, world, data_path)[1], ckpt_path=path, verbose=False)
+        restored = _full_state(fresh)
+        report[f"{kind}_intact"] = all(torch.equal(restored[k], v) for k, v in saved.items())
+        report[f"{kind}_leftovers"] = sorted(p.name for p in Path(tmp).iterdir() if "partial" in p.name)
+    return report
+
+
+def test_interrupted_save_keeps_the_previous_checkpoint(tmp_path):
+    init_path, data_path, *_ = save_inputs(tmp_path, 2 * 2 * BATCH)
+    for rank, r in enumerate(spawn(_interrupted_worker, 2, init_path, data_path, str(tmp_path))):
+        assert r["sharded"] != "no error" and r["full"] != "no error", r
+        if rank == 0:
+            assert "No space left on device" in r["full"]
+        assert r["sharded_intact"] and r["full_intact"], r
+        assert r["sharded_leftovers"] == [] and r["full_leftovers"] == [], r
+
+
+def _mismatch_worker(rank, world, init_path, data_path, tmp):
+    import shutil
+    from pathlib import Path
+
+    train, every = _loaders(rank, world, data_path)
+    tmp = Path(tmp)
+    trainer, _ = _trainer(world, EXACT, 2, max_steps=1)
+    trainer.fit(TinyGPT(init_path), train)
+    trainer.save_checkpoint(tmp / "good")
+    if rank == 0:
+        shutil.copytree(tmp / "good", tmp / "no_meta")
+        (tmp / "no_meta" / "meta.pt").unlink()
+        shutil.copytree(tmp / "good", tmp / "truncated")
+        for shard in (tmp / "truncated").glob("*.distcp"):
+            shard.write_bytes(shard.read_bytes()[:100])
+        (tmp / "garbage.ckpt").write_bytes(b"not a checkpoint")
+    trainer.strategy.barrier()
+    cases = {
+        "wider model": (TinyGPT(init_path=None, n_embd=48), tmp / "good"),
+        "no meta": (TinyGPT(init_path), tmp / "no_meta"),
+        "truncated": (TinyGPT(init_path), tmp / "truncated"),
+        "garbage": (TinyGPT(init_path), tmp / "garbage.ckpt"),
+        "absent": (TinyGPT(init_path), tmp / "absent"),
+    }
+    report = {}
+    for name, (model, path) in cases.items():
+        t, _ = _trainer(world, EXACT, 2, max_steps=1)
+        try:
+            t.validate(model, every, ckpt_path=path, verbose=False)
+            report[name] = "no error"
+        except Exception as err:
+            report[name] = f"{type(err).__name__}: {err}"
+    return report
+
+
+def test_mismatched_or_damaged_checkpoints_are_refused(tmp_path):
+    init_path, data_path, *_ = save_inputs(tmp_path, 2 * 2 * BATCH)
+    expected = {
+        "wider model": r"CheckpointMismatchError: .*does not fit this model; shape differs: net\.blocks\.0\.attn\.proj"
+        r"\.bias: checkpoint \[32\] vs model \[48\]",
+        "no meta": r"CheckpointMismatchError: .*not a complete sharded checkpoint: it has no meta\.pt",
+        "truncated": r"CheckpointMismatchError: .*loading the checkpoint .*truncated failed",
+        "garbage": r"CheckpointMismatchError: .*garbage\.ckpt is not a readable checkpoint file",
+        "absent": r"FileNotFoundError: .*absent does not exist",
+    }
+    import re
+
+    for rank, report in enumerate(spawn(_mismatch_worker, 2, init_path, data_path, str(tmp_path))):
+        for name, pattern in expected.items():
+            assert re.search(pattern, report[name], re.S), f"rank {rank}, {name}: {report[name]}"
+    assert TINY["n_embd"] == 32
