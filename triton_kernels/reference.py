@@ -35,27 +35,40 @@ def quantize(
     rows, two_d = _as_rows(x)
     R, n = rows.shape
     nb, qmax = num_blocks(n, block_size), QMAX[bits]
-    xb = F.pad(rows.float(), (0, nb * block_size - n)).view(R, nb, block_size)
-    scale = xb.abs().amax(dim=2) / qmax  # NaN and Inf propagate through amax
+    xb = _blocks(rows.float(), nb, block_size)
+    # max |x| without a full-size temporary (NaN propagates); abs_ turns the -0.0 of an all-zero block into +0.0
+    absmax = torch.maximum(xb.amax(dim=2), xb.amin(dim=2).neg_()).abs_()
+    scale = absmax / qmax
     usable = torch.isfinite(scale) & (scale > 0)
-    scale = torch.where(torch.isfinite(scale), scale, torch.full_like(scale, float("nan")))
-    y = xb / torch.where(usable, scale, torch.ones_like(scale)).unsqueeze(2)
+    every_block_usable = bool(usable.all())
+    y = xb / (scale if every_block_usable else torch.where(usable, scale, torch.ones_like(scale))).unsqueeze(2)
     if stochastic:
-        y = torch.floor(y + _uniform(tuple(y.shape), seed, y.device))
+        y.add_(_uniform(tuple(y.shape), seed, y.device)).floor_()
     else:
-        y = torch.round(y)  # round half to even
-    q = torch.where(usable.unsqueeze(2), y.clamp(-qmax, qmax), torch.zeros_like(y))
-    q = q.view(R, nb * block_size)[:, :n].to(torch.int8)
+        y.round_()  # round half to even
+    y.clamp_(-qmax, qmax)
+    if not every_block_usable:  # zeros stay 0; a block with Inf or NaN codes 0 with scale NaN: dequantizes to NaN
+        y.masked_fill_(~usable.unsqueeze(2), 0.0)
+        scale = torch.where(torch.isfinite(scale), scale, torch.full_like(scale, float("nan")))
+    q = y.view(R, nb * block_size)[:, :n].to(torch.int8)
 
-    out = torch.zeros(R, wire_size(n, bits, block_size), dtype=torch.uint8, device=x.device)
-    pb, so = payload_bytes(n, bits), scale_offset(n, bits)
+    pb, so, wire = payload_bytes(n, bits), scale_offset(n, bits), wire_size(n, bits, block_size)
+    out = torch.empty(R, wire, dtype=torch.uint8, device=x.device)
     if bits == 8:
         out[:, :pb] = q.view(torch.uint8)
     else:
         q = F.pad(q, (0, 2 * pb - n)).view(torch.uint8)
-        out[:, :pb] = (q[:, 0::2] & 0xF) | ((q[:, 1::2] & 0xF) << 4)
+        torch.bitwise_or(q[:, 0::2] & 0xF, (q[:, 1::2] & 0xF) << 4, out=out[:, :pb])
+    out[:, pb:so].zero_()
     out[:, so : so + 4 * nb] = scale.contiguous().view(torch.uint8).view(R, 4 * nb)
+    out[:, so + 4 * nb :].zero_()
     return out if two_d else out.view(-1)
+
+
+def _blocks(values: torch.Tensor, nb: int, block_size: int) -> torch.Tensor:
+    """(R, n) -> (R, nb, block_size), zero-padding the last block (zeros never change a block's absmax)."""
+    pad = nb * block_size - values.shape[1]
+    return (F.pad(values, (0, pad)) if pad else values).view(values.shape[0], nb, block_size)
 
 
 def _dequantize_f32(buf: torch.Tensor, numel: int, bits: int, block_size: int) -> torch.Tensor:
@@ -64,16 +77,13 @@ def _dequantize_f32(buf: torch.Tensor, numel: int, bits: int, block_size: int) -
     if numel == 0:
         return torch.zeros(R, 0, device=buf.device)
     nb, pb, so = num_blocks(numel, block_size), payload_bytes(numel, bits), scale_offset(numel, bits)
-    payload = buf[:, :pb]
+    payload = buf[:, :pb].contiguous().view(torch.int8)
     if bits == 8:
-        q = payload.contiguous().view(torch.int8).float()
-    else:
-        low = (payload & 0xF).to(torch.int16)
-        high = (payload >> 4).to(torch.int16)
-        q = torch.stack(((low ^ 8) - 8, (high ^ 8) - 8), dim=2).view(R, 2 * pb)[:, :numel].float()
+        q = payload.float()
+    else:  # arithmetic shifts of the signed byte sign-extend each nibble
+        q = torch.stack(((payload << 4) >> 4, payload >> 4), dim=2).view(R, 2 * pb)[:, :numel].float()
     scale = buf[:, so : so + 4 * nb].contiguous().view(torch.float32)
-    q = F.pad(q, (0, nb * block_size - numel)).view(R, nb, block_size)
-    return (q * scale.unsqueeze(2)).view(R, nb * block_size)[:, :numel]
+    return (_blocks(q, nb, block_size) * scale.unsqueeze(2)).view(R, nb * block_size)[:, :numel]
 
 
 def dequantize(buf: torch.Tensor, numel: int, bits: int, block_size: int, dtype: torch.dtype) -> torch.Tensor:
