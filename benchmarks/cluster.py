@@ -140,9 +140,17 @@ def _per_step(warmup: int):
     return per_step
 
 
+def _kind_per_step(rows: list[dict], kind: str, warmup: int) -> float:
+    def inter(row: dict) -> int:
+        return row["ledger_by_kind"].get(kind, [0, 0])[1]
+
+    return (inter(rows[-1]) - inter(rows[warmup])) / (len(rows) - 1 - warmup)
+
+
 def summarize(name: str, runs: list[list[list[dict]]], warmup: int, tokens_per_step: int) -> dict:
     """Steady-state figures of one configuration over its repeats (see the module docstring)."""
     durations, ledger_inter, ledger_intra, tx, rx, losses = [], [], [], [], [], []
+    by_kind: dict[str, list[float]] = {}
     for ranks in runs:
         rank0 = ranks[0]
         times = [r["time"] for r in rank0]  # row k: end of step k (row 0: start of training)
@@ -153,6 +161,8 @@ def summarize(name: str, runs: list[list[list[dict]]], warmup: int, tokens_per_s
         if "ledger_inter_bytes" in rank0[0]:  # node 0's ranks together: what node 0 sends to node 1
             ledger_inter.append(sum(per_step(rows, "ledger_inter_bytes") for rows in node0))
             ledger_intra.append(sum(per_step(rows, "ledger_intra_bytes") for rows in node0))
+            for kind in rank0[-1]["ledger_by_kind"]:
+                by_kind.setdefault(kind, []).append(sum(_kind_per_step(rows, kind, warmup) for rows in node0))
         tx.append(per_step(rank0, "tx_bytes"))
         rx.append(per_step(rank0, "rx_bytes"))
         losses += [r["loss"] for rows in ranks for r in rows[1:]]
@@ -164,6 +174,7 @@ def summarize(name: str, runs: list[list[list[dict]]], warmup: int, tokens_per_s
         "tokens_per_s": tokens_per_step / step_s,
         "ledger_inter_bytes_per_step": statistics.mean(ledger_inter) if ledger_inter else None,
         "ledger_intra_bytes_per_step": statistics.mean(ledger_intra) if ledger_intra else None,
+        "ledger_inter_bytes_per_step_by_kind": {k: statistics.mean(v) for k, v in by_kind.items()},
         "link_tx_bytes_per_step": statistics.mean(tx),
         "link_rx_bytes_per_step": statistics.mean(rx),
         "losses_finite": all(loss == loss and abs(loss) != float("inf") for loss in losses),
