@@ -7,7 +7,6 @@ sequential, in rank order, so the fp32 result is the same as the kernels' runnin
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .layout import QMAX, check_format, num_blocks, payload_bytes, scale_offset, stage_bounds, swizzle_order, wire_size
 
@@ -27,6 +26,18 @@ def _uniform(shape: tuple[int, ...], seed: int | None, device: torch.device) -> 
     return torch.rand(shape, generator=gen, device=device, dtype=torch.float32)
 
 
+def _per_block(values: torch.Tensor, block_size: int) -> list[torch.Tensor]:
+    """Views of ``(R, n)`` as its full blocks ``(R, n // bs, bs)`` and, if any, the partial tail ``(R, 1, n % bs)``.
+
+    Working on views avoids padding copies; a block's statistics never see elements beyond ``n``.
+    """
+    full = values.shape[1] // block_size * block_size
+    parts = [values[:, :full].unflatten(1, (-1, block_size))] if full else []
+    if full < values.shape[1]:
+        parts.append(values[:, full:].unsqueeze(1))
+    return parts
+
+
 def quantize(
     x: torch.Tensor, bits: int, block_size: int, *, stochastic: bool = False, seed: int | None = None
 ) -> torch.Tensor:
@@ -35,55 +46,67 @@ def quantize(
     rows, two_d = _as_rows(x)
     R, n = rows.shape
     nb, qmax = num_blocks(n, block_size), QMAX[bits]
-    xb = _blocks(rows.float(), nb, block_size)
+    pb, so, wire = payload_bytes(n, bits), scale_offset(n, bits), wire_size(n, bits, block_size)
+    out = torch.empty(R, wire, dtype=torch.uint8, device=x.device)
+    if n == 0:
+        return out if two_d else out.view(-1)
+    values = rows.float()
+    parts = _per_block(values, block_size)
     # max |x| without a full-size temporary (NaN propagates); abs_ turns the -0.0 of an all-zero block into +0.0
-    absmax = torch.maximum(xb.amax(dim=2), xb.amin(dim=2).neg_()).abs_()
+    absmax = torch.cat([torch.maximum(p.amax(dim=2), p.amin(dim=2).neg_()).abs_() for p in parts], dim=1)
     scale = absmax / qmax
     usable = torch.isfinite(scale) & (scale > 0)
     every_block_usable = bool(usable.all())
-    y = xb / (scale if every_block_usable else torch.where(usable, scale, torch.ones_like(scale))).unsqueeze(2)
-    if stochastic:
-        y.add_(_uniform(tuple(y.shape), seed, y.device)).floor_()
-    else:
-        y.round_()  # round half to even
-    y.clamp_(-qmax, qmax)
-    if not every_block_usable:  # zeros stay 0; a block with Inf or NaN codes 0 with scale NaN: dequantizes to NaN
-        y.masked_fill_(~usable.unsqueeze(2), 0.0)
+    denom = scale if every_block_usable else torch.where(usable, scale, torch.ones_like(scale))
+    codes = out[:, :pb].view(torch.int8) if bits == 8 else torch.zeros(R, 2 * pb, dtype=torch.int8, device=x.device)
+    noise = _per_block(_uniform((R, n), seed, x.device), block_size) if stochastic else [None] * len(parts)
+    first = 0
+    for part, code, u in zip(parts, _per_block(codes[:, :n], block_size), noise):
+        blocks = slice(first, first + part.shape[1])
+        first += part.shape[1]
+        y = part / denom[:, blocks].unsqueeze(2)
+        if stochastic:
+            y.add_(u).floor_()
+        else:
+            y.round_()  # round half to even
+        y.clamp_(-qmax, qmax)
+        if not every_block_usable:  # zeros stay 0; a block with Inf or NaN codes 0 with scale NaN: dequantizes to NaN
+            y.masked_fill_(~usable[:, blocks].unsqueeze(2), 0.0)
+        code.copy_(y)
+    if not every_block_usable:
         scale = torch.where(torch.isfinite(scale), scale, torch.full_like(scale, float("nan")))
-    q = y.view(R, nb * block_size)[:, :n].to(torch.int8)
-
-    pb, so, wire = payload_bytes(n, bits), scale_offset(n, bits), wire_size(n, bits, block_size)
-    out = torch.empty(R, wire, dtype=torch.uint8, device=x.device)
-    if bits == 8:
-        out[:, :pb] = q.view(torch.uint8)
-    else:
-        q = F.pad(q, (0, 2 * pb - n)).view(torch.uint8)
-        torch.bitwise_or(q[:, 0::2] & 0xF, (q[:, 1::2] & 0xF) << 4, out=out[:, :pb])
+    if bits == 4:
+        pairs = codes.view(torch.uint8)
+        torch.bitwise_or(pairs[:, 0::2] & 0xF, (pairs[:, 1::2] & 0xF) << 4, out=out[:, :pb])
     out[:, pb:so].zero_()
     out[:, so : so + 4 * nb] = scale.contiguous().view(torch.uint8).view(R, 4 * nb)
     out[:, so + 4 * nb :].zero_()
     return out if two_d else out.view(-1)
 
 
-def _blocks(values: torch.Tensor, nb: int, block_size: int) -> torch.Tensor:
-    """(R, n) -> (R, nb, block_size), zero-padding the last block (zeros never change a block's absmax)."""
-    pad = nb * block_size - values.shape[1]
-    return (F.pad(values, (0, pad)) if pad else values).view(values.shape[0], nb, block_size)
+def _dequantize_into(out: torch.Tensor, buf: torch.Tensor, numel: int, bits: int, block_size: int) -> torch.Tensor:
+    """``(R, wire)`` -> ``out`` ``(R, numel)``: ``q * scale`` computed in fp32, rounded once into ``out``'s dtype."""
+    R = buf.shape[0]
+    if numel == 0:
+        return out
+    nb, pb, so = num_blocks(numel, block_size), payload_bytes(numel, bits), scale_offset(numel, bits)
+    payload = buf[:, :pb].view(torch.int8)
+    if bits == 8:
+        q = payload
+    else:  # arithmetic shifts of the signed byte sign-extend each nibble
+        q = torch.stack(((payload << 4) >> 4, payload >> 4), dim=2).view(R, 2 * pb)[:, :numel]
+    scale = buf[:, so : so + 4 * nb].contiguous().view(torch.float32)
+    first = 0
+    for code, target in zip(_per_block(q, block_size), _per_block(out, block_size)):
+        torch.mul(code, scale[:, first : first + code.shape[1]].unsqueeze(2), out=target)  # int8 x fp32 -> fp32
+        first += code.shape[1]
+    return out
 
 
 def _dequantize_f32(buf: torch.Tensor, numel: int, bits: int, block_size: int) -> torch.Tensor:
     """(R, wire) -> (R, numel) float32."""
-    R = buf.shape[0]
-    if numel == 0:
-        return torch.zeros(R, 0, device=buf.device)
-    nb, pb, so = num_blocks(numel, block_size), payload_bytes(numel, bits), scale_offset(numel, bits)
-    payload = buf[:, :pb].contiguous().view(torch.int8)
-    if bits == 8:
-        q = payload.float()
-    else:  # arithmetic shifts of the signed byte sign-extend each nibble
-        q = torch.stack(((payload << 4) >> 4, payload >> 4), dim=2).view(R, 2 * pb)[:, :numel].float()
-    scale = buf[:, so : so + 4 * nb].contiguous().view(torch.float32)
-    return (_blocks(q, nb, block_size) * scale.unsqueeze(2)).view(R, nb * block_size)[:, :numel]
+    out = torch.empty(buf.shape[0], numel, dtype=torch.float32, device=buf.device)
+    return _dequantize_into(out, buf, numel, bits, block_size)
 
 
 def dequantize(buf: torch.Tensor, numel: int, bits: int, block_size: int, dtype: torch.dtype) -> torch.Tensor:
@@ -91,7 +114,8 @@ def dequantize(buf: torch.Tensor, numel: int, bits: int, block_size: int, dtype:
     check_format(bits, block_size)
     rows, two_d = _as_rows(buf)
     _check_wire(rows, numel, bits, block_size)
-    out = _dequantize_f32(rows, numel, bits, block_size).to(dtype)
+    out = torch.empty(rows.shape[0], numel, dtype=dtype, device=buf.device)
+    _dequantize_into(out, rows, numel, bits, block_size)
     return out if two_d else out.view(-1)
 
 
