@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import uuid
 from collections.abc import Callable, Mapping
@@ -21,6 +22,7 @@ import torch
 from lightning.fabric.utilities.load import _METADATA_FILENAME
 
 MODEL_KEY = "state_dict"
+RNG_KEY = "zeropp_rng_states"
 
 
 class CheckpointMismatchError(ValueError):
@@ -59,6 +61,34 @@ def save_full(checkpoint: dict[str, Any], path: Path, save: Callable[[dict[str, 
     except BaseException:
         remove(tmp)
         raise
+
+
+# ----------------------------------------------------------------------------------------------- random state
+def rng_state() -> dict[str, Any]:
+    """This process's random state (torch, CUDA, Python, NumPy) in types ``torch.load(weights_only=True)`` reads."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+    except ImportError:
+        return state
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state["numpy"] = (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached))
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        import numpy as np
+
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
 
 
 # ----------------------------------------------------------------------------------------------- validation

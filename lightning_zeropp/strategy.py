@@ -314,6 +314,7 @@ class ZeroPPStrategy(ModelParallelStrategy):
                 " checkpoint itself (a sharded folder or one file), not through a CheckpointIO plugin."
             )
         path = Path(self.broadcast(filepath))
+        checkpoint[ckpt.RNG_KEY] = self._gather_rng_states()  # every rank's, so a resume continues each stream
         if self._state_dict_type == "full":
             self._on_rank_zero_or_raise(
                 path, lambda: ckpt.save_full(checkpoint, path, self.checkpoint_io.save_checkpoint)
@@ -377,8 +378,33 @@ class ZeroPPStrategy(ModelParallelStrategy):
             raise
         except (Exception, CheckpointException) as err:  # a truncated shard, an unreadable file: name them
             raise ckpt.CheckpointMismatchError(f"ZeroPPStrategy: loading the checkpoint {path} failed: {err}") from err
+        self._restore_rng_state(loaded.pop(ckpt.RNG_KEY, None))
         self._reshard()
         return loaded
+
+    def _gather_rng_states(self) -> list[dict[str, Any]]:
+        import torch.distributed as dist
+
+        states: list[Any] = [None] * self.world_size
+        if self.world_size > 1:
+            dist.all_gather_object(states, ckpt.rng_state())
+        else:
+            states[0] = ckpt.rng_state()
+        return states
+
+    def _restore_rng_state(self, states: list[dict[str, Any]] | None) -> None:
+        if not states:
+            return
+        if len(states) != self.world_size:
+            if self.global_rank == 0:
+                log.warning(
+                    "ZeroPPStrategy: the checkpoint was written by %d ranks and is loaded by %d; the weights,"
+                    " optimizer and loops resume exactly, the random number streams (dropout) start afresh.",
+                    len(states),
+                    self.world_size,
+                )
+            return
+        ckpt.set_rng_state(states[self.global_rank])
 
     @override
     def model_to_device(self) -> None:

@@ -40,17 +40,20 @@ def _full_state(model):
 
 
 # ------------------------------------------------------------------------------------------------ exact resume
-def _resume_worker(rank, world, init_path, data_path, ckpt, strategy_kwargs, evaluate_first):
+def _resume_worker(rank, world, init_path, data_path, ckpt, strategy_kwargs, evaluate_first, dropout):
     train, every = _loaders(rank, world, data_path)
+    torch.manual_seed(rank)  # the same random streams (dropout) in both runs
     trainer, uninterrupted = _trainer(world, strategy_kwargs, 2, max_epochs=2)
-    trainer.fit(TinyGPT(init_path), train)
+    trainer.fit(TinyGPT(init_path, dropout=dropout), train)
 
+    torch.manual_seed(rank)
     trainer, first = _trainer(world, strategy_kwargs, 2, max_epochs=1)
-    trainer.fit(TinyGPT(init_path), train)
+    trainer.fit(TinyGPT(init_path, dropout=dropout), train)
     trainer.save_checkpoint(ckpt)
 
+    torch.manual_seed(12345)  # a resumed job starts elsewhere: the checkpoint must bring the streams back
     trainer, resumed = _trainer(world, strategy_kwargs, 2, max_epochs=2)
-    model = TinyGPT(init_path)
+    model = TinyGPT(init_path, dropout=dropout)
     if evaluate_first:  # leaves hpZ secondary copies of the *initial* weights behind, unless they are dropped
         trainer.validate(model, every, verbose=False)
     trainer.fit(model, train, ckpt_path=ckpt)
@@ -58,13 +61,15 @@ def _resume_worker(rank, world, init_path, data_path, ckpt, strategy_kwargs, eva
 
 
 @pytest.mark.parametrize(
-    ("state_dict_type", "quantized"), [("sharded", False), ("full", False), ("sharded", True)], ids=str
+    ("state_dict_type", "quantized", "dropout"),
+    [("sharded", False, 0.1), ("full", False, 0.1), ("sharded", True, 0.0)],
+    ids=["sharded-dropout", "full-dropout", "sharded-quantized"],
 )
-def test_resume_continues_exactly(tmp_path, state_dict_type, quantized):
+def test_resume_continues_exactly(tmp_path, state_dict_type, quantized, dropout):
     init_path, data_path, *_ = save_inputs(tmp_path, 4 * 2 * BATCH)
     kwargs = {**({} if quantized else EXACT), "state_dict_type": state_dict_type}
     ckpt = str(tmp_path / ("ckpt" if state_dict_type == "sharded" else "last.ckpt"))
-    for rank, r in enumerate(spawn(_resume_worker, 4, init_path, data_path, ckpt, kwargs, quantized)):
+    for rank, r in enumerate(spawn(_resume_worker, 4, init_path, data_path, ckpt, kwargs, quantized, dropout)):
         assert r["first"] == r["uninterrupted"][:2], f"rank {rank}: the two runs started differently"
         continued = torch.tensor(r["resumed"])
         expected = torch.tensor(r["uninterrupted"][2:])

@@ -1,0 +1,90 @@
+"""Time of one FSDP unit's collectives, exact vs ZeRO++, on local gloo ranks (CPU: the pure-torch quantizers).
+
+Calls the strategy's own functions (``exact_reduce_scatter``, ``qgz.quantized_reduce_scatter``, the exact
+all-gather and ``qwz.quantized_all_gather``) on a bf16 buffer the size of one unit, ``--reps`` times, and reports the
+mean per call on rank 0 (ranks synchronise before and after). On loopback this measures the CPU cost the quantizers
+add; bytes are not the bottleneck here.
+
+    python benchmarks/collectives.py [--params 800000] [--world 4] [--per-node 2] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _worker(rank: int, world: int, per_node: int, params: int, reps: int) -> dict[str, float]:
+    import torch
+    import torch.distributed as dist
+
+    from lightning_zeropp import qgz, qwz
+    from lightning_zeropp.collectives import all_gather_flat
+    from lightning_zeropp.comm import exact_reduce_scatter
+    from lightning_zeropp.config import ZeroPPConfig
+    from lightning_zeropp.ledger import CommLedger
+    from lightning_zeropp.topology import ProcessGroups, Topology
+
+    dist.init_process_group("gloo")
+    topo = Topology(world, per_node, rank, per_node)
+    groups = ProcessGroups.build(topo)
+    ledger = CommLedger(topo)
+    chunk = params // world
+    grads = torch.randn(world * chunk).bfloat16()
+    shard = torch.randn(chunk).bfloat16()
+    gathered = torch.empty(world * chunk, dtype=torch.bfloat16)
+    out = torch.empty(chunk, dtype=torch.bfloat16)
+    avg, ranks = dist.ReduceOp.AVG, list(range(world))
+    cases = {
+        "reduce-scatter exact": lambda: exact_reduce_scatter(out, grads.clone(), avg, None, groups, ledger),
+        "reduce-scatter qgZ (2 stages)": lambda: qgz.quantized_reduce_scatter(
+            out, grads.clone(), avg, None, groups, ledger, ZeroPPConfig()
+        ),
+        "reduce-scatter qgZ (1 stage)": lambda: qgz.quantized_reduce_scatter(
+            out, grads.clone(), avg, None, groups, ledger, ZeroPPConfig(pipeline_stages=1)
+        ),
+        "all-gather exact": lambda: all_gather_flat(gathered, shard, groups.world),
+        "all-gather qwZ INT8": lambda: qwz.quantized_all_gather(
+            gathered, shard, groups.world, ranks, ledger, ZeroPPConfig(), "weight_all_gather", False
+        ),
+    }
+    times = {}
+    for name, call in cases.items():
+        call()
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(reps):
+            call()
+        dist.barrier()
+        times[name] = (time.perf_counter() - start) / reps
+    dist.destroy_process_group()
+    return times
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--params", type=int, default=800_000, help="parameters in the unit")
+    parser.add_argument("--world", type=int, default=4)
+    parser.add_argument("--per-node", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    sys.path.insert(0, str(ROOT))
+    from lightning_zeropp.spawn import run_local_ranks
+
+    times = run_local_ranks(_worker, args.world, args.per_node, args.params, args.reps, timeout=900)[0]
+    print(f"{args.params} parameters, {args.world} ranks as {args.world // args.per_node} nodes x {args.per_node}")
+    print("| collective | ms per call |\n|---|---|")
+    for name, seconds in times.items():
+        print(f"| {name} | {seconds * 1e3:.1f} |")
+    if args.json:
+        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "seconds": times}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
