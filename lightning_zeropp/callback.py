@@ -53,9 +53,11 @@ class CommVolumeMonitor(Callback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self._accumulating = trainer.global_step == self._last_global_step
+        # Automatic optimization: wait for the micro-batch that steps the optimizer (its reduction belongs to the
+        # step). Manual optimization decides itself when to step (or not at all): every batch is a step.
+        self._accumulating = pl_module.automatic_optimization and trainer.global_step == self._last_global_step
         if self._accumulating:
-            return  # gradient accumulation: the optimizer step (and its reduction) is still to come
+            return
         self._last_global_step = trainer.global_step
         ledger = trainer.strategy.comm_ledger
         scale = _UNITS[self.unit]

@@ -38,7 +38,11 @@ def replace_atomically(tmp: Path, path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
         old = path.with_name(f".{path.name}.old-{uuid.uuid4().hex[:8]}")
         os.replace(path, old)  # a folder cannot be replaced in one step: move it aside first
-        os.replace(tmp, path)
+        try:
+            os.replace(tmp, path)
+        except BaseException:
+            os.replace(old, path)  # put the previous checkpoint back where it was
+            raise
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, path)

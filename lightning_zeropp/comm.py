@@ -16,18 +16,15 @@ gradient reduce-scatter        whole group                 qgZ 2-hop all-to-all,
 
 from __future__ import annotations
 
-import logging
-
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from . import hpz, qgz, qwz
 from .collectives import all_gather_flat, reduce_scatter_flat, split_reduce_op
 from .config import ZeroPPConfig
 from .ledger import CommLedger
 from .topology import ProcessGroups
-
-log = logging.getLogger(__name__)
 
 
 class ZeroPPComms:
@@ -39,11 +36,10 @@ class ZeroPPComms:
         self.ledger = ledger
         self.topology = groups.topology
         self.use_qgz = config.quantize_gradients and self.topology.num_nodes > 1
-        if config.quantize_gradients and not self.use_qgz and self.topology.rank == 0:
-            log.info(
-                "ZeroPPStrategy: qgZ is on but the job has one node (%d ranks per node): there is no inter-node"
-                " traffic to save, so gradients use the exact reduce-scatter.",
-                self.topology.ranks_per_node,
+        if config.quantize_gradients and not self.use_qgz:
+            rank_zero_info(
+                f"ZeroPPStrategy: qgZ is on but the job has one node ({self.topology.ranks_per_node} ranks): there is"
+                " no inter-node traffic to save, so gradients use the exact reduce-scatter."
             )
 
     # ----------------------------------------------------------------- all-gather
@@ -62,17 +58,18 @@ class ZeroPPComms:
         return all_gather_flat(output, input, group, async_op)
 
     # ----------------------------------------------------------------- reduce-scatter
-    def reduce_scatter(
-        self, output: torch.Tensor, input: torch.Tensor, fsdp_group: dist.ProcessGroup, op
-    ) -> dist.Work | None:
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, fsdp_group: dist.ProcessGroup, op) -> None:
         role = self.groups.role_of(fsdp_group)
-        if role != "world":
-            raise RuntimeError(f"ZeroPPStrategy: gradient reduce-scatter on the {role} group is not expected.")
+        if role != "world":  # FSDP reduces over the whole data-parallel group; anything else is a sharding error
+            raise RuntimeError(
+                f"ZeroPPStrategy: FSDP asked to reduce gradients over the {role} group {self.groups.ranks(role)}"
+                " instead of all ranks; the model was sharded with a mesh other than the strategy's."
+            )
         base_op, premul = split_reduce_op(op)
         if self.use_qgz:
             qgz.quantized_reduce_scatter(output, input, base_op, premul, self.groups, self.ledger, self.config)
-            return None
-        return exact_reduce_scatter(output, input, base_op, premul, self.groups, self.ledger)
+            return
+        exact_reduce_scatter(output, input, base_op, premul, self.groups, self.ledger)
 
 
 def exact_reduce_scatter(

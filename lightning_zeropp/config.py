@@ -8,17 +8,18 @@ sharding code, with errors of the same form: the argument, the value, what is al
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import torch.distributed as dist
 from torch import nn
 
-KernelBackend = Literal["auto", "triton", "torch"]
+from triton_kernels import Backend as KernelBackend
+
 StateDictType = Literal["sharded", "full"]
 GradientRounding = Literal["nearest", "stochastic"]
 ModuleSelection = set[type[nn.Module]] | list[str] | None
 
-_KERNEL_BACKENDS = ("auto", "triton", "torch")
+_KERNEL_BACKENDS = get_args(KernelBackend)
 _STATE_DICT_TYPES = ("sharded", "full")
 _GRADIENT_ROUNDINGS = ("nearest", "stochastic")
 # A block's scale is one fp32 (4 bytes): blocks smaller than this make the scales outweigh the payload.
@@ -130,14 +131,15 @@ class ZeroPPConfig:
             raise _fail("kernel_backend", self.kernel_backend, f"choose one of {_KERNEL_BACKENDS}")
 
     def resolve(self, world_size: int, local_world_size: int) -> tuple[int, int]:
-        """Returns ``(ranks_per_node, hpz_partition_size)`` for a job, or raises naming the argument at fault."""
+        """Returns ``(ranks_per_node, hpz_partition_size)`` for a job of ``world_size`` ranks launched
+        ``local_world_size`` per machine, or raises naming the argument at fault."""
         ranks_per_node = local_world_size if self.ranks_per_node == "auto" else self.ranks_per_node
-        if world_size % ranks_per_node:
+        if local_world_size % ranks_per_node:
             raise _fail(
                 "ranks_per_node",
                 self.ranks_per_node,
-                f"it resolves to {ranks_per_node}, which does not divide the world size {world_size}; use a divisor"
-                f" of {world_size}: {_divisors(world_size)}",
+                f"it must divide the {local_world_size} ranks launched per machine, or ranks of different machines"
+                f" would count as one node; use 'auto' or one of {_divisors(local_world_size)}",
             )
         hpz = ranks_per_node if self.hpz_partition_size == "auto" else self.hpz_partition_size
         if world_size % hpz:
@@ -170,5 +172,11 @@ def check_strategy_arguments(
         raise _fail("state_dict_type", state_dict_type, f"choose one of {_STATE_DICT_TYPES}")
     if process_group_backend is not None:
         known = [b for b in dist.Backend.backend_list if b != "undefined"]
-        if process_group_backend not in known:
-            raise _fail("process_group_backend", process_group_backend, f"choose one of {known} or None (automatic)")
+        # "gloo", or per device type as torch accepts it: "cpu:gloo,cuda:nccl"
+        names = [part.split(":")[-1] for part in str(process_group_backend).split(",")]
+        if not isinstance(process_group_backend, str) or not all(name in known for name in names):
+            raise _fail(
+                "process_group_backend",
+                process_group_backend,
+                f"choose one of {known}, a per-device form such as 'cpu:gloo,cuda:nccl', or None (automatic)",
+            )

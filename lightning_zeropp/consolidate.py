@@ -49,15 +49,16 @@ def _rekey_optimizer(state: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def load_sharded(src: Path) -> dict[str, Any]:
-    """The whole checkpoint in one process: model and optimizer tensors gathered, metadata merged."""
+def load_sharded(src: Path, scratch: Path | None = None) -> dict[str, Any]:
+    """The whole checkpoint in one process: model and optimizer tensors gathered, metadata merged. ``scratch``: a
+    folder for the intermediate single-file copy (default: the system's temporary folder)."""
     if not (src.is_dir() and (src / _METADATA_FILENAME).is_file()):
         raise CheckpointMismatchError(
             f"consolidate: {src} is not a sharded checkpoint folder (a folder holding {_METADATA_FILENAME})."
         )
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory(dir=scratch) as tmp:
         flat_file = Path(tmp) / "flat.pt"
         dcp_to_torch_save(str(src), str(flat_file))
         stored = torch.load(flat_file, map_location="cpu", weights_only=False)
@@ -70,9 +71,10 @@ def load_sharded(src: Path) -> dict[str, Any]:
 
 def consolidate(src: str | Path, dst: str | Path) -> Path:
     src, dst = Path(src), Path(dst)
-    checkpoint = load_sharded(src)
     if dst.is_dir():
         raise IsADirectoryError(f"consolidate: the destination {dst} is a folder; give a file name such as last.ckpt.")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    checkpoint = load_sharded(src, scratch=dst.parent)  # next to the result: the space is needed there anyway
     save_full(checkpoint, dst, lambda c, p: torch.save(c, p))
     return dst
 

@@ -48,12 +48,9 @@ class ZeroPPReduceScatter(ReduceScatter):
         group: dist.ProcessGroup,
         op,
         async_op: bool = False,
-    ) -> dist.Work | None:
-        work = self.comms.reduce_scatter(output_tensor, input_tensor, group, op)
-        if work is not None and not async_op:
-            work.wait()
-            return None
-        return work
+    ) -> None:
+        # Synchronous whatever ``async_op`` says (FSDP2 never asks for async): the output is complete on return.
+        self.comms.reduce_scatter(output_tensor, input_tensor, group, op)
 
 
 def install(module: torch.nn.Module, comms: ZeroPPComms) -> None:

@@ -1,10 +1,11 @@
-"""hpZ: a secondary weight partition inside each node, so the backward all-gather never leaves the node.
+"""hpZ: a secondary weight partition inside each node, so the backward all-gather stays inside the node.
 
 FSDP2 already has the mechanism: ``fully_shard(reshard_after_forward=R)`` keeps, after a module's forward, a 1/R
 slice of the *unsharded* weights on each rank, and the backward all-gather then runs among R consecutive ranks
-instead of the whole world. With R = ranks per node those R ranks are one node. Because the slice is cut from the
-forward's all-gather output, it holds exactly the (dequantized, under qwZ) weights the forward used, so the secondary
-all-gather stays exact in the compute dtype: re-quantizing it would cost accuracy and save no inter-node bytes.
+instead of the whole world. With R = ranks per node (or a divisor of it) those R ranks share a node; other R are
+allowed, with a warning. Because the slice is cut from the forward's all-gather output, it holds exactly the
+(dequantized, under qwZ) weights the forward used, so the secondary all-gather stays exact in the compute dtype:
+re-quantizing it would cost accuracy and save no inter-node bytes.
 
 The slice is dropped by FSDP at the end of every backward (root post-backward callback), before the optimizer
 step changes the primary shards, so it can never go stale across steps.

@@ -19,7 +19,7 @@ from .topology import Topology
 KINDS = (
     "weight_all_gather",  # forward, from the primary shards (whole world)
     "weight_all_gather_backward",  # backward without hpZ: from the primary shards again
-    "weight_all_gather_secondary",  # from the hpZ secondary partition (backward, or a forward right after eval)
+    "weight_all_gather_secondary",  # backward, from the hpZ secondary partition (inside the node)
     "gradient_reduce_scatter",
     "gradient_all_to_all_intra",
     "gradient_all_to_all_inter",
@@ -80,10 +80,6 @@ class CommLedger:
     def start_step(self) -> None:
         """Zeroes the per-step counters (the callback calls this when a training batch starts)."""
         self._step = defaultdict(Traffic)
-
-    def reset(self) -> None:
-        self._total = defaultdict(Traffic)
-        self.start_step()
 
     def step(self, kind: str | None = None) -> Traffic:
         return _sum(self._step, kind)

@@ -31,12 +31,11 @@ from .topology import ProcessGroups
 _calls = itertools.count()
 
 
-def _seeds(config: ZeroPPConfig, rank: int) -> tuple[int | None, int | None]:
-    """Per call, per hop, per rank seeds for stochastic rounding (independent noise on every rank and hop)."""
-    if config.gradient_rounding != "stochastic":
-        return None, None
-    base = (next(_calls) * 1_000_003 + rank) * 2
-    return base, base + 1
+def _seed(call: int | None, rank: int, hop: int, stage: int) -> int | None:
+    """A seed per (call, rank, hop, stage) for stochastic rounding: independent noise everywhere, reproducible."""
+    if call is None:
+        return None
+    return hash((call, rank, hop, stage)) & 0x7FFFFFFF  # ints hash to themselves: the same in every process
 
 
 def quantized_reduce_scatter(
@@ -61,7 +60,7 @@ def quantized_reduce_scatter(
     stochastic = config.gradient_rounding == "stochastic"
     intra_bits, inter_bits, block = config.intra_node_gradient_bits, config.gradient_bits, config.gradient_block_size
     backend = config.kernel_backend
-    seed_intra, seed_inter = _seeds(config, topo.rank)
+    call = next(_calls) if stochastic else None
     flat_out = output.view(-1)
     intra_ranks, rail_ranks = topo.intra_node_ranks(), topo.rail_ranks()
 
@@ -71,12 +70,12 @@ def quantized_reduce_scatter(
         if size:
             stages.append((s, start, size))
 
-    def start_intra(s: int, size: int):
+    def start_intra(s: int):
         if N == 1:
             return None, None
         send = tk.swizzle_quantize(
             input, N, K, config.pipeline_stages, s, intra_bits, block,
-            stochastic=stochastic, seed=_mix(seed_intra, s), backend=backend,
+            stochastic=stochastic, seed=_seed(call, topo.rank, 0, s), backend=backend,
         )  # fmt: skip
         recv = torch.empty_like(send)
         ledger.record_to_peers("gradient_all_to_all_intra", intra_ranks, K * send.shape[1])
@@ -94,11 +93,11 @@ def quantized_reduce_scatter(
             return None
         if N == 1:  # nothing arrived from local peers: this rank's own K pieces go straight to the rail
             pieces = input.view(W, chunk)[:, start : start + size]
-            return tk.quantize(pieces, inter_bits, block, stochastic=stochastic, seed=_mix(seed_inter, s),
+            return tk.quantize(pieces, inter_bits, block, stochastic=stochastic, seed=_seed(call, topo.rank, 1, s),
                                backend=backend)  # fmt: skip
         return tk.dequantize_reduce_quantize(
             recv.view(N, K, -1), size, intra_bits, inter_bits, block,
-            stochastic=stochastic, seed=_mix(seed_inter, s), backend=backend,
+            stochastic=stochastic, seed=_seed(call, topo.rank, 1, s), backend=backend,
         )  # fmt: skip
 
     def start_inter(send: torch.Tensor):
@@ -112,19 +111,15 @@ def quantized_reduce_scatter(
             recv, size, inter_bits, block, multiplier=multiplier, out=flat_out[start : start + size], backend=backend
         )
 
-    intra = start_intra(stages[0][0], stages[0][2])
+    intra = start_intra(stages[0][0])
     in_flight = None
     for i, (s, start, size) in enumerate(stages):
         to_rail = reduce_in_node(s, start, size, *intra)
         inter = start_inter(to_rail) if to_rail is not None else None
         if i + 1 < len(stages):  # the next stage's intra-node hop overlaps this stage's inter-node hop
-            intra = start_intra(stages[i + 1][0], stages[i + 1][2])
+            intra = start_intra(stages[i + 1][0])
         if in_flight is not None:
             finish(*in_flight)
         in_flight = (start, size, *inter) if inter is not None else None
     if in_flight is not None:
         finish(*in_flight)
-
-
-def _mix(seed: int | None, stage: int) -> int | None:
-    return None if seed is None else seed * 64 + stage

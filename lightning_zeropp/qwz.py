@@ -18,10 +18,9 @@ same weights as forward.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 import triton_kernels as tk
 
@@ -29,7 +28,6 @@ from .collectives import all_gather_flat
 from .config import ZeroPPConfig
 from .ledger import CommLedger
 
-log = logging.getLogger(__name__)
 _warned_non_float = False
 
 
@@ -62,7 +60,7 @@ def quantized_all_gather(
     if not input.is_floating_point():
         # FSDP gathers raw bytes (uint8) when one unit mixes parameter dtypes; quantizing bytes would corrupt them.
         if not _warned_non_float:
-            log.warning(
+            rank_zero_warn(
                 "ZeroPPStrategy: a sharded unit mixes parameter dtypes, so FSDP gathers it as raw bytes; qwZ leaves"
                 " such units exact. Give every parameter of a unit the same dtype to quantize it."
             )

@@ -38,12 +38,25 @@ def resolve_module_classes(model: nn.Module, selection: ModuleSelection, argumen
     return classes
 
 
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+
+
 def default_wrap_targets(model: nn.Module) -> list[nn.Module]:
-    """Every module held directly in an ``nn.ModuleList`` (transformer blocks): one FSDP unit each."""
+    """The elements of the outermost ``nn.ModuleList``s (transformer blocks): one FSDP unit each.
+
+    Lists nested inside a block (heads, experts) stay part of their block's unit, and containers, which have no
+    forward of their own (their hooks would never fire), are never units.
+    """
     targets: list[nn.Module] = []
-    for module in model.modules():
-        if isinstance(module, nn.ModuleList):
-            targets.extend(module)
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            if isinstance(child, nn.ModuleList):
+                targets.extend(m for m in child if not isinstance(m, _CONTAINERS))
+            else:
+                visit(child)
+
+    visit(model)
     return targets
 
 

@@ -53,11 +53,20 @@ def _entry(
 
     torch.set_num_threads(1)
     try:
-        result = ("ok", fn(rank, world_size, *args))
-    except BaseException:
-        result = ("error", traceback.format_exc())
-    with open(Path(out) / f"rank{rank}.pkl", "wb") as f:
-        pickle.dump(result, f)
+        payload = pickle.dumps(("ok", fn(rank, world_size, *args)))
+    except BaseException:  # a failure, or a result that cannot be pickled: report it, never a half-written file
+        payload = pickle.dumps(("error", traceback.format_exc()))
+    tmp = Path(out) / f".rank{rank}.pkl"
+    tmp.write_bytes(payload)
+    tmp.rename(Path(out) / f"rank{rank}.pkl")
+
+
+def _failed(out: str, rank: int, proc) -> bool:
+    """Whether ``rank`` has finished with an error (or died without a result)."""
+    path = Path(out) / f"rank{rank}.pkl"
+    if path.exists():
+        return pickle.loads(path.read_bytes())[0] == "error"
+    return not proc.is_alive() and proc.exitcode not in (None, 0)
 
 
 def run_local_ranks(
@@ -76,17 +85,18 @@ def run_local_ranks(
     with tempfile.TemporaryDirectory() as out:
         procs = [
             ctx.Process(
-                target=_entry,
-                args=(fn, r, world_size, ranks_per_machine, port, out, args, env or {}, sys_path or []),
-                daemon=True,
+                target=_entry, args=(fn, r, world_size, ranks_per_machine, port, out, args, env or {}, sys_path or [])
             )
             for r in range(world_size)
         ]
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
+        grace: float | None = None  # once a rank failed, the others get a few seconds, not the whole timeout
+        while any(p.is_alive() for p in procs) and time.monotonic() < min(deadline, grace or deadline):
+            time.sleep(0.05)
+            if grace is None and any(_failed(out, r, p) for r, p in enumerate(procs)):
+                grace = time.monotonic() + 10
         hung = [r for r, p in enumerate(procs) if p.is_alive()]
         for p in procs:
             if p.is_alive():
@@ -104,7 +114,8 @@ def run_local_ranks(
                 errors.append(f"rank {r} raised:\n{value}")
             results.append(value)
         if hung:
-            errors.insert(0, f"ranks {hung} still ran after {timeout}s and were killed")
+            waited = "10s after another rank failed" if grace is not None else f"{timeout}s"
+            errors.insert(0, f"ranks {hung} still ran {waited} and were killed")
         if errors:
             raise RuntimeError("\n".join(errors))
         return results

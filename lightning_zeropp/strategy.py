@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from collections import OrderedDict
 from collections.abc import Generator
 from contextlib import contextmanager
@@ -20,11 +19,14 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.strategies.strategy import _ForwardRedirection
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
+
+import triton_kernels as tk
 
 from . import checkpoint as ckpt
 from . import fsdp_hooks, hpz
@@ -40,10 +42,8 @@ from .ledger import CommLedger
 from .sharding import apply_zeropp
 from .topology import ProcessGroups, Topology
 
-log = logging.getLogger(__name__)
-
 SUPPORTED_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-true")
-_SHARDED_MARK = "_zeropp_sharded_for_world_size"
+_SHARDED_MARK = "_zeropp_sharding_layout"
 
 
 class _RootStepRedirection(_ForwardRedirection):
@@ -165,7 +165,6 @@ class ZeroPPStrategy(ModelParallelStrategy):
         self._groups: ProcessGroups | None = None
         self._ledger: CommLedger | None = None
         self._comms: ZeroPPComms | None = None
-        self._sharded_model: nn.Module | None = None
         self._forward_redirection = _RootStepRedirection()
 
     # ------------------------------------------------------------------ properties
@@ -190,28 +189,18 @@ class ZeroPPStrategy(ModelParallelStrategy):
     @override
     def setup_environment(self) -> None:
         self._setup_distributed()
-        local_world_size = self.num_processes
-        ranks_per_node, hpz_size = self.zeropp_config.resolve(self.world_size, local_world_size)
-        if local_world_size % ranks_per_node:
-            raise ValueError(
-                f"ZeroPPStrategy: `ranks_per_node={self.zeropp_config.ranks_per_node!r}` must divide the"
-                f" {local_world_size} ranks launched per machine, or ranks of different machines would count as one"
-                " node. Use"
-                f" 'auto' or a divisor of {local_world_size}."
-            )
+        ranks_per_node, hpz_size = self.zeropp_config.resolve(self.world_size, self.num_processes)
         topology = Topology(self.world_size, ranks_per_node, self.global_rank, hpz_size)
-        if topology.hpz_crosses_nodes and self.global_rank == 0:
-            log.warning(
-                "ZeroPPStrategy: hpz_partition_size=%d spans %d nodes, so the backward all-gather crosses nodes."
-                " Use a divisor of ranks_per_node=%d to keep it inside a node.",
-                hpz_size,
-                hpz_size // ranks_per_node,
-                ranks_per_node,
+        if topology != self._topology:  # fit, then validate with the same Trainer: keep mesh, groups and ledger
+            if topology.hpz_crosses_nodes:
+                rank_zero_warn(
+                    f"ZeroPPStrategy: hpz_partition_size={hpz_size} does not divide ranks_per_node={ranks_per_node},"
+                    " so some hpZ groups span two nodes and their backward all-gather crosses nodes. Use a divisor of"
+                    f" {ranks_per_node} to keep it inside a node."
+                )
+            self._device_mesh = init_device_mesh(
+                self.root_device.type, (self.world_size,), mesh_dim_names=("data_parallel",)
             )
-        self._device_mesh = init_device_mesh(
-            self.root_device.type, (self.world_size,), mesh_dim_names=("data_parallel",)
-        )
-        if topology != self._topology:  # fit, then validate with the same Trainer: keep groups and ledger
             self._topology = topology
             self._groups = ProcessGroups.build(topology)
             self._ledger = CommLedger(topology)
@@ -229,26 +218,30 @@ class ZeroPPStrategy(ModelParallelStrategy):
             raise ValueError(
                 f"ZeroPPStrategy does not support `precision={precision!r}`; use one of {SUPPORTED_PRECISIONS}."
             )
+        self._check_kernel_backend()
+        # FSDP2's buffers must not be created under inference_mode (pytorch#95957); Lightning only falls back to
+        # no_grad for gloo and for its own FSDPStrategy.
+        for loop in (trainer.fit_loop.epoch_loop.val_loop, trainer.validate_loop, trainer.test_loop,
+                     trainer.predict_loop):  # fmt: skip
+            loop.inference_mode = False
         assert self._comms is not None and self._topology is not None
+        layout = self._sharding_layout(precision)
         if getattr(self.model, _SHARDED_MARK, None) is not None:
-            self._adopt_sharded_model()
-        elif self._sharded_model is not self.model:
+            self._adopt_sharded_model(layout)
+        else:
             # Dtype conversion (bf16-true, 16-true) before sharding: the shards then hold the converted values.
             self.model = self.precision_plugin.convert_module(self.model)
             apply_zeropp(
                 self.model,
                 mesh=self.device_mesh,
                 comms=self._comms,
-                reshard_after_forward=hpz.reshard_after_forward(
-                    self._topology.hpz_partition_size, self._topology.world_size
-                ),
+                reshard_after_forward=layout["reshard_after_forward"],
                 precision=precision,
                 wrap_modules=self._wrap_modules,
                 activation_checkpointing=self._activation_checkpointing,
                 cpu_offload=self._cpu_offload,
             )
-            self._sharded_model = self.model
-            setattr(self.model, _SHARDED_MARK, self._topology.world_size)
+            setattr(self.model, _SHARDED_MARK, layout)
             _materialize_distributed_module(self.model, self.root_device)
         self.model_to_device()
         self.barrier()
@@ -258,20 +251,43 @@ class ZeroPPStrategy(ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
-    def _adopt_sharded_model(self) -> None:
-        """A model sharded by an earlier ZeroPPStrategy (an earlier Trainer): route its collectives through ours."""
-        assert self.model is not None and self._comms is not None and self._topology is not None
-        sharded_for = getattr(self.model, _SHARDED_MARK)
-        if sharded_for != self._topology.world_size:
+    def _check_kernel_backend(self) -> None:
+        if self.zeropp_config.kernel_backend != "triton":
+            return
+        if self.root_device.type != "cuda" and not tk._interpreting():
             raise ValueError(
-                f"ZeroPPStrategy: this model was sharded for {sharded_for} ranks and cannot run on"
-                f" {self._topology.world_size}. Build a fresh model and load a sharded checkpoint instead: those load"
-                " on any world size."
+                f'ZeroPPStrategy: `kernel_backend="triton"` needs CUDA devices, but this job runs on'
+                f' {self.root_device.type} (on the CPU, Triton runs only under TRITON_INTERPRET=1). Use "auto".'
+            )
+        tk._triton_ops()  # raises with the reason when triton cannot be imported
+
+    def _sharding_layout(self, precision: str) -> dict[str, Any]:
+        """What the sharding of a model depends on; a model sharded differently cannot be adopted."""
+        assert self._topology is not None
+        return {
+            "world_size": self._topology.world_size,
+            "reshard_after_forward": hpz.reshard_after_forward(
+                self._topology.hpz_partition_size, self._topology.world_size
+            ),
+            "precision": precision,
+            "cpu_offload": self._cpu_offload,
+        }
+
+    def _adopt_sharded_model(self, layout: dict[str, Any]) -> None:
+        """A model sharded by an earlier ZeroPPStrategy (an earlier Trainer): route its collectives through ours."""
+        assert self.model is not None and self._comms is not None
+        sharded_as = getattr(self.model, _SHARDED_MARK)
+        differences = [f"{k}: {sharded_as[k]!r} then, {v!r} now" for k, v in layout.items() if sharded_as[k] != v]
+        if differences:
+            raise ValueError(
+                "ZeroPPStrategy: this model was sharded by an earlier Trainer with other settings ("
+                + "; ".join(differences)
+                + "). Build a fresh model and load a checkpoint instead: sharded checkpoints load on any world size"
+                " and settings."
             )
         for module in self.model.modules():
             if isinstance(module, FSDPModule):
                 fsdp_hooks.install(module, self._comms)
-        self._sharded_model = self.model
         self._reshard()
 
     def _reshard(self) -> None:
@@ -365,11 +381,18 @@ class ZeroPPStrategy(ModelParallelStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(checkpoint_path))
-        if not path.exists():
-            raise FileNotFoundError(f"ZeroPPStrategy: checkpoint {path} does not exist.")
         assert self.model is not None and self.lightning_module is not None
         strict = self.lightning_module.strict_loading
-        ckpt.check_compatible(path, {k: tuple(v.shape) for k, v in self.model.state_dict().items()}, strict)
+        shapes = {k: tuple(v.shape) for k, v in self.model.state_dict().items()}
+        # Every rank reads the files itself (they may not share a filesystem): agree before any collective load.
+        problem: BaseException | None = None
+        try:
+            if not path.exists():
+                raise FileNotFoundError(f"ZeroPPStrategy: checkpoint {path} does not exist.")
+            ckpt.check_compatible(path, shapes, strict)
+        except (FileNotFoundError, ckpt.CheckpointMismatchError) as err:
+            problem = err
+        self._raise_if_any_rank_failed(problem)
         from torch.distributed.checkpoint.api import CheckpointException
 
         try:
@@ -381,6 +404,24 @@ class ZeroPPStrategy(ModelParallelStrategy):
         self._restore_rng_state(loaded.pop(ckpt.RNG_KEY, None))
         self._reshard()
         return loaded
+
+    def _raise_if_any_rank_failed(self, problem: BaseException | None) -> None:
+        """Raises on every rank if any rank hit a problem (its own error, or the first failing rank's), else returns."""
+        import torch.distributed as dist
+
+        message = None if problem is None else (type(problem).__name__, str(problem))
+        messages = [message]
+        if self.world_size > 1:
+            messages = [None] * self.world_size
+            dist.all_gather_object(messages, message)
+        failed = [(rank, m) for rank, m in enumerate(messages) if m is not None]
+        if not failed:
+            return
+        if problem is not None:
+            raise problem
+        rank, (kind, text) = failed[0]
+        error = FileNotFoundError if kind == "FileNotFoundError" else ckpt.CheckpointMismatchError
+        raise error(f"{text} (seen on rank {rank})")
 
     def _gather_rng_states(self) -> list[dict[str, Any]]:
         import torch.distributed as dist
@@ -396,13 +437,10 @@ class ZeroPPStrategy(ModelParallelStrategy):
         if not states:
             return
         if len(states) != self.world_size:
-            if self.global_rank == 0:
-                log.warning(
-                    "ZeroPPStrategy: the checkpoint was written by %d ranks and is loaded by %d; the weights,"
-                    " optimizer and loops resume exactly, the random number streams (dropout) start afresh.",
-                    len(states),
-                    self.world_size,
-                )
+            rank_zero_warn(
+                f"ZeroPPStrategy: the checkpoint was written by {len(states)} ranks and is loaded by {self.world_size};"
+                " the weights, optimizer and loops resume exactly, the random number streams (dropout) start afresh."
+            )
             return
         ckpt.set_rng_state(states[self.global_rank])
 

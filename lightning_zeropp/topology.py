@@ -74,7 +74,8 @@ class Topology:
 
     @property
     def hpz_crosses_nodes(self) -> bool:
-        return self.hpz_partition_size > 1 and self.node_of(self.hpz_ranks()[0]) != self.node_of(self.hpz_ranks()[-1])
+        """Whether any hpZ group (not only this rank's) spans more than one node."""
+        return self.hpz_partition_size > 1 and self.ranks_per_node % self.hpz_partition_size != 0
 
     def peers_split(self, group_ranks: list[int]) -> tuple[int, int]:
         """``(same-node peers, other-node peers)`` of this rank inside ``group_ranks`` (itself excluded)."""
@@ -95,16 +96,16 @@ class ProcessGroups:
     _by_ranks: dict[tuple[int, ...], str] = field(default_factory=dict)
 
     @classmethod
-    def build(cls, topology: Topology, backend: str | None = None) -> ProcessGroups:
-        """Creates every group; all ranks must call this in the same order (``new_group`` is collective)."""
+    def build(cls, topology: Topology) -> ProcessGroups:
+        """Creates every group (with the default group's backend); all ranks must call this in the same order."""
         world_ranks = list(range(topology.world_size))
-        world = dist.new_group(world_ranks, backend=backend)
-        intra = _own_group([topology.intra_node_ranks(n) for n in range(topology.num_nodes)], topology.rank, backend)
-        inter = _own_group([topology.rail_ranks(lr) for lr in range(topology.ranks_per_node)], topology.rank, backend)
+        world = dist.new_group(world_ranks)
+        intra = _own_group([topology.intra_node_ranks(n) for n in range(topology.num_nodes)], topology.rank)
+        inter = _own_group([topology.rail_ranks(lr) for lr in range(topology.ranks_per_node)], topology.rank)
         hpz = None
         if 1 < topology.hpz_partition_size < topology.world_size:
             R = topology.hpz_partition_size
-            hpz = _own_group([list(range(s, s + R)) for s in range(0, topology.world_size, R)], topology.rank, backend)
+            hpz = _own_group([list(range(s, s + R)) for s in range(0, topology.world_size, R)], topology.rank)
         groups = cls(topology, world, intra, inter, hpz)
         groups._by_ranks[tuple(world_ranks)] = "world"
         if hpz is not None:
@@ -138,11 +139,11 @@ class ProcessGroups:
         raise KeyError(role)
 
 
-def _own_group(partition: list[list[int]], rank: int, backend: str | None) -> dist.ProcessGroup:
+def _own_group(partition: list[list[int]], rank: int) -> dist.ProcessGroup:
     """Creates every group of a partition of the ranks (collective) and returns the one holding ``rank``."""
     own = None
     for ranks in partition:
-        group = dist.new_group(ranks, backend=backend)
+        group = dist.new_group(ranks)
         if rank in ranks:
             own = group
     assert own is not None

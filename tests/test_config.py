@@ -37,6 +37,31 @@ def test_bad_arguments(kwargs, error, match):
         ZeroPPStrategy(**kwargs)
 
 
+def test_process_group_backend_per_device_form():
+    assert ZeroPPStrategy(process_group_backend="cpu:gloo,cuda:nccl").process_group_backend == "cpu:gloo,cuda:nccl"
+    with pytest.raises(ValueError, match="cpu:gloo,cuda:nccl"):
+        ZeroPPStrategy(process_group_backend="cpu:gloo,cuda:nccl2")
+
+
+def test_default_units_are_the_outermost_list_elements():
+    from torch import nn
+
+    from lightning_zeropp.sharding import default_wrap_targets
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.heads = nn.ModuleList(nn.Linear(2, 2) for _ in range(3))  # nested: stays inside its block
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([Block(), Block(), nn.ModuleList([nn.Linear(2, 2)])])
+
+    net = Net()
+    assert default_wrap_targets(net) == [net.blocks[0], net.blocks[1]]
+
+
 def test_good_arguments_are_kept():
     s = ZeroPPStrategy(
         weight_bits=4,
@@ -58,7 +83,12 @@ def test_good_arguments_are_kept():
 @pytest.mark.parametrize(
     ("kwargs", "world", "local", "match"),
     [
-        (dict(ranks_per_node=3), 4, 4, r"`ranks_per_node=3`.*does not divide the world size 4.*\[1, 2, 4\]"),
+        (
+            dict(ranks_per_node=3),
+            4,
+            4,
+            r"`ranks_per_node=3`.*must divide the 4 ranks launched per machine.*\[1, 2, 4\]",
+        ),
         (dict(hpz_partition_size=3), 4, 4, r"`hpz_partition_size=3`.*divide the world size 4"),
         (dict(hpz_partition_size=8), 4, 4, r"`hpz_partition_size=8`"),
     ],

@@ -10,7 +10,11 @@ CASES = {
     "absent wrap class": (dict(wrap_modules={"Conv2d"}), "32-true", r"`wrap_modules` names 'Conv2d'"),
     "unknown AC class": (dict(activation_checkpointing=["Blocks"]), "32-true", r"`activation_checkpointing` names"),
     "hpz does not divide": (dict(hpz_partition_size=3), "32-true", r"`hpz_partition_size=3`.*world size 2"),
-    "ranks_per_node spans machines": (dict(ranks_per_node=2), "32-true", r"`ranks_per_node=2` must divide the 1"),
+    "ranks_per_node spans machines": (
+        dict(ranks_per_node=2),
+        "32-true",
+        r"`ranks_per_node=2`.*must divide the 1 ranks",
+    ),
     "fp16 mixed precision": ({}, "16-mixed", r"precision='16-mixed'"),
 }
 
@@ -39,6 +43,28 @@ def _setup_worker(rank, world_size):
         else:
             failures[name] = "no error"
     return failures
+
+
+def _triton_on_cpu_worker(rank, world_size):
+    import torch
+    from helpers import lightning_trainer
+    from torch.utils.data import DataLoader, TensorDataset
+    from workers import tiny_gpt
+
+    from lightning_zeropp import ZeroPPStrategy
+
+    data = DataLoader(TensorDataset(torch.zeros(4, 16, dtype=torch.long), torch.zeros(4, 16, dtype=torch.long)))
+    trainer = lightning_trainer(world_size, ZeroPPStrategy(kernel_backend="triton"), max_steps=1)
+    try:
+        trainer.fit(tiny_gpt(), data)
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_triton_backend_on_cpu_refused_at_setup():
+    for message in spawn(_triton_on_cpu_worker, 2, env={"TRITON_INTERPRET": "0"}):
+        assert 'kernel_backend="triton"` needs CUDA devices' in message, message
 
 
 def test_errors_at_setup():

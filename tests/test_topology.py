@@ -24,6 +24,8 @@ def test_three_nodes_and_hpz_across_nodes():
     assert t.hpz_crosses_nodes
     t2 = Topology(world_size=6, ranks_per_node=2, rank=1, hpz_partition_size=3)
     assert t2.hpz_ranks() == [0, 1, 2] and t2.hpz_crosses_nodes
+    # rank 0's own group [0, 1] stays on node 0, but [2, 3] spans nodes 0 and 1: the answer is the same on every rank
+    assert all(Topology(6, 3, r, 2).hpz_crosses_nodes for r in range(6))
 
 
 @pytest.mark.parametrize(

@@ -119,13 +119,13 @@ def dequantize(buf: torch.Tensor, numel: int, bits: int, block_size: int, dtype:
     return out if two_d else out.view(-1)
 
 
-def _check_wire(rows: torch.Tensor, numel: int, bits: int, block_size: int) -> None:
+def _check_wire(rows: torch.Tensor, numel: int, bits: int, block_size: int, op: str = "dequantize") -> None:
     if rows.dtype != torch.uint8:
-        raise TypeError(f"dequantize: expected a uint8 wire buffer, got {rows.dtype}.")
+        raise TypeError(f"{op}: expected a uint8 wire buffer, got {rows.dtype}.")
     expected = wire_size(numel, bits, block_size)
     if rows.shape[1] != expected:
         raise ValueError(
-            f"dequantize: a row of {numel} elements at {bits} bits, block {block_size} takes {expected} bytes,"
+            f"{op}: a row of {numel} elements at {bits} bits, block {block_size} takes {expected} bytes,"
             f" but the buffer rows hold {rows.shape[1]}."
         )
 
@@ -178,7 +178,7 @@ def dequantize_reduce_quantize(
     piece dequantized, summed over the N peers in fp32, and re-quantized."""
     check_format(in_bits, block_size)
     N, K, _ = buf.shape
-    _check_wire(buf.view(N * K, -1), numel, in_bits, block_size)
+    _check_wire(buf.view(N * K, -1), numel, in_bits, block_size, "dequantize_reduce_quantize")
     values = _dequantize_f32(buf.reshape(N * K, -1), numel, in_bits, block_size).view(N, K, numel)
     return quantize(_sum_rows_f32(values), out_bits, block_size, stochastic=stochastic, seed=seed)
 
@@ -196,7 +196,7 @@ def dequantize_reduce(
     """qgZ step 5: ``buf`` is ``(M, wire)``; returns the fp32 sum of the M dequantized rows times ``multiplier``,
     cast to ``out``'s dtype (written into ``out`` when given) or ``dtype``."""
     check_format(bits, block_size)
-    _check_wire(buf, numel, bits, block_size)
+    _check_wire(buf, numel, bits, block_size, "dequantize_reduce")
     total = _sum_rows_f32(_dequantize_f32(buf, numel, bits, block_size))
     if multiplier != 1.0:
         total = total * multiplier
