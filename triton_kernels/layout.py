@@ -48,6 +48,18 @@ def wire_size(numel: int, bits: int, block_size: int) -> int:
     return _round_up(scale_offset(numel, bits) + 4 * num_blocks(numel, block_size), ALIGN)
 
 
+def check_wire(buf, numel: int, bits: int, block_size: int, op: str) -> None:
+    """Raises unless ``buf`` (a tensor) is uint8 with rows of ``wire_size(numel, bits, block_size)`` bytes."""
+    if str(buf.dtype) != "torch.uint8":
+        raise TypeError(f"{op}: expected a uint8 wire buffer, got {buf.dtype}.")
+    expected = wire_size(numel, bits, block_size)
+    if buf.shape[-1] != expected:
+        raise ValueError(
+            f"{op}: a row of {numel} elements at {bits} bits, block {block_size} takes {expected} bytes,"
+            f" but the buffer rows hold {buf.shape[-1]}."
+        )
+
+
 def swizzle_order(ranks_per_node: int, num_nodes: int) -> list[int]:
     """``order[slot]`` = the chunk that goes to ``slot`` before the intra-node all-to-all.
 

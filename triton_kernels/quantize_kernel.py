@@ -15,7 +15,7 @@ from ._tiles import (
     tile_offsets,
     uniform_pairs,
 )
-from .layout import QMAX, check_format, num_blocks, scale_offset, wire_size
+from .layout import QMAX, check_format, check_wire, num_blocks, scale_offset, wire_size
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -89,15 +89,8 @@ def _dequantize_kernel(buf_ptr, scale_ptr, out_ptr, n, wire, scale_row0, bs, nb,
     store_values(out_ptr + row * n, e, m, ve, vo, OUT_BF16, G, HALF)
 
 
-def check_wire(buf: torch.Tensor, numel: int, bits: int, block_size: int, op: str) -> torch.Tensor:
-    if buf.dtype != torch.uint8:
-        raise TypeError(f"{op}: expected a uint8 wire buffer, got {buf.dtype}.")
-    expected = wire_size(numel, bits, block_size)
-    if buf.shape[-1] != expected:
-        raise ValueError(
-            f"{op}: a row of {numel} elements at {bits} bits, block {block_size} takes {expected} bytes,"
-            f" but the buffer rows hold {buf.shape[-1]}."
-        )
+def contiguous_wire(buf: torch.Tensor, numel: int, bits: int, block_size: int, op: str) -> torch.Tensor:
+    check_wire(buf, numel, bits, block_size, op)
     return buf.contiguous()
 
 
@@ -105,7 +98,7 @@ def dequantize(buf: torch.Tensor, numel: int, bits: int, block_size: int, dtype:
     check_format(bits, block_size)
     if dtype not in FLOAT_DTYPES:
         raise TypeError(f"dequantize: output dtype must be float32, bfloat16 or float16, got {dtype}.")
-    rows = check_wire(buf if buf.dim() == 2 else buf.view(1, -1), numel, bits, block_size, "dequantize")
+    rows = contiguous_wire(buf if buf.dim() == 2 else buf.view(1, -1), numel, bits, block_size, "dequantize")
     R = rows.shape[0]
     out = torch.empty(R, numel, dtype=dtype, device=buf.device)
     if numel and R:

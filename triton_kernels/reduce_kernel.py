@@ -15,7 +15,7 @@ import triton.language as tl
 
 from ._tiles import load_dequantized_tile, quantize_tile, store_tile, store_values, tile_offsets, uniform_pairs
 from .layout import QMAX, check_format, num_blocks, scale_offset, wire_size
-from .quantize_kernel import FLOAT_DTYPES, check_wire, output_view, stochastic_seed, tile_shape
+from .quantize_kernel import FLOAT_DTYPES, contiguous_wire, output_view, stochastic_seed, tile_shape
 
 
 @triton.jit
@@ -57,7 +57,7 @@ def dequantize_reduce_quantize(
     if buf.dim() != 3:
         raise ValueError(f"dequantize_reduce_quantize: expected (N, K, wire) rows, got shape {tuple(buf.shape)}.")
     N, K, _ = buf.shape
-    buf = check_wire(buf, numel, in_bits, block_size, "dequantize_reduce_quantize")
+    buf = contiguous_wire(buf, numel, in_bits, block_size, "dequantize_reduce_quantize")
     out_wire = wire_size(numel, out_bits, block_size)
     out = torch.zeros(K, out_wire, dtype=torch.uint8, device=buf.device)
     if numel and K:
@@ -103,7 +103,7 @@ def dequantize_reduce(
     check_format(bits, block_size)
     if buf.dim() != 2:
         raise ValueError(f"dequantize_reduce: expected (M, wire) rows, got shape {tuple(buf.shape)}.")
-    buf = check_wire(buf, numel, bits, block_size, "dequantize_reduce")
+    buf = contiguous_wire(buf, numel, bits, block_size, "dequantize_reduce")
     if out is None:
         out = torch.empty(numel, dtype=dtype or torch.float32, device=buf.device)
     if out.dtype not in FLOAT_DTYPES or out.numel() != numel or not out.is_contiguous():

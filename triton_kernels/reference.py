@@ -8,7 +8,17 @@ from __future__ import annotations
 
 import torch
 
-from .layout import QMAX, check_format, num_blocks, payload_bytes, scale_offset, stage_bounds, swizzle_order, wire_size
+from .layout import (
+    QMAX,
+    check_format,
+    check_wire,
+    num_blocks,
+    payload_bytes,
+    scale_offset,
+    stage_bounds,
+    swizzle_order,
+    wire_size,
+)
 
 
 def _as_rows(x: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -113,21 +123,10 @@ def dequantize(buf: torch.Tensor, numel: int, bits: int, block_size: int, dtype:
     """Inverse of :func:`quantize`: a 1-D buffer gives ``(numel,)``, a 2-D one ``(rows, numel)``, in ``dtype``."""
     check_format(bits, block_size)
     rows, two_d = _as_rows(buf)
-    _check_wire(rows, numel, bits, block_size)
+    check_wire(rows, numel, bits, block_size, "dequantize")
     out = torch.empty(rows.shape[0], numel, dtype=dtype, device=buf.device)
     _dequantize_into(out, rows, numel, bits, block_size)
     return out if two_d else out.view(-1)
-
-
-def _check_wire(rows: torch.Tensor, numel: int, bits: int, block_size: int, op: str = "dequantize") -> None:
-    if rows.dtype != torch.uint8:
-        raise TypeError(f"{op}: expected a uint8 wire buffer, got {rows.dtype}.")
-    expected = wire_size(numel, bits, block_size)
-    if rows.shape[1] != expected:
-        raise ValueError(
-            f"{op}: a row of {numel} elements at {bits} bits, block {block_size} takes {expected} bytes,"
-            f" but the buffer rows hold {rows.shape[1]}."
-        )
 
 
 def swizzle_quantize(
@@ -178,7 +177,7 @@ def dequantize_reduce_quantize(
     piece dequantized, summed over the N peers in fp32, and re-quantized."""
     check_format(in_bits, block_size)
     N, K, _ = buf.shape
-    _check_wire(buf.view(N * K, -1), numel, in_bits, block_size, "dequantize_reduce_quantize")
+    check_wire(buf.view(N * K, -1), numel, in_bits, block_size, "dequantize_reduce_quantize")
     values = _dequantize_f32(buf.reshape(N * K, -1), numel, in_bits, block_size).view(N, K, numel)
     return quantize(_sum_rows_f32(values), out_bits, block_size, stochastic=stochastic, seed=seed)
 
@@ -196,7 +195,7 @@ def dequantize_reduce(
     """qgZ step 5: ``buf`` is ``(M, wire)``; returns the fp32 sum of the M dequantized rows times ``multiplier``,
     cast to ``out``'s dtype (written into ``out`` when given) or ``dtype``."""
     check_format(bits, block_size)
-    _check_wire(buf, numel, bits, block_size, "dequantize_reduce")
+    check_wire(buf, numel, bits, block_size, "dequantize_reduce")
     total = _sum_rows_f32(_dequantize_f32(buf, numel, bits, block_size))
     if multiplier != 1.0:
         total = total * multiplier
