@@ -2,9 +2,18 @@
 measured device-to-device copy bandwidth, and the speedup over the torch twins (eager and torch.compile).
 
     python benchmarks/kernels.py [--sizes-mb 1 4 16 64 256 1024] [--json benchmarks/kernels.json]
+    python benchmarks/kernels.py --static [--arch 90] [--json benchmarks/kernels_static.json]
 
-Needs a CUDA device. ``--smoke`` runs tiny sizes on the CPU under TRITON_INTERPRET=1 to check the script itself
-(its figures mean nothing).
+The bandwidth table needs a CUDA device. ``--smoke`` runs tiny sizes on the CPU under TRITON_INTERPRET=1 to check
+the script itself (its figures mean nothing).
+
+``--static`` needs no GPU: it compiles every configuration the strategy launches for a GPU target
+(``triton_kernels.aot``) and reads the code: registers, occupancy, SASS instructions per element on a full tile,
+the operation's minimum bytes per element, and the instruction-issue ceiling (4 warp-instructions per clock per SM
+at boost clock, as bytes per second) against H100 (3.35 TB/s) and H200 (4.8 TB/s) HBM bandwidth. A ceiling >= 100%
+means the SMs can issue the kernel's instructions faster than HBM can feed it: it can be memory-bound. It is an
+upper bound, not a measurement: it ignores latency, dual-issue limits and slower pipes (the int -> float conversions
+of dequantization run at a quarter of the FP32 rate).
 """
 
 from __future__ import annotations
@@ -100,13 +109,61 @@ def copy_bandwidth(device: str, time_fn) -> float:
     return 2 * src.numel() / time_fn(lambda: dst.copy_(src), 20)
 
 
+def _static_name(c: dict) -> str:
+    k, sig = c["constexprs"], c["signature"]
+    rounding = "stochastic" if k.get("STOCHASTIC") == "True" else "nearest"
+    if c["kernel"] == "_quantize_kernel":
+        return f"quantize {sig['x_ptr'][1:]} -> int{k['BITS']} {rounding}"
+    if c["kernel"] == "_dequantize_kernel":
+        what = "dequantize" if k["ROWS"] == "1" else f"dequantize_reduce M={k['ROWS']}"
+        return f"{what} int{k['BITS']} -> {sig['out_ptr'][1:]}"
+    return f"dequantize_reduce_quantize N={k['N']} int{k['IN_BITS']} -> int{k['OUT_BITS']} {rounding}"
+
+
+def static_table(archs: list[int], json_path: Path | None) -> None:
+    """The static performance table from the compiled code (see the module docstring)."""
+    os.environ.pop("TRITON_INTERPRET", None)
+    sys.path.insert(0, str(ROOT))
+    from triton_kernels import aot
+
+    report = aot.report(archs, os.cpu_count() or 1)
+    failed = [c for c in report["compiled"] if c["error"]]
+    if failed:
+        sys.exit(f"{len(failed)} configurations failed to compile; run pytest tests/test_compile_gate.py")
+    rows = [dict(aot.static_row(c), name=_static_name(c), block=int(c["constexprs"]["BS"]),
+                 aligned="odd" not in c["label"] and "chunk=1000" not in c["label"] and "n=1365" not in c["label"]
+                 and "chunk=4103" not in c["label"]) for c in report["compiled"]]  # fmt: skip
+    print("| kernel | block | sm | registers | occupancy | SASS instr / element / thread | bytes / element |"
+          " issue ceiling vs H100 HBM | vs H200 HBM |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
+    shown = set()
+    for r in sorted(rows, key=lambda r: (r["arch"], r["kernel"], r["name"], r["block"])):
+        key = (r["arch"], r["name"], r["block"])
+        if not r["aligned"] or key in shown:  # one row per configuration: aligned sizes (the others in the JSON)
+            continue
+        shown.add(key)
+        print(
+            f"| {r['name']} | {r['block']} | {r['arch']} | {r['registers']} | {100 * r['occupancy']:.0f}% |"
+            f" {r['instructions_per_thread_element']:.1f} | {r['bytes_per_element']:.2f} |"
+            f" {100 * r['issue_ceiling_vs_H100_hbm']:.0f}% | {100 * r['issue_ceiling_vs_H200_hbm']:.0f}% |"
+        )
+    if json_path:
+        json_path.write_text(json.dumps({"archs": report["archs"], "rows": rows}, indent=1))
+        print(f"wrote {json_path}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 4, 16, 64, 256, 1024])
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--smoke", action="store_true", help="tiny CPU run under TRITON_INTERPRET=1")
+    parser.add_argument("--static", action="store_true", help="the static table from compiled code (no GPU)")
+    parser.add_argument("--arch", type=int, nargs="+", default=[90], help="with --static: compute capabilities")
     args = parser.parse_args(argv)
+    if args.static:
+        static_table(args.arch, args.json)
+        return
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"
     sys.path.insert(0, str(ROOT))

@@ -64,9 +64,12 @@ def quantized_reduce_scatter(
     flat_out = output.view(-1)
     intra_ranks, rail_ranks = topo.intra_node_ranks(), topo.rail_ranks()
 
+    # Streams (CUDA): FSDP calls this on its reduce-scatter stream, and every buffer below is made, sent, received and
+    # read on it (``work.wait()`` makes the current stream wait for the collective); the output is complete in stream
+    # order when this returns, which is what FSDP's reduce-scatter event records.
     stages = []
     for s in range(config.pipeline_stages):
-        start, size = tk.stage_bounds(chunk, config.pipeline_stages, s)
+        start, size = tk.stage_bounds(chunk, config.pipeline_stages, s, block)
         if size:
             stages.append((s, start, size))
 

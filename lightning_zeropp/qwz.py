@@ -74,10 +74,18 @@ def quantized_all_gather(
     gathered = torch.empty(world * packed.numel(), dtype=torch.uint8, device=input.device)
     ledger.record_all_gather(kind, ranks, packed.numel())
     work = all_gather_flat(gathered, packed, group, async_op)
+    # Streams (CUDA): ``packed`` and ``gathered`` are made on the stream FSDP runs the all-gather on, which is the
+    # current stream here. Without async_op, everything below runs on that stream too. With async_op, FSDP calls
+    # ``wait()`` later, possibly on another stream: ``finish`` then reads ``gathered`` there, so it is recorded on
+    # that stream, or the caching allocator could hand its memory to the next all-gather while the dequantize kernel
+    # still reads it. ``output`` is FSDP's and FSDP orders its use after ``wait()``.
+    made_on = torch.cuda.current_stream() if gathered.is_cuda else None
 
     def finish() -> None:
-        weights = tk.dequantize(gathered.view(world, -1), numel, bits, block, output.dtype, backend=backend)
-        output.view(world, numel).copy_(weights)
+        if made_on is not None and torch.cuda.current_stream() != made_on:
+            gathered.record_stream(torch.cuda.current_stream())
+        # straight into FSDP's output (own slot included): no temporary, no copy
+        tk.dequantize(gathered.view(world, -1), numel, bits, block, output.dtype, out=output, backend=backend)
 
     if async_op:
         return _FinishOnWait(work, finish)

@@ -110,12 +110,12 @@ def test_qgz_matches_exact_reduce_scatter(world, per_node):
     reports = spawn(_qgz_worker, world, per_node)
     K = world // per_node
     for rank, report in enumerate(reports):
-        for r, (chunk, stages, _op, _premul, _dtype, _b1, b2, _block) in zip(report, CASES):
+        for r, (chunk, stages, _op, _premul, _dtype, _b1, b2, block) in zip(report, CASES):
             where = f"rank {rank}, case {r['case']} {CASES[r['case']][:5]}"
             assert r["within_bound"], f"{where}: error exceeds the derived bound by {r['excess']:.3g}"
             assert r["rel_rms"] <= _limit(b2), f"{where}: relative RMS error {r['rel_rms']:.3f}"
             assert r["rel_rms_exact"] <= 1e-2, f"{where}: the exact reduce-scatter itself is off"
-            live_stages = sum(1 for s in range(stages) if tk.stage_bounds(chunk, stages, s)[1])
+            live_stages = sum(1 for s in range(stages) if tk.stage_bounds(chunk, stages, s, block)[1])
             assert r["intra"] == (live_stages if per_node > 1 else 0), where
             assert r["inter"].calls == (live_stages if K > 1 else 0), where
             assert r["inter"].intra_node_bytes == 0, where

@@ -151,11 +151,13 @@ def test_generalized_swizzle_slots(N, K, S):
     assert got == naive and sorted(got.values()) == list(range(N * K * S))
 
 
-@pytest.mark.parametrize(("C", "S"), [(10, 1), (10, 3), (2, 3), (0, 2), (7, 7), (1000, 4)])
-def test_stage_bounds_cover_the_chunk(C, S):
+@pytest.mark.parametrize(("C", "S", "B"), [(10, 1, 4), (10, 3, 2), (2, 3, 2), (0, 2, 8), (7, 7, 1), (1000, 4, 64)])
+def test_stage_bounds_cover_the_chunk_in_whole_blocks(C, S, B):
     covered = []
     for s in range(S):
-        start, size = tk.stage_bounds(C, S, s)
+        start, size = tk.stage_bounds(C, S, s, B)
+        assert start % B == 0, "a piece must start on a block boundary"
+        assert size % B == 0 or start + size == C, "only the chunk's last piece may end inside a block"
         covered.extend(range(start, start + size))
     assert covered == list(range(C))
 
@@ -166,7 +168,7 @@ def test_swizzle_quantize_is_gather_then_quantize(N, K, C, S):
     W = N * K
     x = torch.randn(W * C)
     for s in range(S):
-        start, size = tk.stage_bounds(C, S, s)
+        start, size = tk.stage_bounds(C, S, s, 16)
         pieces = torch.stack([x[j * C + start : j * C + start + size] for j in _naive_order(N, K)])
         assert torch.equal(tk.swizzle_quantize(x, N, K, S, s, 8, 16), ref.quantize(pieces, 8, 16))
 

@@ -71,10 +71,17 @@ def quantize(
 
 
 def dequantize(
-    buf: torch.Tensor, numel: int, bits: int, block_size: int, dtype: torch.dtype, *, backend: Backend = "auto"
+    buf: torch.Tensor,
+    numel: int,
+    bits: int,
+    block_size: int,
+    dtype: torch.dtype,
+    *,
+    out: torch.Tensor | None = None,
+    backend: Backend = "auto",
 ) -> torch.Tensor:
-    """Inverse of :func:`quantize`, in ``dtype``."""
-    return _impl(backend, buf).dequantize(buf, numel, bits, block_size, dtype)
+    """Inverse of :func:`quantize`, in ``dtype``, or written straight into ``out`` (contiguous, rows x numel)."""
+    return _impl(backend, buf).dequantize(buf, numel, bits, block_size, dtype, out=out)
 
 
 def swizzle_quantize(

@@ -1,32 +1,66 @@
 """Triton building blocks shared by the kernels: one tile = G quantization blocks, each seen as two vectors.
 
-A tile is loaded and stored contiguously (``[G, 2 * HALF]``, HALF = the next power of two >= ceil(bs / 2)) and
+A tile is loaded and stored contiguously (``[G, 2 * HALF]``, HALF = the next power of two >= ceil(BS / 2)) and
 split in registers into its even- and odd-indexed elements, ``[G, HALF]`` each. That is the INT4 byte layout
 (element 2i in the low nibble, 2i+1 in the high nibble of one byte), so one kernel can read one bit width and write
-another without reshuffling memory. The arithmetic is the torch twins', operation for operation, so results match
-bit for bit:
+another without reshuffling memory.
 
-- ``scale = absmax / qmax`` and ``x / scale`` are IEEE divisions (``div_rn``), never approximate reciprocals;
-- round half to even is ``(y + 1.5 * 2**23) - 1.5 * 2**23`` (exact for |y| < 2**22; here |y| <= 127);
-- ``tl.max`` skips NaN, so NaN is detected on its own: a block with NaN or Inf gets scale NaN and q = 0.
+Masks decide whether the compiler can move 16 bytes per instruction, so every helper takes ``MASKED``:
+
+- ``MASKED=False`` (every tile but the last of a row): no mask at all when the block size is a power of two, so
+  loads and stores vectorize.
+- ``MASKED=True`` (the last tile): input elements are masked against ``n``; payload bytes against the padded payload
+  end ``so`` (a multiple of 16, the wire format's alignment), so even the last tile's payload moves in vectors and
+  writes its own zero padding; scales against the padded scale count ``nb4`` (multiple of 4) for the same reason.
+  The kernels never need a memset of the wire buffer.
+
+The arithmetic is the torch twins', operation for operation, so results match bit for bit (the launchers turn off
+FMA contraction, which would fuse ``q * scale`` into a following add):
+
+- ``scale = absmax / qmax`` (IEEE division), ``inv = 1 / scale`` once per block (IEEE division), ``y = x * inv``;
+- round half to even is ``y + 1.5 * 2**23``, whose low mantissa bits are then the code (exact for |y| < 2**22);
+- ``absmax`` is a NaN-propagating max, so a block with NaN or Inf is found without a separate pass: it gets scale NaN
+  and codes 0; a block whose scale is below the smallest normal float codes 0 (its reciprocal would overflow).
 """
 
 import triton
 import triton.language as tl
 
-_ROUND_MAGIC = 12582912.0  # 1.5 * 2**23
-_FLT_MAX = 3.4028234663852886e38
+ROUND_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23
+FLT_MAX = tl.constexpr(3.4028234663852886e38)
+FLT_MIN_NORMAL = tl.constexpr(1.1754943508222875e-38)
+# Philox 4x32 with 7 rounds passes the BigCrush battery (Salmon et al., SC 2011, "Parallel random numbers: as easy as
+# 1, 2, 3"); 10 is the library default's safety margin. Rounding noise needs no more, and each round costs.
+PHILOX_ROUNDS = tl.constexpr(7)
 
 
 @triton.jit
-def tile_offsets(pid, bs, n, nb, G: tl.constexpr, HALF: tl.constexpr):
-    """Contiguous element offsets ``[G, 2 * HALF]`` of program ``pid``'s G blocks, their mask, block ids, block mask."""
-    blk = pid.to(tl.int64) * G + tl.arange(0, G)
+def program_ids(IDX64: tl.constexpr):
+    """(tile, row) of this program, in int64 when the buffers exceed 2**31 elements (32-bit math is cheaper)."""
+    pid, row = tl.program_id(0), tl.program_id(1)
+    if IDX64:
+        pid, row = pid.to(tl.int64), row.to(tl.int64)
+    return pid, row
+
+
+@triton.jit
+def tile_index(pid, BS: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr):
+    """Block ids ``[G]``, element offsets ``[G, 2 * HALF]`` within the row, and lane ids ``[2 * HALF]``."""
+    blk = pid * G + tl.arange(0, G)
     t = tl.arange(0, 2 * HALF)
-    e = blk[:, None] * bs + t[None, :]
-    blk_ok = blk < nb
-    m = blk_ok[:, None] & (t[None, :] < bs) & (e < n)
-    return e, m, blk, blk_ok
+    return blk, blk[:, None] * BS + t[None, :], t
+
+
+@triton.jit
+def is_full_tile(pid, n, BS: tl.constexpr, G: tl.constexpr):
+    """Whether every element of tile ``pid`` lies below ``n`` (then no element mask is needed)."""
+    return (pid + 1) * (G * BS) <= n
+
+
+@triton.jit
+def padded_blocks(n, BS: tl.constexpr):
+    """The block count rounded up to 4: the scale slots a wire row holds (its end is 16-byte aligned)."""
+    return (n + BS - 1) // BS + 3 & -4
 
 
 @triton.jit
@@ -41,94 +75,182 @@ def join_pairs(ve, vo, G: tl.constexpr, HALF: tl.constexpr):
 
 
 @triton.jit
-def _int4_bytes(blk, blk_ok, bs, n, HALF: tl.constexpr):
-    """Byte offsets ``[G, HALF]`` of the INT4 payload of the blocks (bs is even), the pair masks (even, odd)."""
-    j = tl.arange(0, HALF)
-    eb = blk[:, None] * (bs // 2) + j[None, :]
-    m_even = blk_ok[:, None] & (2 * j[None, :] < bs) & (2 * eb < n)
-    return eb, m_even, m_even & (2 * eb + 1 < n)
+def load_pairs(ptr, e, t, n, MASKED: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr):
+    """A contiguous tile of a float input as fp32 even / odd pairs (elements past ``n`` or the block are 0)."""
+    if MASKED:
+        v = tl.load(ptr + e, mask=(t[None, :] < BS) & (e < n), other=0.0)
+    elif BS == 2 * HALF:
+        v = tl.load(ptr + e)
+    else:
+        v = tl.load(ptr + e, mask=t[None, :] < BS, other=0.0)
+    return split_pairs(v.to(tl.float32), G, HALF)
 
 
 @triton.jit
-def quantize_tile(xe, xo, ue, uo, QMAX: tl.constexpr, STOCHASTIC: tl.constexpr):
-    """fp32 pairs (masked elements 0) -> int32 codes in [-QMAX, QMAX] and the fp32 scale of each block."""
-    absmax = tl.maximum(tl.max(tl.abs(xe), axis=1), tl.max(tl.abs(xo), axis=1))
-    has_nan = tl.sum(((xe != xe) | (xo != xo)).to(tl.int32), axis=1) > 0
-    bad = has_nan | (absmax > _FLT_MAX)
+def _nan_max(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def uniform_pairs(seed, counter0, G: tl.constexpr, HALF: tl.constexpr):
+    """Uniform [0, 1) numbers for stochastic rounding, ``[G, HALF]`` even and odd.
+
+    One Philox 4x32 call gives four 32-bit words; each word gives two 16-bit uniforms (exact multiples of 2**-16,
+    fine enough for rounding: the bias is below 2**-16 of a step). So one call serves eight elements, instead of one
+    call per element. Counters ``counter0 + [0, G * HALF / 4)`` must be unique per tile.
+    """
+    c = counter0 + tl.arange(0, G * HALF // 4)
+    r0, r1, r2, r3 = tl.randint4x(seed, c, PHILOX_ROUNDS)
+    ue = tl.reshape(tl.join(tl.join(_lo16(r0), _hi16(r0)), tl.join(_lo16(r1), _hi16(r1))), (G, HALF))
+    uo = tl.reshape(tl.join(tl.join(_lo16(r2), _hi16(r2)), tl.join(_lo16(r3), _hi16(r3))), (G, HALF))
+    return ue, uo
+
+
+@triton.jit
+def _lo16(r):
+    """The low 16 bits as a float in [0, 1): placed at the top of a mantissa of 1.0, minus 1."""
+    return ((r.to(tl.uint32, bitcast=True) << 7) & 0x7FFF80 | 0x3F800000).to(tl.float32, bitcast=True) - 1.0
+
+
+@triton.jit
+def _hi16(r):
+    return ((r.to(tl.uint32, bitcast=True) >> 9) & 0x7FFF80 | 0x3F800000).to(tl.float32, bitcast=True) - 1.0
+
+
+@triton.jit
+def quantize_pairs(xe, xo, seed, counter0, QMAX: tl.constexpr, STOCHASTIC: tl.constexpr, G: tl.constexpr,
+                   HALF: tl.constexpr):  # fmt: skip
+    """fp32 pairs (masked elements 0) -> codes in [-QMAX, QMAX] and each block's fp32 scale.
+
+    The codes come back as int32 words whose low bits are the code in two's complement: ``y + 1.5 * 2**23`` rounds
+    ``y`` to the nearest integer (ties to even) and leaves it in the low mantissa bits, so no float -> int conversion
+    is needed. Nearest rounding needs no clamp: ``|x| * (1 / (absmax / QMAX)) <= QMAX * (1 + 3 * 2**-24)``, which
+    rounds to QMAX. A block that cannot be scaled (NaN, Inf, or a scale below the smallest normal float) codes 0.
+    """
+    absmax = _nan_max(tl.reduce(tl.abs(xe), 1, _nan_max), tl.reduce(tl.abs(xo), 1, _nan_max))
+    bad = (absmax != absmax) | (absmax > FLT_MAX)
     scale = tl.math.div_rn(absmax, tl.full(absmax.shape, QMAX, tl.float32))
-    usable = (~bad) & (scale > 0.0)
+    usable = (~bad) & (scale >= FLT_MIN_NORMAL)
     scale = tl.where(bad, float("nan"), scale)
-    denom = tl.where(usable, scale, 1.0)[:, None]
-    ye = tl.math.div_rn(xe, tl.broadcast_to(denom, xe.shape))
-    yo = tl.math.div_rn(xo, tl.broadcast_to(denom, xo.shape))
+    inv = tl.math.div_rn(tl.full(absmax.shape, 1.0, tl.float32), tl.where(usable, scale, 1.0))[:, None]
+    ok = usable[:, None]
+    ye = xe * inv
+    yo = xo * inv
     if STOCHASTIC:
-        ye = tl.floor(ye + ue)
-        yo = tl.floor(yo + uo)
-    else:
-        ye = (ye + _ROUND_MAGIC) - _ROUND_MAGIC
-        yo = (yo + _ROUND_MAGIC) - _ROUND_MAGIC
-    ye = tl.minimum(tl.maximum(ye, -QMAX), QMAX)
-    yo = tl.minimum(tl.maximum(yo, -QMAX), QMAX)
-    qe = tl.where(usable[:, None], ye, 0.0).to(tl.int32)
-    qo = tl.where(usable[:, None], yo, 0.0).to(tl.int32)
-    return qe, qo, scale
+        ue, uo = uniform_pairs(seed, counter0, G, HALF)
+        ye = tl.minimum(tl.maximum(tl.floor(ye + ue), -QMAX), QMAX)  # y + u may round up to QMAX + 1
+        yo = tl.minimum(tl.maximum(tl.floor(yo + uo), -QMAX), QMAX)
+    ye = tl.where(ok, ye, 0.0) + ROUND_MAGIC
+    yo = tl.where(ok, yo, 0.0) + ROUND_MAGIC
+    return ye.to(tl.int32, bitcast=True), yo.to(tl.int32, bitcast=True), scale
 
 
 @triton.jit
-def store_tile(out_ptr, scale_ptr, row_bytes, row_scales, e, m, blk, blk_ok, bs, n, qe, qo, scale,
-               BITS: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr):  # fmt: skip
-    """Writes a tile's codes into a wire row (payload at byte 0) and its scales (fp32 view of the same row)."""
+def store_codes(out_ptr, scale_ptr, ye, yo, scale, e, blk, t, so, nb4, BITS: tl.constexpr, MASKED: tl.constexpr,
+                BS: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr):  # fmt: skip
+    """Writes a tile's codes into a wire row (payload at byte 0, padded to ``so``) and its scales."""
     if BITS == 8:
-        q = join_pairs(qe, qo, G, HALF)
-        tl.store(out_ptr + row_bytes + e, q.to(tl.int8).to(tl.uint8, bitcast=True), mask=m)
+        q = join_pairs(ye, yo, G, HALF).to(tl.int8)  # the low byte of each code word
+        if MASKED:  # payload
+            tl.store(out_ptr + e, q, mask=(t[None, :] < BS) & (e < so))  # payload
+        elif BS == 2 * HALF:  # payload
+            tl.store(out_ptr + e, q)  # payload
+        else:  # payload
+            tl.store(out_ptr + e, q, mask=t[None, :] < BS)  # payload
     else:
-        eb, m_even, m_odd = _int4_bytes(blk, blk_ok, bs, n, HALF)
-        packed = (qe & 0xF) | ((qo & 0xF) << 4)
-        tl.store(out_ptr + row_bytes + eb, packed.to(tl.uint8), mask=m_even)
-    tl.store(scale_ptr + row_scales + blk, scale, mask=blk_ok)
+        j = tl.arange(0, HALF)
+        eb = blk[:, None] * (BS // 2) + j[None, :]
+        packed = ((ye & 0xF) | (yo << 4)).to(tl.int8)
+        if MASKED:  # payload
+            tl.store(out_ptr + eb, packed, mask=(j[None, :] < BS // 2) & (eb < so))  # payload
+        elif BS == 2 * HALF:  # payload
+            tl.store(out_ptr + eb, packed)  # payload
+        else:  # payload
+            tl.store(out_ptr + eb, packed, mask=j[None, :] < BS // 2)  # payload
+    if MASKED:
+        tl.store(scale_ptr + blk, scale, mask=blk < nb4)  # blocks past n hold only zeros: scale 0, the padding
+    else:
+        tl.store(scale_ptr + blk, scale)
 
 
 @triton.jit
-def load_dequantized_tile(buf_ptr, scale_ptr, row_bytes, row_scales, e, m, blk, blk_ok, bs, n,
-                          BITS: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr):  # fmt: skip
-    """Reads a tile of a wire row back to fp32 pairs ``q * scale`` (masked elements 0)."""
+def load_dequantized(buf_ptr, scale_ptr, e, blk, t, n, so, nb4, BITS: tl.constexpr, MASKED: tl.constexpr,
+                     BS: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr):  # fmt: skip
+    """Reads a tile of a wire row back to fp32 pairs ``q * scale``; elements past ``n`` come back as 0."""
     if BITS == 8:
-        q = tl.load(buf_ptr + row_bytes + e, mask=m, other=0).to(tl.int8, bitcast=True).to(tl.float32)
-        qe, qo = split_pairs(q, G, HALF)
-        m_even, m_odd = split_pairs(m, G, HALF)
+        if MASKED:  # payload
+            q = tl.load(buf_ptr + e, mask=(t[None, :] < BS) & (e < so), other=0)  # payload
+        elif BS == 2 * HALF:  # payload
+            q = tl.load(buf_ptr + e)  # payload
+        else:  # payload
+            q = tl.load(buf_ptr + e, mask=t[None, :] < BS, other=0)  # payload
+        qe, qo = split_pairs(q.to(tl.float32), G, HALF)
     else:
-        eb, m_even, m_odd = _int4_bytes(blk, blk_ok, bs, n, HALF)
-        byte = tl.load(buf_ptr + row_bytes + eb, mask=m_even, other=0).to(tl.int32)
-        qe = (((byte & 0xF) ^ 8) - 8).to(tl.float32)
-        qo = (((byte >> 4) ^ 8) - 8).to(tl.float32)
-    scale = tl.load(scale_ptr + row_scales + blk, mask=blk_ok, other=0.0)[:, None]
-    ve = tl.where(m_even, qe * scale, 0.0)
-    vo = tl.where(m_odd, qo * scale, 0.0)
+        j = tl.arange(0, HALF)
+        eb = blk[:, None] * (BS // 2) + j[None, :]
+        if MASKED:  # payload
+            byte = tl.load(buf_ptr + eb, mask=(j[None, :] < BS // 2) & (eb < so), other=0)  # payload
+        elif BS == 2 * HALF:  # payload
+            byte = tl.load(buf_ptr + eb)  # payload
+        else:  # payload
+            byte = tl.load(buf_ptr + eb, mask=j[None, :] < BS // 2, other=0)  # payload
+        byte = byte.to(tl.int32)  # sign-extends the int8: arithmetic shifts then sign-extend each nibble
+        qe = ((byte << 28) >> 28).to(tl.float32)
+        qo = (byte >> 4).to(tl.float32)
+    if MASKED:
+        scale = tl.load(scale_ptr + blk, mask=blk < nb4, other=0.0)[:, None]
+        ve = qe * scale
+        vo = qo * scale
+        me, mo = split_pairs(e < n, G, HALF)  # the payload's padding is not data, whatever a sender put there
+        ve = tl.where(me, ve, 0.0)
+        vo = tl.where(mo, vo, 0.0)
+    else:
+        scale = tl.load(scale_ptr + blk)[:, None]
+        ve = qe * scale
+        vo = qo * scale
     return ve, vo
 
 
 @triton.jit
-def load_pairs(ptr, e, m, G: tl.constexpr, HALF: tl.constexpr):
-    """A contiguous tile of a float input as fp32 even / odd pairs (masked elements 0)."""
-    return split_pairs(tl.load(ptr + e, mask=m, other=0.0).to(tl.float32), G, HALF)
+def sum_dequantized(buf_ptr, scale_ptr, row0, row_step, wire, e, blk, t, n, so, nb4, ROWS: tl.constexpr,
+                    BITS: tl.constexpr, MASKED: tl.constexpr, BS: tl.constexpr, G: tl.constexpr,
+                    HALF: tl.constexpr):  # fmt: skip
+    """The fp32 sum of wire rows ``row0 + i * row_step`` (i < ROWS), in index order like the twins' running sum.
+
+    ROWS is a compile-time constant so the loop unrolls and the loads of all rows are in flight at once.
+    """
+    scale_stride = wire // 4
+    so4 = so // 4
+    acc_e, acc_o = load_dequantized(buf_ptr + row0 * wire, scale_ptr + row0 * scale_stride + so4, e, blk, t, n, so,
+                                    nb4, BITS, MASKED, BS, G, HALF)  # fmt: skip
+    for i in tl.static_range(1, ROWS):
+        row = row0 + i * row_step
+        ve, vo = load_dequantized(buf_ptr + row * wire, scale_ptr + row * scale_stride + so4, e, blk, t, n, so, nb4,
+                                  BITS, MASKED, BS, G, HALF)  # fmt: skip
+        acc_e += ve
+        acc_o += vo
+    return acc_e, acc_o
 
 
 @triton.jit
-def uniform_pairs(seed, offsets, G: tl.constexpr, HALF: tl.constexpr):
-    """Counter-based uniform [0, 1) numbers for stochastic rounding, one per element offset."""
-    return split_pairs(tl.rand(seed, offsets), G, HALF)
+def store_values(out_ptr, e, t, n, ve, vo, MASKED: tl.constexpr, BF16_BY_HAND: tl.constexpr, BS: tl.constexpr,
+                 G: tl.constexpr, HALF: tl.constexpr):  # fmt: skip
+    """Stores fp32 pairs contiguously in ``out_ptr``'s dtype.
 
-
-@triton.jit
-def store_values(out_ptr, e, m, ve, vo, OUT_BF16: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr):
-    """Stores fp32 pairs contiguously in ``out_ptr``'s dtype. bf16 is rounded to nearest even with integer
-    arithmetic (``out_ptr`` then points at the int16 view of the output): Triton's interpreter truncates fp32 ->
-    bf16, the GPU rounds, torch rounds; doing it by hand makes all three agree."""
+    ``BF16_BY_HAND`` (only under the interpreter, which truncates fp32 -> bf16 where the GPU and torch round):
+    round to nearest even with integer arithmetic into the int16 view of the output, so all three agree.
+    """
     v = join_pairs(ve, vo, G, HALF)
-    if OUT_BF16:
+    if BF16_BY_HAND:
         bits = v.to(tl.uint32, bitcast=True)
         rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
         rounded = tl.where(v != v, 0x7FC0, rounded)  # any NaN -> the canonical bf16 NaN, as torch
-        tl.store(out_ptr + e, rounded.to(tl.uint16).to(tl.int16, bitcast=True), mask=m)
+        v = rounded.to(tl.uint16).to(tl.int16, bitcast=True)
     else:
-        tl.store(out_ptr + e, v.to(out_ptr.dtype.element_ty), mask=m)
+        v = v.to(out_ptr.dtype.element_ty)
+    if MASKED:
+        tl.store(out_ptr + e, v, mask=(t[None, :] < BS) & (e < n))
+    elif BS == 2 * HALF:
+        tl.store(out_ptr + e, v)
+    else:
+        tl.store(out_ptr + e, v, mask=t[None, :] < BS)

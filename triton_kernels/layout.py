@@ -71,10 +71,14 @@ def swizzle_order(ranks_per_node: int, num_nodes: int) -> list[int]:
     return [(slot % K) * N + slot // K for slot in range(N * K)]
 
 
-def stage_bounds(chunk_numel: int, stages: int, stage: int) -> tuple[int, int]:
-    """``(start, size)`` of pipeline piece ``stage`` inside each chunk: ``ceil(C / S)`` elements, the last shorter
-    (or empty when the chunk has fewer elements than stages)."""
-    piece = -(-chunk_numel // stages)
+def stage_bounds(chunk_numel: int, stages: int, stage: int, block_size: int) -> tuple[int, int]:
+    """``(start, size)`` of pipeline piece ``stage`` inside each chunk: ``ceil(C / S)`` elements rounded up to whole
+    quantization blocks, the last piece shorter (or empty when the chunk has fewer blocks than stages).
+
+    Whole blocks keep every piece's start aligned like the chunk itself, so the kernels' loads stay vectorized, and
+    no block is split between two stages.
+    """
+    piece = _round_up(-(-chunk_numel // stages), block_size)
     start = min(stage * piece, chunk_numel)
     return start, min(piece, chunk_numel - start)
 

@@ -20,6 +20,8 @@ from .layout import (
     wire_size,
 )
 
+_FLT_MIN_NORMAL = torch.finfo(torch.float32).tiny
+
 
 def _as_rows(x: torch.Tensor) -> tuple[torch.Tensor, bool]:
     if x.dim() == 2:
@@ -65,22 +67,23 @@ def quantize(
     # max |x| without a full-size temporary (NaN propagates); abs_ turns the -0.0 of an all-zero block into +0.0
     absmax = torch.cat([torch.maximum(p.amax(dim=2), p.amin(dim=2).neg_()).abs_() for p in parts], dim=1)
     scale = absmax / qmax
-    usable = torch.isfinite(scale) & (scale > 0)
+    # below the smallest normal float a block's reciprocal would overflow: such a block codes 0
+    usable = torch.isfinite(scale) & (scale >= _FLT_MIN_NORMAL)
     every_block_usable = bool(usable.all())
-    denom = scale if every_block_usable else torch.where(usable, scale, torch.ones_like(scale))
+    inv = 1.0 / (scale if every_block_usable else torch.where(usable, scale, torch.ones_like(scale)))
     codes = out[:, :pb].view(torch.int8) if bits == 8 else torch.zeros(R, 2 * pb, dtype=torch.int8, device=x.device)
     noise = _per_block(_uniform((R, n), seed, x.device), block_size) if stochastic else [None] * len(parts)
     first = 0
     for part, code, u in zip(parts, _per_block(codes[:, :n], block_size), noise):
         blocks = slice(first, first + part.shape[1])
         first += part.shape[1]
-        y = part / denom[:, blocks].unsqueeze(2)
+        y = part * inv[:, blocks].unsqueeze(2)
         if stochastic:
             y.add_(u).floor_()
         else:
             y.round_()  # round half to even
         y.clamp_(-qmax, qmax)
-        if not every_block_usable:  # zeros stay 0; a block with Inf or NaN codes 0 with scale NaN: dequantizes to NaN
+        if not every_block_usable:  # a block with Inf or NaN codes 0 with scale NaN: dequantizes to NaN
             y.masked_fill_(~usable[:, blocks].unsqueeze(2), 0.0)
         code.copy_(y)
     if not every_block_usable:
@@ -119,14 +122,25 @@ def _dequantize_f32(buf: torch.Tensor, numel: int, bits: int, block_size: int) -
     return _dequantize_into(out, buf, numel, bits, block_size)
 
 
-def dequantize(buf: torch.Tensor, numel: int, bits: int, block_size: int, dtype: torch.dtype) -> torch.Tensor:
-    """Inverse of :func:`quantize`: a 1-D buffer gives ``(numel,)``, a 2-D one ``(rows, numel)``, in ``dtype``."""
+def dequantize(
+    buf: torch.Tensor, numel: int, bits: int, block_size: int, dtype: torch.dtype, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Inverse of :func:`quantize`: a 1-D buffer gives ``(numel,)``, a 2-D one ``(rows, numel)``, in ``dtype``; with
+    ``out`` (contiguous, rows x numel elements, any float dtype), written there instead."""
     check_format(bits, block_size)
     rows, two_d = _as_rows(buf)
     check_wire(rows, numel, bits, block_size, "dequantize")
-    out = torch.empty(rows.shape[0], numel, dtype=dtype, device=buf.device)
-    _dequantize_into(out, rows, numel, bits, block_size)
-    return out if two_d else out.view(-1)
+    if out is None:
+        target = torch.empty(rows.shape[0], numel, dtype=dtype, device=buf.device)
+        _dequantize_into(target, rows, numel, bits, block_size)
+        return target if two_d else target.view(-1)
+    if out.numel() != rows.shape[0] * numel or not out.is_contiguous():
+        raise ValueError(
+            f"dequantize: `out` must be a contiguous tensor of {rows.shape[0] * numel} elements, got"
+            f" {tuple(out.shape)} (contiguous: {out.is_contiguous()})."
+        )
+    _dequantize_into(out.view(rows.shape[0], numel), rows, numel, bits, block_size)
+    return out
 
 
 def swizzle_quantize(
@@ -149,7 +163,7 @@ def swizzle_quantize(
     if x.dim() != 1 or x.numel() % W:
         raise ValueError(f"swizzle_quantize: expected a flat buffer of {W} equal chunks, got shape {tuple(x.shape)}.")
     chunk = x.numel() // W
-    start, size = stage_bounds(chunk, stages, stage)
+    start, size = stage_bounds(chunk, stages, stage, block_size)
     order = torch.tensor(swizzle_order(ranks_per_node, num_nodes), device=x.device)
     pieces = x.view(W, chunk)[:, start : start + size].index_select(0, order)
     return quantize(pieces, bits, block_size, stochastic=stochastic, seed=seed)

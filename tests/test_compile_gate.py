@@ -1,0 +1,88 @@
+"""The ahead-of-time compile gate: every kernel, in every configuration the strategy launches, compiled for real GPU
+targets on this CPU machine (Triton's compiler and its bundled ptxas need no GPU), and the generated code checked.
+
+The interpreter tests (test_kernels.py) prove the arithmetic; they cannot see what the compiler rejects (a Python
+global read inside ``@jit``, say) nor how the code moves memory. Here the launchers run on CPU tensors with the launch
+captured (``triton_kernels.aot``), so the compiled specializations are exactly the ones a GPU run compiles.
+"""
+
+import collections
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+ROOT = Path(__file__).resolve().parents[1]
+REQUIRED_ARCHS = {80, 90}
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("aot") / "report.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the interpreter replaces the compiler
+    done = subprocess.run(
+        [sys.executable, "-m", "triton_kernels.aot", "--json", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def _where(c):
+    return f"{c['kernel']} sm_{c['arch']} {c['constexprs']} {c['signature']} [{c['label']}]"
+
+
+def test_every_configuration_compiles_for_sm80_and_sm90(report):
+    assert REQUIRED_ARCHS <= set(report["archs"]), report["archs"]
+    failed = [f"{_where(c)}: {c['error'][:300]}" for c in report["compiled"] if c["error"]]
+    assert not failed, "\n".join(failed[:10])
+    per_arch = collections.Counter(c["arch"] for c in report["compiled"])
+    assert all(per_arch[a] == report["launches"] for a in report["archs"]), per_arch
+
+
+def test_the_configurations_cover_what_the_strategy_launches(report):
+    compiled = [c for c in report["compiled"] if c["arch"] == 90]
+    kernels = collections.defaultdict(set)
+    for c in compiled:
+        k = c["constexprs"]
+        kernels[c["kernel"]].add((k.get("BITS", k.get("OUT_BITS")), k.get("STOCHASTIC"), k["BS"]))
+    assert set(kernels) == {"_quantize_kernel", "_dequantize_kernel", "_requantize_kernel"}
+    for bits in ("8", "4"):
+        for rounding in ("False", "True"):
+            for block in ("128", "64"):  # qgZ's default block and another
+                assert (bits, rounding, block) in kernels["_quantize_kernel"]
+            assert ("4", rounding, "64") in kernels["_requantize_kernel"]
+        assert (bits, None, "256") in kernels["_dequantize_kernel"]  # qwZ's default weight block
+        assert (bits, "False", "128") in kernels["_requantize_kernel"]
+    labels = " ".join(c["label"] for c in compiled)
+    assert "stages=3" in labels and "chunk=1000" in labels and "chunk=4103" in labels  # 3 stages; not 16-aligned
+    inputs = {c["signature"].get("x_ptr") for c in compiled} | {c["signature"].get("out_ptr") for c in compiled}
+    assert {"*fp32", "*bf16", "*fp16"} <= inputs
+
+
+def test_no_register_spills_and_no_local_memory(report):
+    spilled = [
+        f"{_where(c)}: {c['spill_instructions']} spill instructions, stack {c['stack_bytes']} B,"
+        f" local {c['local_bytes']} B"
+        for c in report["compiled"]
+        if c["spill_instructions"] or c["stack_bytes"] or c["local_bytes"]
+    ]
+    assert not spilled, "\n".join(spilled[:10])
+
+
+def test_payload_loads_and_stores_are_vectorized(report):
+    """Every access of the wire payload (lines of _tiles.py marked ``# payload``) moves 8 or 16 bytes per thread
+    (PTX ``ld/st.global.v2`` or ``.v4``), in INT8 and INT4, also on a row's last, masked tile."""
+    scalar = []
+    for c in report["compiled"]:
+        payload = [a for a in c["accesses"] if a["tag"] == "payload"]
+        ops = {a["op"] for a in payload}
+        expected = {"_quantize_kernel": {"st"}, "_dequantize_kernel": {"ld"}, "_requantize_kernel": {"ld", "st"}}
+        assert ops == expected[c["kernel"]], f"{_where(c)}: payload accesses found: {ops}"
+        scalar += [f"{_where(c)}: {a}" for a in payload if a["vector"] < 2 or a["bytes"] < 8]
+    assert not scalar, "\n".join(scalar[:10])

@@ -1,0 +1,454 @@
+"""Ahead-of-time compilation of the kernels for NVIDIA GPUs, on a machine without one, and what the code shows.
+
+Triton's interpreter (the CPU tests) skips the compiler's checks, so a kernel can pass every interpreter test and
+still not compile. This module compiles exactly what the launchers launch:
+
+1. ``capture`` runs the real launchers on CPU tensors with ``JITFunction.run`` replaced by a recorder, so the
+   arguments are the launchers' own (dtypes, alignment, sizes, constexprs, launch options);
+2. ``compile_launch`` specializes them with Triton's own binder for a ``GPUTarget`` (the same i32/i64, divisibility
+   by 16 and value-1 decisions a real launch makes) and compiles TTIR -> TTGIR -> LLIR -> PTX -> cubin with the
+   ptxas the wheel bundles;
+3. the result carries registers and local memory (``cuobjdump -res-usage``), spill instructions and the instruction
+   count per path of the SASS (``nvdisasm``), and every global load and store of the PTX with its width and the
+   source line it came from. Lines of ``_tiles.py`` that move wire payload end in ``# payload``, and so do the
+   constexpr branches that choose among them (Triton's line info for a masked load may point at its branch).
+
+Run ``python -m triton_kernels.aot --json FILE`` (without ``TRITON_INTERPRET``) for the report the tests check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import hashlib
+import json
+import multiprocessing
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+ARCHS = (80, 90, 100)
+PATH_ARCH = 90  # the SASS is read (paths, spill instructions) for this target; the others report registers/memory
+
+
+@dataclasses.dataclass
+class Launch:
+    """One kernel launch as a launcher made it: what Triton would specialize and compile."""
+
+    kernel: object
+    args: tuple
+    kwargs: dict
+    grid: tuple
+    label: str = ""
+
+
+@contextlib.contextmanager
+def capture() -> Iterator[list[Launch]]:
+    """Records the launches made inside the block instead of running them (nothing reaches a device)."""
+    from triton.runtime.jit import JITFunction
+
+    launches: list[Launch] = []
+    original = JITFunction.run
+
+    def record(self, *args, grid, warmup, **kwargs):
+        launches.append(Launch(self, args, dict(kwargs), tuple(grid)))
+
+    JITFunction.run = record
+    try:
+        yield launches
+    finally:
+        JITFunction.run = original
+
+
+def _specialize(launch: Launch, arch: int):
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    kernel = launch.kernel
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    kwargs = dict(launch.kwargs, debug=False)
+    bound, specialization, options = binder(*launch.args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
+    return target, options, signature, constexprs, attrs
+
+
+def specialization_key(launch: Launch) -> str:
+    """What makes two launches compile to the same code (Triton's own cache key ingredients)."""
+    _, options, signature, constexprs, attrs = _specialize(launch, 90)
+    constexprs = {k: v for k, v in constexprs.items()}
+    return repr((launch.kernel.__name__, signature, sorted(constexprs.items()), sorted(attrs.items()),
+                 sorted(options.__dict__.items())))  # fmt: skip
+
+
+@dataclasses.dataclass
+class Access:
+    op: str  # "ld" or "st"
+    bytes: int  # per thread per instruction
+    vector: int  # 1, 2 or 4
+    line: int  # source line in _tiles.py (0 when from elsewhere)
+    tag: str  # the line's trailing comment tag ("payload") or ""
+
+
+@dataclasses.dataclass
+class Compiled:
+    kernel: str
+    arch: int
+    label: str
+    signature: dict
+    constexprs: dict
+    num_warps: int
+    registers: int
+    stack_bytes: int
+    local_bytes: int
+    shared_bytes: int
+    spill_instructions: int
+    sass_paths: list[dict]  # each entry-to-exit path of the SASS: instructions, masked global accesses
+    accesses: list[Access]
+    error: str = ""
+
+
+def _bin(name: str) -> str:
+    from triton.backends.nvidia import compiler
+
+    return str(Path(compiler.__file__).parent / "bin" / name)
+
+
+def _tagged_lines() -> dict[int, str]:
+    tags = {}
+    for i, line in enumerate(Path(__file__).with_name("_tiles.py").read_text().splitlines(), 1):
+        m = re.search(r"#\s*(payload)\b", line)
+        if m:
+            tags[i] = m.group(1)
+    return tags
+
+
+_ACCESS = re.compile(r"^\s*(?:@%p\d+\s+)?(ld|st)\.global((?:\.\w+)*)\s")
+
+
+def _ptx_accesses(ptx: str) -> list[Access]:
+    tiles = {}
+    files = {}
+    for m in re.finditer(r'^\s*\.file\s+(\d+)\s+"([^"]*)"(?:,\s*"([^"]*)")?', ptx, re.M):
+        files[m.group(1)] = (m.group(3) or "") + "/" + m.group(2) if m.group(3) else m.group(2)
+    tiles = {k for k, v in files.items() if v.endswith("_tiles.py")}
+    tags = _tagged_lines()
+    # an access is attributed to the source line located last before it (its own statement's line)
+    out, line = [], 0
+    for text in ptx.splitlines():
+        loc = re.match(r"^\s*\.loc\s+(\d+)\s+(\d+)", text)
+        if loc:
+            line = int(loc.group(2)) if loc.group(1) in tiles else 0
+            continue
+        m = _ACCESS.match(text)
+        if not m:
+            continue
+        mods = m.group(2).split(".")
+        vector = 4 if "v4" in mods else 2 if "v2" in mods else 1
+        width = next((int(x[1:]) for x in reversed(mods) if re.fullmatch(r"[bsuf](8|16|32|64)", x)), 0)
+        out.append(Access(m.group(1), vector * width // 8, vector, line, tags.get(line, "")))
+    return out
+
+
+def _sass_paths(cubin: Path) -> tuple[list[dict], int]:
+    """Every entry-to-EXIT path through the SASS basic blocks (instructions, and predicated global loads/stores:
+    masked accesses), and the spill instructions (local loads/stores)."""
+    dot = subprocess.run([_bin("nvdisasm"), "-bbcfg", str(cubin)], capture_output=True, text=True, check=True).stdout
+    spills = len(re.findall(r"\b(STL|LDL)\b", dot))
+    blocks, edges = {}, {}
+    for m in re.finditer(r'^"([^"]+)"\s*\[label="(.*?)"\]\s*$', dot, re.M | re.S):
+        body = m.group(2)
+        blocks[m.group(1)] = (
+            len(re.findall(r"\\ ;\\l", body)),
+            len(re.findall(r"@!?U?P\d\\ (?:LDG|STG)", body)),
+            bool(re.search(r"\bEXIT\b", body)),
+        )
+    for m in re.finditer(r'^"([^"]+)"(?::\w+)*\s*->\s*"([^"]+)"', dot, re.M):
+        edges.setdefault(m.group(1), []).append(m.group(2))
+    targets = {t for ts in edges.values() for t in ts}
+    entries = [n for n in blocks if n not in targets]
+    paths: list[dict] = []
+
+    def walk(node: str, count: int, masked: int, seen: frozenset) -> None:
+        if len(paths) > 256:
+            return
+        size, predicated, exits = blocks.get(node, (0, 0, False))
+        count, masked = count + size, masked + predicated
+        if exits:
+            paths.append({"instructions": count, "masked_accesses": masked})
+        for n in edges.get(node, []):
+            if n not in seen:  # a back edge (a loop) is not followed: counts are per pass
+                walk(n, count, masked, seen | {n})
+
+    for entry in entries:
+        walk(entry, 0, 0, frozenset({entry}))
+    return paths, spills
+
+
+def compile_launch(launch: Launch, arch: int) -> Compiled:
+    import triton
+    from triton.compiler import ASTSource
+
+    target, options, signature, constexprs, attrs = _specialize(launch, arch)
+    name = launch.kernel.__name__
+    const = {str(k[0] if len(k) == 1 else k): v for k, v in constexprs.items()}
+    const = {launch.kernel.arg_names[int(k)] if k.isdigit() else k: v for k, v in const.items()}
+    base = dict(kernel=name, arch=arch, label=launch.label, signature={k: v for k, v in signature.items()
+                if v != "constexpr"}, constexprs={k: repr(v) for k, v in const.items()},
+                num_warps=options.num_warps)  # fmt: skip
+    try:
+        compiled = triton.compile(ASTSource(launch.kernel, signature, constexprs, attrs), target=target,
+                                  options=options.__dict__)  # fmt: skip
+    except Exception as err:  # reported with the configuration; the gate fails on it
+        return Compiled(**base, registers=0, stack_bytes=0, local_bytes=0, shared_bytes=0, spill_instructions=0,
+                        sass_paths=[], accesses=[], error=f"{type(err).__name__}: {err}"[:2000])  # fmt: skip
+    usage = _code_facts(compiled.asm["cubin"], with_paths=arch == PATH_ARCH)
+    return Compiled(
+        **base,
+        registers=usage["registers"],
+        stack_bytes=usage["stack"],
+        local_bytes=usage["local"],
+        shared_bytes=int(compiled.metadata.shared),
+        spill_instructions=usage["spills"],
+        sass_paths=usage["paths"],
+        accesses=_ptx_accesses(compiled.asm["ptx"]),
+    )
+
+
+def _code_facts(cubin: bytes, with_paths: bool) -> dict:
+    """Registers, stack and local memory of a cubin, and (``with_paths``) its SASS paths and spill instructions.
+
+    Disassembly takes about a second per kernel, so the facts are cached beside Triton's own cache, keyed by the
+    cubin's hash (Triton's cache is keyed by the kernel source: unchanged kernels recompile and re-read nothing).
+    """
+    key = hashlib.sha256(cubin + bytes([with_paths])).hexdigest()
+    cache = Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache")) / "zeropp-aot"
+    cached = cache / f"{key}.json"
+    if cached.exists():
+        return json.loads(cached.read_text())
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "k.cubin"
+        path.write_bytes(cubin)
+        res = subprocess.run([_bin("cuobjdump"), "-res-usage", str(path)], capture_output=True, text=True).stdout
+        usage = dict(re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", res))
+        paths, spills = _sass_paths(path) if with_paths else ([], 0)
+    facts = {"registers": int(usage.get("REG", 0)), "stack": int(usage.get("STACK", 0)),
+             "local": int(usage.get("LOCAL", 0)), "spills": spills, "paths": paths}  # fmt: skip
+    cache.mkdir(parents=True, exist_ok=True)
+    cached.write_text(json.dumps(facts))
+    return facts
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The configurations the strategy launches
+
+
+def strategy_launches() -> list[Launch]:
+    """The launches the strategy makes, by kernel: every dtype, bit width and rounding at the default block sizes
+    (qwZ 256, qgZ 128), qgZ's (N, K, stages) shapes (3 stages, sizes that are not multiples of 16), and another
+    block size (64) for both bit widths and roundings. Small CPU tensors: only the launch arguments matter."""
+    import torch
+
+    from . import triton_ops as ops
+    from .layout import wire_size
+
+    float_dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    launches: list[Launch] = []
+
+    def record(label: str, call: Callable[[], object]) -> None:
+        with capture() as got:
+            call()
+        for launch in got:
+            launch.label = label
+        launches.extend(got)
+
+    def qwz(dtype, bits, block, numel, shape):
+        x = torch.zeros(numel, dtype=dtype)
+        record(f"qwZ quantize {shape}", lambda: ops.quantize(x, bits, block))
+        packed = torch.zeros(4, wire_size(numel, bits, block), dtype=torch.uint8)
+        record(f"qwZ dequantize {shape}", lambda: ops.dequantize(packed, numel, bits, block, dtype))
+
+    def qgz(dtype, in_bits, out_bits, block, stochastic, N, K, stages, chunk):
+        g = torch.zeros(N * K * chunk, dtype=dtype)
+        where = f"N={N} K={K} stages={stages} chunk={chunk}"
+        for s in range(stages):
+            record(
+                f"qgZ swizzle_quantize {where}",
+                lambda s=s: ops.swizzle_quantize(g, N, K, stages, s, in_bits, block, stochastic=stochastic),
+            )
+        n = chunk // stages
+        buf = torch.zeros(N, K, wire_size(n, in_bits, block), dtype=torch.uint8)
+        record(
+            f"qgZ dequantize_reduce_quantize {where}",
+            lambda: ops.dequantize_reduce_quantize(buf, n, in_bits, out_bits, block, stochastic=stochastic),
+        )
+        rows = torch.zeros(K, wire_size(n, out_bits, block), dtype=torch.uint8)
+        out = torch.zeros(n, dtype=dtype)
+        record(
+            f"qgZ dequantize_reduce {where}",
+            lambda: ops.dequantize_reduce(rows, n, out_bits, block, multiplier=1 / (N * K), out=out),
+        )
+        if N == 2:  # the same rank with one rank per node: its own K pieces go to the rail as quantized rows
+            pieces = g.view(N * K, chunk)[:K, :n]
+            record("qgZ quantize rows (N=1)", lambda: ops.quantize(pieces, out_bits, block, stochastic=stochastic))
+
+    shapes = ((2, 2, 2, 4096), (8, 4, 3, 4096), (4, 2, 3, 1000), (2, 4, 1, 4103))  # 1000, 4103: not 16-aligned
+    for dtype in float_dtypes:
+        for bits in (8, 4):
+            qwz(dtype, bits, 256, 4096 * 3, "aligned")
+            qwz(dtype, bits, 256, 4231, "odd")
+            for stochastic in (False, True):
+                for N, K, stages, chunk in shapes:
+                    qgz(dtype, bits, 4, 128, stochastic, N, K, stages, chunk)  # intra-node bits 8 (default) or 4
+        for N, K, stages, chunk in shapes[:2]:
+            qgz(dtype, 8, 8, 128, False, N, K, stages, chunk)  # INT8 on both hops
+    qgz(torch.bfloat16, 4, 8, 128, False, *shapes[0])  # INT4 inside the node, INT8 across
+    for bits in (8, 4):  # another block size
+        qwz(torch.bfloat16, bits, 64, 4096 * 3, "aligned")
+        for stochastic in (False, True):
+            qgz(torch.bfloat16, bits, 4, 64, stochastic, *shapes[1])
+    return launches
+
+
+def unique_launches(launches: list[Launch]) -> list[Launch]:
+    seen: dict[str, Launch] = {}
+    for launch in launches:
+        key = specialization_key(launch)
+        if key in seen:
+            if launch.label not in seen[key].label.split(" | "):
+                seen[key].label += " | " + launch.label
+        else:
+            seen[key] = launch
+    return list(seen.values())
+
+
+def _compile_one(job: tuple[int, int]) -> dict:
+    index, arch = job
+    launch = _UNIQUE[index]
+    return dataclasses.asdict(compile_launch(launch, arch))
+
+
+_UNIQUE: list[Launch] = []
+
+
+def _init_worker() -> None:
+    global _UNIQUE
+    _UNIQUE = unique_launches(strategy_launches())
+
+
+def accepted(arch: int) -> bool:
+    """Whether this Triton (its LLVM and bundled ptxas) compiles for ``arch`` at all: probed with a one-line kernel.
+    sm_80 and sm_90 are required by the gate; newer targets are compiled where the toolchain knows them."""
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    @triton.jit
+    def _probe(x_ptr, BLOCK: tl.constexpr):
+        tl.store(x_ptr + tl.arange(0, BLOCK), tl.zeros((BLOCK,), tl.float32))
+
+    try:
+        triton.compile(ASTSource(_probe, {"x_ptr": "*fp32", "BLOCK": "constexpr"}, {(1,): 16}),
+                       target=GPUTarget("cuda", arch, 32))  # fmt: skip
+    except Exception:  # whatever the toolchain raises, it lacks the target
+        return False
+    return True
+
+
+def report(archs: list[int], workers: int) -> dict:
+    skipped = [a for a in archs if a not in (80, 90) and not accepted(a)]
+    archs = [a for a in archs if a not in skipped]
+    _init_worker()
+    jobs = [(i, arch) for arch in archs for i in range(len(_UNIQUE))]
+    if workers > 1:
+        # spawn, not fork: forking a process that runs torch's and Triton's threads can deadlock the children
+        with ProcessPoolExecutor(
+            workers, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker
+        ) as pool:
+            results = list(pool.map(_compile_one, jobs, chunksize=4))
+    else:
+        results = [_compile_one(job) for job in jobs]
+    return {"archs": archs, "skipped_archs": skipped, "launches": len(_UNIQUE), "compiled": results}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", type=int, nargs="+", default=None, help="compute capabilities (default: all)")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--json", type=Path, required=True)
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        sys.exit("triton_kernels.aot: unset TRITON_INTERPRET: the interpreter replaces the compiler.")
+    out = report(args.arch or list(ARCHS), args.workers)
+    args.json.write_text(json.dumps(out))
+    failed = [c for c in out["compiled"] if c["error"]]
+    print(f"{len(out['compiled'])} compilations ({out['launches']} specializations x {len(out['archs'])} targets),"
+          f" {len(failed)} failed")  # fmt: skip
+
+
+if __name__ == "__main__":
+    from triton_kernels.aot import main as _main  # the pool's workers import this module by its package name
+
+    _main()
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The static performance model
+
+GPUS = {"H100 SXM": (132, 1.98e9, 3.35e12), "H200": (132, 1.98e9, 4.8e12)}  # SMs, boost clock, HBM bytes/s
+_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "i16": 2}
+
+
+def _elem_bytes(pointer_type: str) -> int:
+    return _DTYPE_BYTES[pointer_type.lstrip("*")]
+
+
+def bytes_per_element(c: dict) -> float:
+    """The operation's minimum traffic per output element: every input byte read once, every output byte written
+    once (payload, one fp32 scale per block; the wire's alignment padding is ignored)."""
+    k, sig = c["constexprs"], c["signature"]
+    bs = int(k["BS"])
+    if c["kernel"] == "_quantize_kernel":
+        return _elem_bytes(sig["x_ptr"]) + int(k["BITS"]) / 8 + 4 / bs
+    if c["kernel"] == "_dequantize_kernel":
+        return int(k["ROWS"]) * (int(k["BITS"]) / 8 + 4 / bs) + _elem_bytes(sig["out_ptr"])
+    return int(k["N"]) * (int(k["IN_BITS"]) / 8 + 4 / bs) + int(k["OUT_BITS"]) / 8 + 4 / bs
+
+
+def full_tile_instructions(c: dict) -> int:
+    """SASS instructions a program executes on a full tile: the shortest path to EXIT without masked accesses (the
+    masked paths are the row's last tile; longer unmasked paths are the IEEE division's rare slow path)."""
+    unmasked = [p["instructions"] for p in c["sass_paths"] if p["masked_accesses"] == 0]
+    return min(unmasked) if unmasked else max(p["instructions"] for p in c["sass_paths"])
+
+
+def static_row(c: dict) -> dict:
+    """Registers, occupancy, instructions per element and the instruction-issue ceiling of one compiled kernel."""
+    k = c["constexprs"]
+    elements = int(k["G"]) * 2 * int(k["HALF"])
+    threads = 32 * c["num_warps"]
+    instr = full_tile_instructions(c)
+    warp_instr_per_element = instr * c["num_warps"] / elements
+    regs = max(c["registers"], 1)
+    # occupancy on sm_90: 64K registers and 64 warps per SM, registers allocated per warp in units of 256
+    warps_by_regs = 65536 // (-(-regs * 32 // 256) * 256) // c["num_warps"] * c["num_warps"]
+    smem_blocks = (228 * 1024) // max(c["shared_bytes"] + 1024, 1)
+    warps = min(64, warps_by_regs, smem_blocks * c["num_warps"], 32 * c["num_warps"])
+    row = {
+        "kernel": c["kernel"], "arch": c["arch"], "label": c["label"], "registers": c["registers"],
+        "occupancy": warps / 64, "instructions_per_thread_element": instr / (elements / threads),
+        "warp_instructions_per_element": warp_instr_per_element, "bytes_per_element": bytes_per_element(c),
+    }  # fmt: skip
+    for gpu, (sms, clock, hbm) in GPUS.items():
+        ceiling = sms * 4 * clock / warp_instr_per_element * row["bytes_per_element"]
+        row[f"issue_ceiling_vs_{gpu.split()[0]}_hbm"] = ceiling / hbm
+    return row
