@@ -79,3 +79,34 @@ def test_triton_on_cpu_without_interpreter_is_refused(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         tk.quantize(torch.randn(4), 8, 8, backend="triton")
+
+
+def test_kernels_write_every_wire_byte(monkeypatch):
+    """The launchers allocate with ``torch.empty`` (no memset pass): the kernels must write the payload padding and
+    the scale padding themselves. Poisoned allocations make a byte they skip differ from the twin's zeros."""
+    real_empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(0xA5) if t.dtype == torch.uint8 else t.fill_(float("nan"))
+
+    x = torch.randn(3 * 1001, dtype=torch.bfloat16)
+    big = torch.randn(2 * 4096, dtype=torch.float16)
+    received = tk.quantize(x.view(3, -1).float()[:, :999].contiguous(), 8, 32, backend="torch").view(3, 1, -1)
+
+    def outputs(backend: str) -> dict:
+        return {
+            # large blocks: the data ends exactly at a tile's end, so the padding needs programs of its own
+            "large blocks": tk.quantize(big[:2060], 8, 1030, backend=backend),
+            "one block": tk.quantize(big[:4096], 4, 4096, backend=backend),
+            "quantize": tk.quantize(x, 4, 64, backend=backend),
+            "rows": tk.quantize(x.view(3, -1), 8, 32, backend=backend),
+            "swizzle": tk.swizzle_quantize(x[:3000], 3, 2, 3, 2, 4, 32, backend=backend),
+            "requantize": tk.dequantize_reduce_quantize(received, 999, 8, 4, 32, backend=backend),
+        }
+
+    want = outputs("torch")
+    monkeypatch.setattr(torch, "empty", poisoned)
+    got = outputs("triton")
+    for name in want:
+        assert torch.equal(want[name], got[name]), f"{name}: bytes differ at {(want[name] != got[name]).nonzero()[:8]}"

@@ -209,7 +209,7 @@ def compile_launch(launch: Launch, arch: int) -> Compiled:
                                   options=options.__dict__)  # fmt: skip
     except Exception as err:  # reported with the configuration; the gate fails on it
         return Compiled(**base, registers=0, stack_bytes=0, local_bytes=0, shared_bytes=0, spill_instructions=0,
-                        sass_paths=[], accesses=[], error=f"{type(err).__name__}: {err}"[:2000])  # fmt: skip
+                        sass_paths=[], accesses=[], error=_describe(err))  # fmt: skip
     usage = _code_facts(compiled.asm["cubin"], with_paths=arch == PATH_ARCH)
     return Compiled(
         **base,
@@ -221,6 +221,15 @@ def compile_launch(launch: Launch, arch: int) -> Compiled:
         sass_paths=usage["paths"],
         accesses=_ptx_accesses(compiled.asm["ptx"]),
     )
+
+
+def _describe(err: BaseException) -> str:
+    """The error and its causes, innermost last (Triton wraps the real cause, e.g. a NameError, in its own)."""
+    parts = []
+    while err is not None and len(parts) < 4:
+        parts.append(f"{type(err).__name__}: {str(err).strip()[-1500:]}")
+        err = err.__cause__ or err.__context__
+    return " <- caused by: ".join(reversed(parts))
 
 
 def _code_facts(cubin: bytes, with_paths: bool) -> dict:
@@ -258,7 +267,7 @@ def strategy_launches() -> list[Launch]:
     import torch
 
     from . import triton_ops as ops
-    from .layout import wire_size
+    from .layout import stage_bounds, wire_size
 
     float_dtypes = (torch.float32, torch.bfloat16, torch.float16)
     launches: list[Launch] = []
@@ -284,7 +293,7 @@ def strategy_launches() -> list[Launch]:
                 f"qgZ swizzle_quantize {where}",
                 lambda s=s: ops.swizzle_quantize(g, N, K, stages, s, in_bits, block, stochastic=stochastic),
             )
-        n = chunk // stages
+        n = stage_bounds(chunk, stages, 0, block)[1]  # the first piece, as qgZ cuts it
         buf = torch.zeros(N, K, wire_size(n, in_bits, block), dtype=torch.uint8)
         record(
             f"qgZ dequantize_reduce_quantize {where}",

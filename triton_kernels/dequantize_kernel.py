@@ -17,27 +17,29 @@ from .layout import check_format, check_wire, num_blocks, scale_offset
 
 
 @triton.jit
+def _dequantize_tile(pid, r, buf_ptr, scale_ptr, out_ptr, n, wire, so, multiplier, ROWS: tl.constexpr,
+                     BITS: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr, SCALED: tl.constexpr,
+                     BF16_BY_HAND: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+    blk, e, t = tile_index(pid, BS, G, HALF)
+    ve, vo = sum_dequantized(buf_ptr, scale_ptr, r * ROWS, 1, wire, e, blk, t, n, so, padded_blocks(n, BS), ROWS,
+                             BITS, MASKED, BS, G, HALF)  # fmt: skip
+    if SCALED:
+        ve *= multiplier
+        vo *= multiplier
+    store_values(out_ptr + r * n, e, t, n, ve, vo, MASKED, BF16_BY_HAND, BS, G, HALF)
+
+
+@triton.jit
 def _dequantize_kernel(buf_ptr, scale_ptr, out_ptr, n, wire, so, multiplier, ROWS: tl.constexpr, BITS: tl.constexpr,
                        BS: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr, SCALED: tl.constexpr,
                        BF16_BY_HAND: tl.constexpr, IDX64: tl.constexpr):  # fmt: skip
     pid, r = program_ids(IDX64)
-    blk, e, t = tile_index(pid, BS, G, HALF)
-    nb4 = padded_blocks(n, BS)
-    out_row = out_ptr + r * n
-    if is_full_tile(pid, n, BS, G):
-        ve, vo = sum_dequantized(buf_ptr, scale_ptr, r * ROWS, 1, wire, e, blk, t, n, so, nb4, ROWS, BITS, False, BS,
-                                 G, HALF)  # fmt: skip
-        if SCALED:
-            ve *= multiplier
-            vo *= multiplier
-        store_values(out_row, e, t, n, ve, vo, False, BF16_BY_HAND, BS, G, HALF)
+    if is_full_tile(pid, n, BS, G):  # every tile but a row's last: no masks, vector loads and stores
+        _dequantize_tile(pid, r, buf_ptr, scale_ptr, out_ptr, n, wire, so, multiplier, ROWS, BITS, BS, G, HALF,
+                         SCALED, BF16_BY_HAND, False)  # fmt: skip
     else:
-        ve, vo = sum_dequantized(buf_ptr, scale_ptr, r * ROWS, 1, wire, e, blk, t, n, so, nb4, ROWS, BITS, True, BS,
-                                 G, HALF)  # fmt: skip
-        if SCALED:
-            ve *= multiplier
-            vo *= multiplier
-        store_values(out_row, e, t, n, ve, vo, True, BF16_BY_HAND, BS, G, HALF)
+        _dequantize_tile(pid, r, buf_ptr, scale_ptr, out_ptr, n, wire, so, multiplier, ROWS, BITS, BS, G, HALF,
+                         SCALED, BF16_BY_HAND, True)  # fmt: skip
 
 
 def _launch(rows: torch.Tensor, out: torch.Tensor, numel: int, bits: int, block_size: int, summed: int,

@@ -17,25 +17,29 @@ from ._tiles import is_full_tile, load_pairs, padded_blocks, program_ids, quanti
 from .layout import QMAX, check_format, scale_offset, stage_bounds, wire_size
 
 
+@triton.jit
+def _quantize_tile(pid, row, x_ptr, out_ptr, scale_ptr, n, chunk, start, N, K, wire, so, seed, BITS: tl.constexpr,
+                   QMAX: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr,
+                   STOCHASTIC: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+    blk, e, t = tile_index(pid, BS, G, HALF)
+    xe, xo = load_pairs(x_ptr + ((row % K) * N + row // K) * chunk + start, e, t, n, MASKED, BS, G, HALF)
+    counter0 = (row * tl.num_programs(0) + pid) * (G * HALF // 4)
+    ye, yo, scale = quantize_pairs(xe, xo, seed, counter0, QMAX, STOCHASTIC, G, HALF)
+    store_codes(out_ptr + row * wire, scale_ptr + row * (wire // 4) + so // 4, ye, yo, scale, e, blk, t, so,
+                padded_blocks(n, BS), BITS, MASKED, BS, G, HALF)  # fmt: skip
+
+
 @triton.jit(do_not_specialize=["seed"])  # a fresh random seed per call must not recompile
 def _quantize_kernel(x_ptr, out_ptr, scale_ptr, n, chunk, start, N, K, wire, so, seed, BITS: tl.constexpr,
                      QMAX: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr,
                      STOCHASTIC: tl.constexpr, IDX64: tl.constexpr):  # fmt: skip
     pid, row = program_ids(IDX64)
-    blk, e, t = tile_index(pid, BS, G, HALF)
-    x_row = x_ptr + ((row % K) * N + row // K) * chunk + start
-    out_row = out_ptr + row * wire
-    scale_row = scale_ptr + row * (wire // 4) + so // 4
-    counter0 = (row * tl.num_programs(0) + pid) * (G * HALF // 4)
-    nb4 = padded_blocks(n, BS)
-    if is_full_tile(pid, n, BS, G):
-        xe, xo = load_pairs(x_row, e, t, n, False, BS, G, HALF)
-        ye, yo, scale = quantize_pairs(xe, xo, seed, counter0, QMAX, STOCHASTIC, G, HALF)
-        store_codes(out_row, scale_row, ye, yo, scale, e, blk, t, so, nb4, BITS, False, BS, G, HALF)
+    if is_full_tile(pid, n, BS, G):  # every tile but a row's last: no masks, vector loads and stores
+        _quantize_tile(pid, row, x_ptr, out_ptr, scale_ptr, n, chunk, start, N, K, wire, so, seed, BITS, QMAX, BS, G,
+                       HALF, STOCHASTIC, False)  # fmt: skip
     else:
-        xe, xo = load_pairs(x_row, e, t, n, True, BS, G, HALF)
-        ye, yo, scale = quantize_pairs(xe, xo, seed, counter0, QMAX, STOCHASTIC, G, HALF)
-        store_codes(out_row, scale_row, ye, yo, scale, e, blk, t, so, nb4, BITS, True, BS, G, HALF)
+        _quantize_tile(pid, row, x_ptr, out_ptr, scale_ptr, n, chunk, start, N, K, wire, so, seed, BITS, QMAX, BS, G,
+                       HALF, STOCHASTIC, True)  # fmt: skip
 
 
 def _launch(src: torch.Tensor, rows: int, n: int, chunk: int, start: int, N: int, K: int, bits: int,

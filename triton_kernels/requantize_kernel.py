@@ -21,27 +21,33 @@ from ._tiles import (
 from .layout import QMAX, check_format, check_wire, scale_offset, wire_size
 
 
+@triton.jit
+def _requantize_tile(pid, k, buf_ptr, in_scale_ptr, out_ptr, out_scale_ptr, n, K, in_wire, in_so, out_wire, out_so,
+                     seed, N: tl.constexpr, IN_BITS: tl.constexpr, OUT_BITS: tl.constexpr, QMAX: tl.constexpr,
+                     BS: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr, STOCHASTIC: tl.constexpr,
+                     MASKED: tl.constexpr):  # fmt: skip
+    blk, e, t = tile_index(pid, BS, G, HALF)
+    nb4 = padded_blocks(n, BS)
+    xe, xo = sum_dequantized(buf_ptr, in_scale_ptr, k, K, in_wire, e, blk, t, n, in_so, nb4, N, IN_BITS, MASKED, BS,
+                             G, HALF)  # fmt: skip
+    counter0 = (k * tl.num_programs(0) + pid) * (G * HALF // 4)
+    ye, yo, scale = quantize_pairs(xe, xo, seed, counter0, QMAX, STOCHASTIC, G, HALF)
+    store_codes(out_ptr + k * out_wire, out_scale_ptr + k * (out_wire // 4) + out_so // 4, ye, yo, scale, e, blk, t,
+                out_so, nb4, OUT_BITS, MASKED, BS, G, HALF)  # fmt: skip
+
+
 @triton.jit(do_not_specialize=["seed"])  # a fresh random seed per call must not recompile
 def _requantize_kernel(buf_ptr, in_scale_ptr, out_ptr, out_scale_ptr, n, K, in_wire, in_so, out_wire, out_so, seed,
                        N: tl.constexpr, IN_BITS: tl.constexpr, OUT_BITS: tl.constexpr, QMAX: tl.constexpr,
                        BS: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr, STOCHASTIC: tl.constexpr,
                        IDX64: tl.constexpr):  # fmt: skip
     pid, k = program_ids(IDX64)
-    blk, e, t = tile_index(pid, BS, G, HALF)
-    nb4 = padded_blocks(n, BS)
-    out_row = out_ptr + k * out_wire
-    scale_row = out_scale_ptr + k * (out_wire // 4) + out_so // 4
-    counter0 = (k * tl.num_programs(0) + pid) * (G * HALF // 4)
-    if is_full_tile(pid, n, BS, G):
-        xe, xo = sum_dequantized(buf_ptr, in_scale_ptr, k, K, in_wire, e, blk, t, n, in_so, nb4, N, IN_BITS, False,
-                                 BS, G, HALF)  # fmt: skip
-        ye, yo, scale = quantize_pairs(xe, xo, seed, counter0, QMAX, STOCHASTIC, G, HALF)
-        store_codes(out_row, scale_row, ye, yo, scale, e, blk, t, out_so, nb4, OUT_BITS, False, BS, G, HALF)
+    if is_full_tile(pid, n, BS, G):  # every tile but a row's last: no masks, vector loads and stores
+        _requantize_tile(pid, k, buf_ptr, in_scale_ptr, out_ptr, out_scale_ptr, n, K, in_wire, in_so, out_wire,
+                         out_so, seed, N, IN_BITS, OUT_BITS, QMAX, BS, G, HALF, STOCHASTIC, False)  # fmt: skip
     else:
-        xe, xo = sum_dequantized(buf_ptr, in_scale_ptr, k, K, in_wire, e, blk, t, n, in_so, nb4, N, IN_BITS, True,
-                                 BS, G, HALF)  # fmt: skip
-        ye, yo, scale = quantize_pairs(xe, xo, seed, counter0, QMAX, STOCHASTIC, G, HALF)
-        store_codes(out_row, scale_row, ye, yo, scale, e, blk, t, out_so, nb4, OUT_BITS, True, BS, G, HALF)
+        _requantize_tile(pid, k, buf_ptr, in_scale_ptr, out_ptr, out_scale_ptr, n, K, in_wire, in_so, out_wire,
+                         out_so, seed, N, IN_BITS, OUT_BITS, QMAX, BS, G, HALF, STOCHASTIC, True)  # fmt: skip
 
 
 def dequantize_reduce_quantize(
