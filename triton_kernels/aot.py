@@ -106,6 +106,7 @@ class Compiled:
     signature: dict
     constexprs: dict
     num_warps: int
+    aligned: bool  # the sizes and offsets (n, chunk, start) are multiples of 16 in this specialization
     registers: int
     stack_bytes: int
     local_bytes: int
@@ -203,7 +204,7 @@ def compile_launch(launch: Launch, arch: int) -> Compiled:
     const = {launch.kernel.arg_names[int(k)] if k.isdigit() else k: v for k, v in const.items()}
     base = dict(kernel=name, arch=arch, label=launch.label, signature={k: v for k, v in signature.items()
                 if v != "constexpr"}, constexprs={k: repr(v) for k, v in const.items()},
-                num_warps=options.num_warps)  # fmt: skip
+                num_warps=options.num_warps, aligned=_aligned(launch.kernel, signature, attrs))  # fmt: skip
     try:
         compiled = triton.compile(ASTSource(launch.kernel, signature, constexprs, attrs), target=target,
                                   options=options.__dict__)  # fmt: skip
@@ -221,6 +222,12 @@ def compile_launch(launch: Launch, arch: int) -> Compiled:
         sass_paths=usage["paths"],
         accesses=_ptx_accesses(compiled.asm["ptx"]),
     )
+
+
+def _aligned(kernel, signature: dict, attrs: dict) -> bool:
+    divisible = {kernel.arg_names[k[0]] for k, v in attrs.items() if ["tt.divisibility", 16] in [list(a) for a in v]}
+    sizes = [name for name in ("n", "chunk", "start") if name in signature and signature[name] != "constexpr"]
+    return all(name in divisible for name in sizes)
 
 
 def _describe(err: BaseException) -> str:
