@@ -67,6 +67,11 @@ def capture() -> Iterator[list[Launch]]:
 
 
 def _specialize(launch: Launch, arch: int):
+    """What ``JITFunction.run`` computes before compiling, for ``arch`` instead of the current device.
+
+    Uses Triton's launch internals (``create_function_from_signature``, ``JITFunction._pack_args``): only this
+    development tool does, so a Triton upgrade that moves them breaks the gate, never a training run.
+    """
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
     from triton.runtime.jit import create_function_from_signature
@@ -84,7 +89,6 @@ def _specialize(launch: Launch, arch: int):
 def specialization_key(launch: Launch) -> str:
     """What makes two launches compile to the same code (Triton's own cache key ingredients)."""
     _, options, signature, constexprs, attrs = _specialize(launch, 90)
-    constexprs = {k: v for k, v in constexprs.items()}
     return repr((launch.kernel.__name__, signature, sorted(constexprs.items()), sorted(attrs.items()),
                  sorted(options.__dict__.items())))  # fmt: skip
 
