@@ -30,7 +30,7 @@ def qgz_pipeline(N: int, K: int, chunk: int, stages: int, backend: str, device: 
     """Steps 1, 3 and 5 of qgZ on every rank, each all-to-all done by indexing; returns every rank's output."""
     import torch
 
-    import triton_kernels as tk
+    from lightning_zeropp import kernels as tk
 
     W = N * K
     outputs = torch.empty(W, chunk, device=device)
@@ -56,7 +56,7 @@ def qgz_pipeline(N: int, K: int, chunk: int, stages: int, backend: str, device: 
 def kernel_pipelines() -> dict:
     import torch
 
-    import triton_kernels as tk
+    from lightning_zeropp import kernels as tk
 
     gen = torch.Generator().manual_seed(0)
     N, K, chunk, stages = 8, 4, 100_003, 3
@@ -89,7 +89,7 @@ def training(steps: int) -> dict:
     from model import GPTModule
 
     from lightning_zeropp import ZeroPPStrategy
-    from triton_kernels import triton_ops
+    from lightning_zeropp.kernels import triton_ops
 
     calls = {}
     for name in ("quantize", "dequantize", "swizzle_quantize", "dequantize_reduce_quantize", "dequantize_reduce"):

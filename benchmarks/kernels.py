@@ -8,7 +8,7 @@ The bandwidth table needs a CUDA device. ``--smoke`` runs tiny sizes on the CPU 
 the script itself (its figures mean nothing).
 
 ``--static`` needs no GPU: it compiles every configuration the strategy launches for a GPU target
-(``triton_kernels.aot``) and reads the code: registers, occupancy, SASS instructions per element on a full tile,
+(``lightning_zeropp.kernels.aot``) and reads the code: registers, occupancy, SASS instructions per element on a full tile,
 the operation's minimum bytes per element, and the instruction-issue ceiling (4 warp-instructions per clock per SM
 at boost clock, as bytes per second) against H100 (3.35 TB/s) and H200 (4.8 TB/s) HBM bandwidth. A ceiling >= 100%
 means the SMs can issue the kernel's instructions faster than HBM can feed it: it can be memory-bound. It is an
@@ -65,8 +65,8 @@ def cases(numel: int, device: str):
     """(name, {impl: callable}, bytes moved) for one input size."""
     import torch
 
-    import triton_kernels as tk
-    from triton_kernels import reference, triton_ops
+    from lightning_zeropp import kernels as tk
+    from lightning_zeropp.kernels import reference, triton_ops
 
     x = torch.randn(numel, device=device, dtype=torch.bfloat16)
     q8 = tk.quantize(x, 8, 256, backend="torch")
@@ -124,7 +124,7 @@ def static_table(archs: list[int], json_path: Path | None) -> None:
     """The static performance table from the compiled code (see the module docstring)."""
     os.environ.pop("TRITON_INTERPRET", None)
     sys.path.insert(0, str(ROOT))
-    from triton_kernels import aot
+    from lightning_zeropp.kernels import aot
 
     report = aot.report(archs, os.cpu_count() or 1)
     failed = [c for c in report["compiled"] if c["error"]]

@@ -13,7 +13,7 @@ from typing import Literal, get_args
 import torch.distributed as dist
 from torch import nn
 
-from triton_kernels import Backend as KernelBackend
+from lightning_zeropp.kernels import Backend as KernelBackend
 
 StateDictType = Literal["sharded", "full"]
 GradientRounding = Literal["nearest", "stochastic"]

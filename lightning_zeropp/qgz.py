@@ -22,7 +22,7 @@ import itertools
 import torch
 import torch.distributed as dist
 
-import triton_kernels as tk
+from lightning_zeropp import kernels as tk
 
 from .config import ZeroPPConfig
 from .ledger import CommLedger

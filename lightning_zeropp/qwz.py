@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-import triton_kernels as tk
+from lightning_zeropp import kernels as tk
 
 from .collectives import all_gather_flat
 from .config import ZeroPPConfig

@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
 
-import triton_kernels as tk
+from lightning_zeropp import kernels as tk
 
 from . import checkpoint as ckpt
 from . import fsdp_hooks, hpz

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-import triton_kernels as tk
+from lightning_zeropp import kernels as tk
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SIZES = (1, 127, 4231)

@@ -3,7 +3,7 @@ targets on this CPU machine (Triton's compiler and its bundled ptxas need no GPU
 
 The interpreter tests (test_kernels.py) prove the arithmetic; they cannot see what the compiler rejects (a Python
 global read inside ``@jit``, say) nor how the code moves memory. Here the launchers run on CPU tensors with the launch
-captured (``triton_kernels.aot``), so the compiled specializations are exactly the ones a GPU run compiles.
+captured (``lightning_zeropp.kernels.aot``), so the compiled specializations are exactly the ones a GPU run compiles.
 """
 
 import collections
@@ -26,7 +26,7 @@ def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("aot") / "report.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the interpreter replaces the compiler
     done = subprocess.run(
-        [sys.executable, "-m", "triton_kernels.aot", "--json", str(out)],
+        [sys.executable, "-m", "lightning_zeropp.kernels.aot", "--json", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]

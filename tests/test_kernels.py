@@ -16,7 +16,7 @@ from kernel_checks import (
     check_swizzle_quantize,
 )
 
-import triton_kernels as tk
+from lightning_zeropp import kernels as tk
 
 pytestmark = [
     pytest.mark.triton_interpret,

@@ -17,7 +17,7 @@ import pytest
 import torch
 from helpers import spawn
 
-import triton_kernels as tk
+from lightning_zeropp import kernels as tk
 
 pytestmark = pytest.mark.multiprocess
 

@@ -5,8 +5,8 @@ import itertools
 import pytest
 import torch
 
-import triton_kernels as tk
-from triton_kernels import reference as ref
+from lightning_zeropp import kernels as tk
+from lightning_zeropp.kernels import reference as ref
 
 SIZES = [1, 2, 127, 257, 4231]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

@@ -38,7 +38,7 @@ def _triton_ops():
         from . import triton_ops
     except ImportError as err:  # triton is a Linux x86-64 dependency only
         raise ImportError(
-            f'triton_kernels: backend "triton" needs the triton package ({err}); install it or use backend "torch".'
+            f'lightning_zeropp.kernels: backend "triton" needs the triton package ({err}); install it or use backend "torch".'
         ) from err
     return triton_ops
 
@@ -46,12 +46,12 @@ def _triton_ops():
 def _impl(backend: Backend, tensor: torch.Tensor):
     """The module whose functions implement the ops for ``tensor`` under ``backend``."""
     if backend not in _BACKENDS:
-        raise ValueError(f"triton_kernels: `backend={backend!r}` is not one of {_BACKENDS}.")
+        raise ValueError(f"lightning_zeropp.kernels: `backend={backend!r}` is not one of {_BACKENDS}.")
     if backend == "torch" or (backend == "auto" and not tensor.is_cuda):
         return reference
     if not tensor.is_cuda and not _interpreting():
         raise ValueError(
-            f'triton_kernels: backend "triton" got a {tensor.device.type} tensor; Triton runs on CUDA tensors, or on'
+            f'lightning_zeropp.kernels: backend "triton" got a {tensor.device.type} tensor; Triton runs on CUDA tensors, or on'
             ' the CPU under TRITON_INTERPRET=1 (set before triton is imported). Use backend "auto" or "torch".'
         )
     return _triton_ops()

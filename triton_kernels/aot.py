@@ -13,7 +13,7 @@ still not compile. This module compiles exactly what the launchers launch:
    source line it came from. Lines of ``_tiles.py`` that move wire payload end in ``# payload``, and so do the
    constexpr branches that choose among them (Triton's line info for a masked load may point at its branch).
 
-Run ``python -m triton_kernels.aot --json FILE`` (without ``TRITON_INTERPRET``) for the report the tests check.
+Run ``python -m lightning_zeropp.kernels.aot --json FILE`` (without ``TRITON_INTERPRET``) for the report the tests check.
 """
 
 from __future__ import annotations
@@ -407,7 +407,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", type=Path, required=True)
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        sys.exit("triton_kernels.aot: unset TRITON_INTERPRET: the interpreter replaces the compiler.")
+        sys.exit("lightning_zeropp.kernels.aot: unset TRITON_INTERPRET: the interpreter replaces the compiler.")
     out = report(args.arch or list(ARCHS), args.workers)
     args.json.write_text(json.dumps(out))
     failed = [c for c in out["compiled"] if c["error"]]
@@ -416,7 +416,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from triton_kernels.aot import main as _main  # the pool's workers import this module by its package name
+    from lightning_zeropp.kernels.aot import main as _main  # the pool's workers import this module by its package name
 
     _main()
 
