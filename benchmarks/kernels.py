@@ -8,8 +8,8 @@ The bandwidth table needs a CUDA device. ``--smoke`` runs tiny sizes on the CPU 
 the script itself (its figures mean nothing).
 
 ``--static`` needs no GPU: it compiles every configuration the strategy launches for a GPU target
-(``lightning_zeropp.kernels.aot``) and reads the code: registers, occupancy, SASS instructions per element on a full tile,
-the operation's minimum bytes per element, and the instruction-issue ceiling (4 warp-instructions per clock per SM
+(``lightning_zeropp.kernels.aot``) and reads the code: registers, occupancy, SASS instructions per element on a full
+tile, the operation's minimum bytes per element, and the instruction-issue ceiling (4 warp-instructions per clock per SM
 at boost clock, as bytes per second) against H100 (3.35 TB/s) and H200 (4.8 TB/s) HBM bandwidth. A ceiling >= 100%
 means the SMs can issue the kernel's instructions faster than HBM can feed it: it can be memory-bound. It is an
 upper bound, not a measurement: it ignores latency, dual-issue limits and slower pipes (the int -> float conversions

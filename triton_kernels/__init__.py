@@ -38,7 +38,8 @@ def _triton_ops():
         from . import triton_ops
     except ImportError as err:  # triton is a Linux x86-64 dependency only
         raise ImportError(
-            f'lightning_zeropp.kernels: backend "triton" needs the triton package ({err}); install it or use backend "torch".'
+            f'lightning_zeropp.kernels: backend "triton" needs the triton package ({err}); install it or use'
+            ' backend "torch".'
         ) from err
     return triton_ops
 
@@ -51,8 +52,9 @@ def _impl(backend: Backend, tensor: torch.Tensor):
         return reference
     if not tensor.is_cuda and not _interpreting():
         raise ValueError(
-            f'lightning_zeropp.kernels: backend "triton" got a {tensor.device.type} tensor; Triton runs on CUDA tensors, or on'
-            ' the CPU under TRITON_INTERPRET=1 (set before triton is imported). Use backend "auto" or "torch".'
+            f'lightning_zeropp.kernels: backend "triton" got a {tensor.device.type} tensor; Triton runs on CUDA'
+            ' tensors, or on the CPU under TRITON_INTERPRET=1 (set before triton is imported). Use backend "auto" or'
+            ' "torch".'
         )
     return _triton_ops()
 

@@ -13,7 +13,8 @@ still not compile. This module compiles exactly what the launchers launch:
    source line it came from. Lines of ``_tiles.py`` that move wire payload end in ``# payload``, and so do the
    constexpr branches that choose among them (Triton's line info for a masked load may point at its branch).
 
-Run ``python -m lightning_zeropp.kernels.aot --json FILE`` (without ``TRITON_INTERPRET``) for the report the tests check.
+Run ``python -m lightning_zeropp.kernels.aot --json FILE`` (without ``TRITON_INTERPRET``) for the report the tests
+check.
 """
 
 from __future__ import annotations

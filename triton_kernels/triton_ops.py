@@ -1,4 +1,4 @@
-"""The Triton implementations of the public ops, gathered for the dispatch in ``triton_kernels/__init__.py`` (imported as ``lightning_zeropp.kernels``)."""
+"""The Triton implementations of the public ops, gathered for the dispatch in ``lightning_zeropp.kernels``."""
 
 from .dequantize_kernel import dequantize, dequantize_reduce
 from .quantize_kernel import quantize, swizzle_quantize
