@@ -1,21 +1,19 @@
-"""Flat collectives across torch versions, and the reduce ops FSDP2 passes."""
+"""Flat collectives (one buffer per rank) and the reduce ops FSDP2 passes."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-# torch 2.13 deprecates the *_into_tensor / *_tensor names; torch 2.11 and older lack the *_single ones.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+from .compat.torch import all_gather_single, reduce_scatter_single
 
 
 def all_gather_flat(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False):
-    return _all_gather_single(output, input, group=group, async_op=async_op)
+    return all_gather_single(output, input, group=group, async_op=async_op)
 
 
 def reduce_scatter_flat(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, op, async_op=False):
-    return _reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
+    return reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
 
 
 def split_reduce_op(op) -> tuple[dist.ReduceOp.RedOpType, float | None]:

@@ -16,19 +16,24 @@ gradient reduce-scatter        whole group                 qgZ 2-hop all-to-all,
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.distributed as dist
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from . import hpz, qgz, qwz
 from .collectives import all_gather_flat, reduce_scatter_flat, split_reduce_op
+from .compat.torch import in_backward
 from .config import ZeroPPConfig
 from .ledger import CommLedger
 from .topology import ProcessGroups
 
 
 class ZeroPPComms:
-    """Shared by every sharded module of one model; owns the groups, the ledger and the technique switches."""
+    """Shared by every sharded module of one model; owns the groups, the ledger, the technique switches and the
+    little state the collectives keep (the count of gradient reductions that seeds stochastic rounding, whether the
+    raw-bytes warning was given)."""
 
     def __init__(self, config: ZeroPPConfig, groups: ProcessGroups, ledger: CommLedger) -> None:
         self.config = config
@@ -41,6 +46,8 @@ class ZeroPPComms:
                 f"ZeroPPStrategy: qgZ is on but the job has one node ({self.topology.ranks_per_node} ranks): there is"
                 " no inter-node traffic to save, so gradients use the exact reduce-scatter."
             )
+        self._gradient_calls = itertools.count()
+        self._warned_raw_bytes = False
 
     # ----------------------------------------------------------------- all-gather
     def all_gather(
@@ -50,12 +57,24 @@ class ZeroPPComms:
         group, ranks = self.groups.group(role), self.groups.ranks(role)
         if role == "hpz":
             return hpz.secondary_all_gather(output, input, group, ranks, self.ledger, async_op)
-        # Inside autograd's backward the graph task id is set: this is the re-gather of a resharded module.
-        kind = "weight_all_gather_backward" if torch._C._current_graph_task_id() != -1 else "weight_all_gather"
-        if self.config.quantize_weights:
+        # Inside autograd's backward: this is the re-gather of a resharded module.
+        kind = "weight_all_gather_backward" if in_backward() else "weight_all_gather"
+        if self.config.quantize_weights and self._quantizable(input):
             return qwz.quantized_all_gather(output, input, group, ranks, self.ledger, self.config, kind, async_op)
         self.ledger.record_all_gather(kind, ranks, input.numel() * input.element_size())
         return all_gather_flat(output, input, group, async_op)
+
+    def _quantizable(self, input: torch.Tensor) -> bool:
+        """FSDP gathers raw bytes (uint8) when one unit mixes parameter dtypes; quantizing bytes would corrupt them."""
+        if input.is_floating_point():
+            return True
+        if not self._warned_raw_bytes:
+            rank_zero_warn(
+                "ZeroPPStrategy: a sharded unit mixes parameter dtypes, so FSDP gathers it as raw bytes; qwZ leaves"
+                " such units exact. Give every parameter of a unit the same dtype to quantize it."
+            )
+            self._warned_raw_bytes = True
+        return False
 
     # ----------------------------------------------------------------- reduce-scatter
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, fsdp_group: dist.ProcessGroup, op) -> None:
@@ -67,7 +86,10 @@ class ZeroPPComms:
             )
         base_op, premul = split_reduce_op(op)
         if self.use_qgz:
-            qgz.quantized_reduce_scatter(output, input, base_op, premul, self.groups, self.ledger, self.config)
+            call = next(self._gradient_calls)
+            qgz.quantized_reduce_scatter(
+                output, input, base_op, premul, self.groups, self.ledger, self.config, call=call
+            )
             return
         exact_reduce_scatter(output, input, base_op, premul, self.groups, self.ledger)
 

@@ -1,4 +1,4 @@
-"""The only file that imports FSDP2's private communication interfaces.
+"""The objects FSDP2 calls for a sharded module's all-gather and reduce-scatter (its custom-collective hooks).
 
 FSDP2 calls ``AllGather.__call__(output, input, group, async_op)`` with ``input`` aliasing this rank's slot of
 ``output`` (an in-place all-gather of one flat buffer holding every parameter's padded shard), and
@@ -12,9 +12,9 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
 from .comm import ZeroPPComms
+from .compat.torch import AllGather, ReduceScatter
 
 
 def _fresh(size: Sequence[int | torch.SymInt], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

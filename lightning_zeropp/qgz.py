@@ -17,22 +17,18 @@ with K = 1 the inter hop is skipped and the N copies are reduced straight into t
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 import torch.distributed as dist
 
-from lightning_zeropp import kernels as tk
-
+from . import kernels as tk
 from .config import ZeroPPConfig
 from .ledger import CommLedger
 from .topology import ProcessGroups
 
-_calls = itertools.count()
-
 
 def _seed(call: int | None, rank: int, hop: int, stage: int) -> int | None:
-    """A seed per (call, rank, hop, stage) for stochastic rounding: independent noise everywhere, reproducible."""
+    """A seed per (call, rank, hop, stage) for stochastic rounding: independent noise everywhere, reproducible.
+    Without a call number the kernels draw a fresh seed."""
     if call is None:
         return None
     return hash((call, rank, hop, stage)) & 0x7FFFFFFF  # ints hash to themselves: the same in every process
@@ -46,7 +42,12 @@ def quantized_reduce_scatter(
     groups: ProcessGroups,
     ledger: CommLedger,
     config: ZeroPPConfig,
+    *,
+    call: int | None = None,
 ) -> None:
+    """Reduces ``input`` (W chunks) into ``output`` (this rank's chunk). ``call`` numbers the reductions of a job
+    (:class:`~lightning_zeropp.comm.ZeroPPComms` counts them): with stochastic rounding, the noise of call ``c`` on
+    rank ``r`` is fixed by ``(c, r)``, so a run is reproducible and no two calls or ranks share noise."""
     topo = groups.topology
     N, K, W = topo.ranks_per_node, topo.num_nodes, topo.world_size
     chunk = output.numel()
@@ -60,7 +61,7 @@ def quantized_reduce_scatter(
     stochastic = config.gradient_rounding == "stochastic"
     intra_bits, inter_bits, block = config.intra_node_gradient_bits, config.gradient_bits, config.gradient_block_size
     backend = config.kernel_backend
-    call = next(_calls) if stochastic else None
+    call = call if stochastic else None
     flat_out = output.view(-1)
     intra_ranks, rail_ranks = topo.intra_node_ranks(), topo.rail_ranks()
 

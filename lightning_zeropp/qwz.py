@@ -20,15 +20,11 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_zeropp import kernels as tk
-
+from . import kernels as tk
 from .collectives import all_gather_flat
 from .config import ZeroPPConfig
 from .ledger import CommLedger
-
-_warned_non_float = False
 
 
 class _FinishOnWait(dist.Work):
@@ -56,18 +52,8 @@ def quantized_all_gather(
     kind: str,
     async_op: bool,
 ) -> dist.Work | None:
-    global _warned_non_float
-    if not input.is_floating_point():
-        # FSDP gathers raw bytes (uint8) when one unit mixes parameter dtypes; quantizing bytes would corrupt them.
-        if not _warned_non_float:
-            rank_zero_warn(
-                "ZeroPPStrategy: a sharded unit mixes parameter dtypes, so FSDP gathers it as raw bytes; qwZ leaves"
-                " such units exact. Give every parameter of a unit the same dtype to quantize it."
-            )
-            _warned_non_float = True
-        ledger.record_all_gather(kind, ranks, input.numel() * input.element_size())
-        return all_gather_flat(output, input, group, async_op)
-
+    """Quantizes this rank's shard, all-gathers the quantized buffers and dequantizes them into ``output``. The
+    caller sends units whose flat buffer is not floating point (FSDP's raw bytes for mixed dtypes) exactly."""
     bits, block, backend = config.weight_bits, config.weight_block_size, config.kernel_backend
     numel, world = input.numel(), len(ranks)
     packed = tk.quantize(input, bits, block, backend=backend)

@@ -16,6 +16,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 
 from . import fsdp_hooks
 from .comm import ZeroPPComms
+from .compat.torch import checkpoint_in_place
 from .config import ModuleSelection
 
 
@@ -104,11 +105,9 @@ def apply_zeropp(
 
     ac_classes = resolve_module_classes(model, activation_checkpointing, "activation_checkpointing")
     if ac_classes:
-        from torch.distributed._composable import checkpoint  # in place, keeps parameter names unchanged
-
         for module in model.modules():
             if module is not model and isinstance(module, tuple(ac_classes)):
-                checkpoint(module)
+                checkpoint_in_place(module)
 
     kwargs = {
         "mesh": mesh,

@@ -26,10 +26,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
 
-from lightning_zeropp import kernels as tk
-
 from . import checkpoint as ckpt
 from . import fsdp_hooks, hpz
+from . import kernels as tk
 from .comm import ZeroPPComms
 from .config import (
     KernelBackend,

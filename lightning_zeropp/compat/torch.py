@@ -1,0 +1,111 @@
+"""torch symbols that are private or changed between the versions lightning-zeropp supports (torch >= 2.9).
+
+Everything else in the package uses torch's public API only (``tests/test_private_api.py`` checks that). Each symbol
+here is looked up when this module is imported; a torch without it fails at import with the symbol, the installed
+version and the supported range, not later in the middle of a training step.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .versions import TORCH_VERSION, require
+
+# FSDP2's communication extension points (``FSDPModule.set_custom_all_gather`` / ``set_custom_reduce_scatter``, torch
+# 2.9) take objects of these classes; torch keeps them in a private module.
+require(TORCH_VERSION >= (2, 9), "torch", "FSDP2's custom all-gather and reduce-scatter hooks")
+# In-place activation checkpointing that keeps parameter names unchanged (the wrapper class would add a prefix).
+from torch.distributed._composable import checkpoint as _checkpoint_in_place  # noqa: E402
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter  # noqa: E402
+
+# torch 2.13 deprecates the *_into_tensor / *_tensor names; torch 2.11 and older lack the *_single ones.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+__all__ = [
+    "AllGather",
+    "ReduceScatter",
+    "ForwardHooks",
+    "all_gather_single",
+    "checkpoint_in_place",
+    "in_backward",
+    "reduce_scatter_single",
+]
+
+
+def in_backward() -> bool:
+    """Whether the caller runs inside autograd's backward pass (a graph task is executing)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def checkpoint_in_place(module: nn.Module) -> None:
+    """Recomputes ``module``'s activations in backward, without renaming its parameters."""
+    _checkpoint_in_place(module)
+
+
+class ForwardHooks:
+    """The forward hooks of one module, split into the ones some call added (FSDP2's root hooks, registered by
+    ``fully_shard``) and all the others (the user's), with a switch between the two sets.
+
+    ``nn.Module`` keeps its hooks in private ordered dicts; a module call copies them into a tuple before it runs the
+    pre-hooks, and reads the forward hooks again after ``forward`` returns, so switching sets in the middle of a call
+    (from a pre-hook or from inside ``forward``) changes which forward hooks that call runs.
+    """
+
+    _DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+              "_forward_hooks_always_called")  # fmt: skip
+
+    def __init__(self, module: nn.Module, added: dict[str, set[int]]) -> None:
+        self.module = module
+        self._added = added
+        self._saved: dict[str, OrderedDict] | None = None
+
+    @classmethod
+    def record(cls, module: nn.Module, register: Callable[[], Any]) -> ForwardHooks:
+        """Runs ``register()`` and remembers which forward hooks of ``module`` it added."""
+        before = {name: set(getattr(module, name, {})) for name in cls._DICTS}
+        register()
+        added = {name: set(getattr(module, name, {})) - before[name] for name in cls._DICTS}
+        return cls(module, added)
+
+    def _absorb(self) -> None:
+        """Hooks registered while a subset was installed join the saved full set."""
+        assert self._saved is not None
+        for name, hooks in self._saved.items():
+            current = getattr(self.module, name)
+            if current is not hooks:
+                hooks.update((k, v) for k, v in current.items() if k not in hooks)
+
+    def _select(self, added: bool) -> None:
+        self._absorb()
+        assert self._saved is not None
+        for name, hooks in self._saved.items():
+            kept = OrderedDict((k, v) for k, v in hooks.items() if (k in self._added[name]) == added)
+            setattr(self.module, name, kept)
+
+    @contextmanager
+    def only_recorded(self) -> Iterator[None]:
+        """Inside: the module's calls run only the recorded hooks, until :meth:`switch_to_others`."""
+        self._saved = {name: getattr(self.module, name) for name in self._DICTS if hasattr(self.module, name)}
+        self._select(True)
+        try:
+            yield
+        finally:
+            self._absorb()
+            for name, hooks in self._saved.items():
+                setattr(self.module, name, hooks)
+            self._saved = None
+
+    def switch_to_others(self) -> None:
+        """Inside :meth:`only_recorded`: from now on the module's calls run every hook but the recorded ones."""
+        self._select(False)
+
+    def switch_to_recorded(self) -> None:
+        self._select(True)

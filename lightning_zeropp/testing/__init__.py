@@ -1,0 +1,1 @@
+"""Support for the tests of lightning-zeropp and of projects built on it: small models, spawned gloo ranks."""
