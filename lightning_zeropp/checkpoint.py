@@ -1,4 +1,6 @@
-"""Checkpoints that survive interruptions and say what is wrong when they do not fit.
+"""Checkpoints of :class:`~lightning_zeropp.ZeroPPStrategy`: saving, loading, and the checks around them.
+
+The strategy's ``save_checkpoint`` / ``load_checkpoint`` call :func:`save` and :func:`load`; this module holds the rest.
 
 - Saving writes to a hidden temporary name next to the target and renames it into place only when every rank has
   finished, so a killed rank or a full disk leaves the previous checkpoint at that path untouched.
@@ -16,13 +18,29 @@ import shutil
 import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, Protocol
 
 import torch
-from lightning.fabric.utilities.load import _METADATA_FILENAME
+import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from .collectives import agree_or_raise
+from .compat.lightning import METADATA_FILENAME
 
 MODEL_KEY = "state_dict"
 RNG_KEY = "zeropp_rng_states"
+
+
+class Ranks(Protocol):
+    """What checkpointing needs of the strategy: its rank, the world size, and a broadcast from rank 0."""
+
+    world_size: int
+    global_rank: int
+
+    @property
+    def is_global_zero(self) -> bool: ...
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any: ...
 
 
 class CheckpointMismatchError(ValueError):
@@ -99,9 +117,9 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
 def _checkpoint_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     """Names and global shapes of the model tensors stored in a checkpoint (sharded folder or full file)."""
     if path.is_dir():
-        if not (path / _METADATA_FILENAME).is_file():
+        if not (path / METADATA_FILENAME).is_file():
             raise CheckpointMismatchError(
-                f"ZeroPPStrategy: {path} is not a complete sharded checkpoint: it has no {_METADATA_FILENAME}."
+                f"ZeroPPStrategy: {path} is not a complete sharded checkpoint: it has no {METADATA_FILENAME}."
                 " A save that was interrupted leaves only a hidden '.<name>.partial-*' folder, never this; was the"
                 " folder copied or edited by hand?"
             )
@@ -145,3 +163,109 @@ def check_compatible(path: Path, model_shapes: Mapping[str, tuple[int, ...]], st
         raise CheckpointMismatchError(
             f"ZeroPPStrategy: the checkpoint {path} does not fit this model; " + "; ".join(problems) + "."
         )
+
+
+# ----------------------------------------------------------------------------------------------- save and load
+_UNTOUCHED = "The checkpoint previously at that path, if any, is untouched."
+
+
+def save(
+    ranks: Ranks,
+    checkpoint: dict[str, Any],
+    filepath: str | os.PathLike,
+    state_dict_type: Literal["sharded", "full"],
+    save_file: Callable[[dict[str, Any], Path], None],
+) -> None:
+    """Writes ``checkpoint`` (Lightning's dict, the model and optimizer states as the strategy collected them) to a
+    temporary name and renames it onto ``filepath`` when complete. Collective: every rank calls it; if any rank fails,
+    every rank raises. ``save_file`` writes one file (the ``full`` format, on rank 0)."""
+    path = Path(ranks.broadcast(filepath))
+    checkpoint[RNG_KEY] = gather_rng_states(ranks.world_size)  # every rank's, so a resume continues each stream
+    if state_dict_type == "full":
+        error = _attempt(lambda: save_full(checkpoint, path, save_file)) if ranks.is_global_zero else None
+        agree_or_raise(error, f"ZeroPPStrategy: saving the checkpoint {path}", after=_UNTOUCHED)
+        return
+    from torch.distributed.checkpoint import save as dcp_save
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    tmp = Path(ranks.broadcast(str(temporary_name(path)) if ranks.is_global_zero else None))
+    tensors = {MODEL_KEY: checkpoint.pop(MODEL_KEY)}
+    tensors.update({f"optimizer_{i}": state for i, state in enumerate(checkpoint.pop("optimizer_states", []))})
+    try:
+        dcp_save(tensors, checkpoint_id=tmp)  # every rank writes its shards; fails on all if one does
+    except CheckpointException as err:  # a BaseException: it would slip past `except Exception` in user code
+        if ranks.is_global_zero:
+            remove(tmp)
+        failures = "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, e in sorted(err.failures.items()))
+        raise RuntimeError(f"ZeroPPStrategy: saving the checkpoint {path} failed ({failures}). {_UNTOUCHED}") from err
+
+    def finish() -> None:
+        try:
+            torch.save(checkpoint, tmp / METADATA_FILENAME)  # last: a folder without it is incomplete
+            replace_atomically(tmp, path)
+        except BaseException:
+            remove(tmp)
+            raise
+
+    error = _attempt(finish) if ranks.is_global_zero else None
+    agree_or_raise(error, f"ZeroPPStrategy: saving the checkpoint {path}", after=_UNTOUCHED)
+
+
+def _attempt(write: Callable[[], None]) -> Exception | None:
+    try:
+        write()
+    except Exception as err:
+        return err
+    return None
+
+
+def load(
+    ranks: Ranks,
+    filepath: str | os.PathLike,
+    model_shapes: Mapping[str, tuple[int, ...]],
+    strict: bool,
+    read: Callable[[Path], dict[str, Any]],
+) -> dict[str, Any]:
+    """Checks the checkpoint against the model on every rank (each reads the files itself: they may not share a
+    filesystem) and only then runs the collective ``read(path)``; restores this rank's random state. Returns what
+    ``read`` returned, without the random states."""
+    path = Path(ranks.broadcast(filepath))
+    problem: Exception | None = None
+    try:
+        if not path.exists():
+            raise FileNotFoundError(f"ZeroPPStrategy: checkpoint {path} does not exist.")
+        check_compatible(path, model_shapes, strict)
+    except (FileNotFoundError, CheckpointMismatchError) as err:
+        problem = err
+    agree_or_raise(problem)
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        loaded = read(path)
+    except CheckpointMismatchError:
+        raise
+    except (Exception, CheckpointException) as err:  # a truncated shard, an unreadable file: name them
+        raise CheckpointMismatchError(f"ZeroPPStrategy: loading the checkpoint {path} failed: {err}") from err
+    restore_rng_states(loaded.pop(RNG_KEY, None), ranks.world_size, ranks.global_rank)
+    return loaded
+
+
+def gather_rng_states(world_size: int) -> list[dict[str, Any]]:
+    states: list[Any] = [None] * world_size
+    if world_size > 1:
+        dist.all_gather_object(states, rng_state())
+    else:
+        states[0] = rng_state()
+    return states
+
+
+def restore_rng_states(states: list[dict[str, Any]] | None, world_size: int, rank: int) -> None:
+    if not states:
+        return
+    if len(states) != world_size:
+        rank_zero_warn(
+            f"ZeroPPStrategy: the checkpoint was written by {len(states)} ranks and is loaded by {world_size};"
+            " the weights, optimizer and loops resume exactly, the random number streams (dropout) start afresh."
+        )
+        return
+    set_rng_state(states[rank])

@@ -158,15 +158,15 @@ def _divisors(n: int) -> list[int]:
 
 def check_strategy_arguments(
     *,
-    wrap_modules: object,
-    activation_checkpointing: object,
+    auto_wrap_policy: object,
+    activation_checkpointing_policy: object,
     cpu_offload: object,
     state_dict_type: object,
     process_group_backend: object,
 ) -> None:
     """Checks the strategy arguments that are not part of :class:`ZeroPPConfig`."""
-    _check_module_selection("wrap_modules", wrap_modules)
-    _check_module_selection("activation_checkpointing", activation_checkpointing)
+    _check_module_selection("auto_wrap_policy", auto_wrap_policy)
+    _check_module_selection("activation_checkpointing_policy", activation_checkpointing_policy)
     _check_bool("cpu_offload", cpu_offload)
     if state_dict_type not in _STATE_DICT_TYPES:
         raise _fail("state_dict_type", state_dict_type, f"choose one of {_STATE_DICT_TYPES}")

@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.load import _METADATA_FILENAME
 
 from .checkpoint import MODEL_KEY, CheckpointMismatchError, save_full
+from .compat.lightning import METADATA_FILENAME
 
 
 def _to_plain(value: Any) -> Any:
@@ -52,9 +52,9 @@ def _rekey_optimizer(state: dict[str, Any]) -> dict[str, Any]:
 def load_sharded(src: Path, scratch: Path | None = None) -> dict[str, Any]:
     """The whole checkpoint in one process: model and optimizer tensors gathered, metadata merged. ``scratch``: a
     folder for the intermediate single-file copy (default: the system's temporary folder)."""
-    if not (src.is_dir() and (src / _METADATA_FILENAME).is_file()):
+    if not (src.is_dir() and (src / METADATA_FILENAME).is_file()):
         raise CheckpointMismatchError(
-            f"consolidate: {src} is not a sharded checkpoint folder (a folder holding {_METADATA_FILENAME})."
+            f"consolidate: {src} is not a sharded checkpoint folder (a folder holding {METADATA_FILENAME})."
         )
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -62,7 +62,7 @@ def load_sharded(src: Path, scratch: Path | None = None) -> dict[str, Any]:
         flat_file = Path(tmp) / "flat.pt"
         dcp_to_torch_save(str(src), str(flat_file))
         stored = torch.load(flat_file, map_location="cpu", weights_only=False)
-    checkpoint = torch.load(src / _METADATA_FILENAME, map_location="cpu", weights_only=False)
+    checkpoint = torch.load(src / METADATA_FILENAME, map_location="cpu", weights_only=False)
     checkpoint["state_dict"] = _to_plain(stored.pop(MODEL_KEY))
     optimizer_keys = sorted((k for k in stored if k.startswith("optimizer_")), key=lambda k: int(k.split("_")[1]))
     checkpoint["optimizer_states"] = [_rekey_optimizer(_to_plain(stored[k])) for k in optimizer_keys]

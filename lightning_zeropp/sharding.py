@@ -65,7 +65,7 @@ def wrap_targets(model: nn.Module, classes: set[type[nn.Module]]) -> list[nn.Mod
     targets = [m for m in model.modules() if m is not model and isinstance(m, tuple(classes))]
     if not targets:
         raise ValueError(
-            f"ZeroPPStrategy: `wrap_modules` selects {sorted(c.__name__ for c in classes)}, but the model holds no"
+            f"ZeroPPStrategy: `auto_wrap_policy` selects {sorted(c.__name__ for c in classes)}, but the model holds no"
             " submodule of those classes. Name the classes of your transformer blocks, or leave it None to shard"
             " every module held in an nn.ModuleList."
         )
@@ -86,8 +86,8 @@ def apply_zeropp(
     comms: ZeroPPComms,
     reshard_after_forward: bool | int,
     precision: str,
-    wrap_modules: ModuleSelection,
-    activation_checkpointing: ModuleSelection,
+    auto_wrap_policy: ModuleSelection,
+    activation_checkpointing_policy: ModuleSelection,
     cpu_offload: bool,
 ) -> list[nn.Module]:
     """Shards ``model`` in place; returns the sharded modules, root last."""
@@ -95,15 +95,15 @@ def apply_zeropp(
         raise TypeError(
             "ZeroPPStrategy shards the model itself, but it already holds modules wrapped with `fully_shard`."
             " Build the layers in `configure_model` without calling `fully_shard`; choose the units with"
-            " `ZeroPPStrategy(wrap_modules=...)`."
+            " `ZeroPPStrategy(auto_wrap_policy=...)`."
         )
-    wrap_classes = resolve_module_classes(model, wrap_modules, "wrap_modules")
+    wrap_classes = resolve_module_classes(model, auto_wrap_policy, "auto_wrap_policy")
     targets = wrap_targets(model, wrap_classes) if wrap_classes else default_wrap_targets(model)
     # A nested target (a block inside a block) is sharded before its parent: reverse module order is bottom-up.
     order = {id(m): i for i, m in enumerate(model.modules())}
     targets.sort(key=lambda m: order[id(m)], reverse=True)
 
-    ac_classes = resolve_module_classes(model, activation_checkpointing, "activation_checkpointing")
+    ac_classes = resolve_module_classes(model, activation_checkpointing_policy, "activation_checkpointing_policy")
     if ac_classes:
         for module in model.modules():
             if module is not model and isinstance(module, tuple(ac_classes)):
@@ -117,7 +117,7 @@ def apply_zeropp(
     }
     for module in targets:
         fully_shard(module, **kwargs)
-    # The steps run inside the root's forward with its hooks firing once (strategy._RootStepRedirection), so a
+    # The steps run inside the root's forward with its hooks firing once (strategy._StepRedirection), so a
     # root that cast its inputs would cast the whole batch, labels included. The units below still cast theirs,
     # and bf16-mixed autocast covers the root's own layers.
     root_policy = dataclasses.replace(kwargs["mp_policy"], cast_forward_inputs=False)

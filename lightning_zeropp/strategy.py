@@ -2,24 +2,15 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import os
 from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
-import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.init import _materialize_distributed_module
-from lightning.fabric.utilities.load import _METADATA_FILENAME
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.types import _PATH
-from lightning.pytorch.strategies import ModelParallelStrategy
-from lightning.pytorch.strategies.strategy import _ForwardRedirection
-from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation, rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -30,6 +21,13 @@ from . import checkpoint as ckpt
 from . import fsdp_hooks, hpz
 from . import kernels as tk
 from .comm import ZeroPPComms
+from .compat.lightning import (
+    ForwardRedirection,
+    ModelParallelBase,
+    disable_inference_mode,
+    materialize_distributed_module,
+)
+from .compat.torch import ForwardHooks
 from .config import (
     KernelBackend,
     ModuleSelection,
@@ -45,38 +43,40 @@ SUPPORTED_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-true")
 _SHARDED_MARK = "_zeropp_sharding_layout"
 
 
-class _RootStepRedirection(_ForwardRedirection):
+class _StepRedirection(ForwardRedirection):
     """Runs a step method inside one call of the sharded root module, with FSDP2's root hooks firing once.
 
-    The step runs inside the root's ``forward`` so FSDP2's pre-forward (lazy init, unshard) and post-forward
-    (reshard, pre-backward hooks on the loss) wrap it. A step that calls ``self(x)`` calls the root again; if its
-    hooks fired on that nested call, the nested post-forward would reshard the root and leave it idle, and the outer
-    post-forward would then reshard it fully, defeating hpZ for the root's parameters. So the root's own forward
-    hooks are set aside while the step runs.
+    ``fully_shard`` is applied in place to the LightningModule, so the step runs inside the root's ``forward``: FSDP2's
+    pre-forward (lazy init, unshard) and post-forward (reshard, pre-backward hooks on the loss) wrap it. Around that
+    outer call, the root runs only the forward hooks ``fully_shard`` registered (:class:`ForwardHooks`); the last of
+    its pre-hooks switches to the other hooks (the user's) before the step method runs, and ``on_after_inner_forward``
+    switches back before the post-hooks. So a step's ``self(x)`` runs the user's forward hooks with ``x``, as a plain
+    call would, and not FSDP2's: a nested post-forward would reshard the root and defeat hpZ for its parameters.
     """
 
-    def __call__(
-        self, wrapper_module: nn.Module, original_module: pl.LightningModule, method_name: str, *args, **kwargs
-    ) -> STEP_OUTPUT:
-        original_forward = original_module.forward
+    def __init__(self, hooks: ForwardHooks) -> None:
+        self.hooks = hooks
 
-        def step_as_forward(*_args: Any, **_kwargs: Any) -> Any:
-            original_module.forward = original_forward  # type: ignore[method-assign]
-            hooks = (original_module._forward_pre_hooks, original_module._forward_hooks)
-            original_module._forward_pre_hooks, original_module._forward_hooks = OrderedDict(), OrderedDict()
-            try:
-                return getattr(original_module, method_name)(*_args, **_kwargs)
-            finally:
-                original_module._forward_pre_hooks, original_module._forward_hooks = hooks
+    @override
+    def on_after_inner_forward(self, wrapper_module: nn.Module, original_module: pl.LightningModule) -> None:
+        self.hooks.switch_to_recorded()
 
-        original_module.forward = step_as_forward  # type: ignore[method-assign]
-        try:
-            return wrapper_module(*args, **kwargs)
-        finally:
-            original_module.forward = original_forward  # type: ignore[method-assign]
+    def run(self, module: pl.LightningModule, method_name: str, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        with self.hooks.only_recorded():
+            return self(module, module, method_name, *args, **kwargs)
 
 
-class ZeroPPStrategy(ModelParallelStrategy):
+def _enter_step(hooks: ForwardHooks):
+    """The root's last pre-hook: inside a redirected step, from here on only the user's hooks run."""
+
+    def hook(module: nn.Module, args: Any) -> None:
+        if hooks.selecting:
+            hooks.switch_to_others()
+
+    return hook
+
+
+class ZeroPPStrategy(ModelParallelBase):
     """ZeRO++: ZeRO-3 (FSDP2) with quantized weight all-gather, a secondary weight partition per node, and a
     2-hop quantized gradient reduce-scatter. ``ZeroPPStrategy(quantize_weights=False, hpz_partition_size=1,
     quantize_gradients=False)`` is plain ZeRO-3 (registered as ``"zero3"``); the defaults are ``"zeropp"``.
@@ -97,14 +97,16 @@ class ZeroPPStrategy(ModelParallelStrategy):
         pipeline_stages: qgZ pieces per chunk; piece s+1 crosses the node's links while piece s crosses nodes.
         ranks_per_node: ranks per node; ``"auto"`` is the launcher's local world size. A smaller value makes one
             machine act as several nodes (tests, demos). Must divide the local world size.
-        wrap_modules: module classes (or class names, as in YAML) that each become one FSDP unit. Default: every
+        auto_wrap_policy: module classes (or class names, as in YAML) that each become one FSDP unit. Default: every
             module held in an ``nn.ModuleList`` (transformer blocks). The root is always sharded last.
-        activation_checkpointing: module classes (or names) whose activations are recomputed in backward.
+        activation_checkpointing_policy: module classes (or names) whose activations are recomputed in backward.
         cpu_offload: keep sharded parameters, gradients and optimizer state in host memory.
         state_dict_type: ``"sharded"``: a checkpoint folder written by every rank; ``"full"``: one file.
         kernel_backend: ``"auto"`` (Triton on CUDA, pure torch elsewhere), ``"triton"`` or ``"torch"``.
         process_group_backend: ``"nccl"``, ``"gloo"``, ...; default: chosen for the device.
         timeout: timeout of collectives.
+        wrap_modules: deprecated spelling of ``auto_wrap_policy``.
+        activation_checkpointing: deprecated spelling of ``activation_checkpointing_policy``.
     """
 
     strategy_name = "zeropp"
@@ -122,13 +124,15 @@ class ZeroPPStrategy(ModelParallelStrategy):
         gradient_rounding: Literal["nearest", "stochastic"] = "nearest",
         pipeline_stages: int = 2,
         ranks_per_node: int | Literal["auto"] = "auto",
-        wrap_modules: ModuleSelection = None,
-        activation_checkpointing: ModuleSelection = None,
+        auto_wrap_policy: ModuleSelection = None,
+        activation_checkpointing_policy: ModuleSelection = None,
         cpu_offload: bool = False,
         state_dict_type: StateDictType = "sharded",
         kernel_backend: KernelBackend = "auto",
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        wrap_modules: ModuleSelection = None,
+        activation_checkpointing: ModuleSelection = None,
     ) -> None:
         self.zeropp_config = ZeroPPConfig(
             quantize_weights=quantize_weights,
@@ -144,9 +148,14 @@ class ZeroPPStrategy(ModelParallelStrategy):
             ranks_per_node=ranks_per_node,
             kernel_backend=kernel_backend,
         )
+        auto_wrap_policy = _renamed("wrap_modules", wrap_modules, "auto_wrap_policy", auto_wrap_policy)
+        activation_checkpointing_policy = _renamed(
+            "activation_checkpointing", activation_checkpointing, "activation_checkpointing_policy",
+            activation_checkpointing_policy,
+        )  # fmt: skip
         check_strategy_arguments(
-            wrap_modules=wrap_modules,
-            activation_checkpointing=activation_checkpointing,
+            auto_wrap_policy=auto_wrap_policy,
+            activation_checkpointing_policy=activation_checkpointing_policy,
             cpu_offload=cpu_offload,
             state_dict_type=state_dict_type,
             process_group_backend=process_group_backend,
@@ -156,15 +165,15 @@ class ZeroPPStrategy(ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        self._wrap_modules = wrap_modules
-        self._activation_checkpointing = activation_checkpointing
+        self._auto_wrap_policy = auto_wrap_policy
+        self._activation_checkpointing_policy = activation_checkpointing_policy
         self._cpu_offload = cpu_offload
         self._state_dict_type = state_dict_type
         self._topology: Topology | None = None
         self._groups: ProcessGroups | None = None
         self._ledger: CommLedger | None = None
         self._comms: ZeroPPComms | None = None
-        self._forward_redirection = _RootStepRedirection()
+        self._steps: _StepRedirection | None = None
 
     # ------------------------------------------------------------------ properties
     @property
@@ -184,10 +193,23 @@ class ZeroPPStrategy(ModelParallelStrategy):
     def state_dict_type(self) -> StateDictType:
         return self._state_dict_type
 
+    @property
+    def auto_wrap_policy(self) -> ModuleSelection:
+        """The module classes (or names) that become FSDP units; None: the elements of the outermost ModuleLists."""
+        return self._auto_wrap_policy
+
+    @property
+    def activation_checkpointing_policy(self) -> ModuleSelection:
+        return self._activation_checkpointing_policy
+
+    @property
+    def cpu_offload(self) -> bool:
+        return self._cpu_offload
+
     # ------------------------------------------------------------------ setup
     @override
     def setup_environment(self) -> None:
-        self._setup_distributed()
+        self.setup_distributed()
         ranks_per_node, hpz_size = self.zeropp_config.resolve(self.world_size, self.num_processes)
         topology = Topology(self.world_size, ranks_per_node, self.global_rank, hpz_size)
         if topology != self._topology:  # fit, then validate with the same Trainer: keep mesh, groups and ledger
@@ -197,68 +219,53 @@ class ZeroPPStrategy(ModelParallelStrategy):
                     " so some hpZ groups span two nodes and their backward all-gather crosses nodes. Use a divisor of"
                     f" {ranks_per_node} to keep it inside a node."
                 )
-            self._device_mesh = init_device_mesh(
-                self.root_device.type, (self.world_size,), mesh_dim_names=("data_parallel",)
-            )
+            self._mesh = init_device_mesh(self.root_device.type, (self.world_size,), mesh_dim_names=("data_parallel",))
             self._topology = topology
             self._groups = ProcessGroups.build(topology)
             self._ledger = CommLedger(topology)
             self._comms = ZeroPPComms(self.zeropp_config, self._groups, self._ledger)
-        assert self.lightning_module is not None
-        self.lightning_module._device_mesh = self._device_mesh
+        self.set_device_mesh(self._mesh)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        assert self.model is not None
-        assert self.accelerator is not None
-        self.accelerator.setup(trainer)
         precision = str(self.precision_plugin.precision)
         if precision not in SUPPORTED_PRECISIONS:
             raise ValueError(
                 f"ZeroPPStrategy does not support `precision={precision!r}`; use one of {SUPPORTED_PRECISIONS}."
             )
-        self._check_kernel_backend()
-        # FSDP2's buffers must not be created under inference_mode (pytorch#95957); Lightning only falls back to
-        # no_grad for gloo and for its own FSDPStrategy.
-        for loop in (trainer.fit_loop.epoch_loop.val_loop, trainer.validate_loop, trainer.test_loop,
-                     trainer.predict_loop):  # fmt: skip
-            loop.inference_mode = False
-        assert self._comms is not None and self._topology is not None
-        layout = self._sharding_layout(precision)
-        if getattr(self.model, _SHARDED_MARK, None) is not None:
-            self._adopt_sharded_model(layout)
-        else:
-            # Dtype conversion (bf16-true, 16-true) before sharding: the shards then hold the converted values.
-            self.model = self.precision_plugin.convert_module(self.model)
-            apply_zeropp(
-                self.model,
-                mesh=self.device_mesh,
-                comms=self._comms,
-                reshard_after_forward=layout["reshard_after_forward"],
-                precision=precision,
-                wrap_modules=self._wrap_modules,
-                activation_checkpointing=self._activation_checkpointing,
-                cpu_offload=self._cpu_offload,
-            )
-            setattr(self.model, _SHARDED_MARK, layout)
-            _materialize_distributed_module(self.model, self.root_device)
-        self.model_to_device()
-        self.barrier()
-        if trainer.state.fn == TrainerFn.FITTING:
-            self.setup_optimizers(trainer)
-        self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
+        tk.check_backend(self.zeropp_config.kernel_backend, self.root_device)
+        disable_inference_mode(trainer)
+        self.base_setup(trainer)  # converts the precision, calls shard_model, then sets up the optimizers
 
-    def _check_kernel_backend(self) -> None:
-        if self.zeropp_config.kernel_backend != "triton":
-            return
-        if self.root_device.type != "cuda" and not tk._interpreting():
-            raise ValueError(
-                f'ZeroPPStrategy: `kernel_backend="triton"` needs CUDA devices, but this job runs on'
-                f' {self.root_device.type} (on the CPU, Triton runs only under TRITON_INTERPRET=1). Use "auto".'
-            )
-        tk._triton_ops()  # raises with the reason when triton cannot be imported
+    @override
+    def shard_model(self, model: nn.Module) -> nn.Module:
+        """Shards the model in place (dtype already converted: the shards hold the converted values)."""
+        assert self._comms is not None and self._topology is not None
+        layout = self._sharding_layout(str(self.precision_plugin.precision))
+        if getattr(model, _SHARDED_MARK, None) is not None:
+            hooks = self._adopt_sharded_model(model, layout)
+        else:
+
+            def shard_and_enter() -> None:
+                apply_zeropp(
+                    model,
+                    mesh=self.device_mesh,
+                    comms=self._comms,
+                    reshard_after_forward=layout["reshard_after_forward"],
+                    precision=layout["precision"],
+                    auto_wrap_policy=self._auto_wrap_policy,
+                    activation_checkpointing_policy=self._activation_checkpointing_policy,
+                    cpu_offload=self._cpu_offload,
+                )
+                model.register_forward_pre_hook(_enter_step(hooks))  # after FSDP2's root pre-hook
+
+            hooks = ForwardHooks(model)
+            hooks.record(shard_and_enter)
+            setattr(model, _SHARDED_MARK, (layout, hooks))
+            materialize_distributed_module(model, self.root_device)
+        self._steps = _StepRedirection(hooks)
+        self.barrier()
+        return model
 
     def _sharding_layout(self, precision: str) -> dict[str, Any]:
         """What the sharding of a model depends on; a model sharded differently cannot be adopted."""
@@ -272,10 +279,10 @@ class ZeroPPStrategy(ModelParallelStrategy):
             "cpu_offload": self._cpu_offload,
         }
 
-    def _adopt_sharded_model(self, layout: dict[str, Any]) -> None:
+    def _adopt_sharded_model(self, model: nn.Module, layout: dict[str, Any]) -> ForwardHooks:
         """A model sharded by an earlier ZeroPPStrategy (an earlier Trainer): route its collectives through ours."""
-        assert self.model is not None and self._comms is not None
-        sharded_as = getattr(self.model, _SHARDED_MARK)
+        assert self._comms is not None
+        sharded_as, hooks = getattr(model, _SHARDED_MARK)
         differences = [f"{k}: {sharded_as[k]!r} then, {v!r} now" for k, v in layout.items() if sharded_as[k] != v]
         if differences:
             raise ValueError(
@@ -284,10 +291,11 @@ class ZeroPPStrategy(ModelParallelStrategy):
                 + "). Build a fresh model and load a checkpoint instead: sharded checkpoints load on any world size"
                 " and settings."
             )
-        for module in self.model.modules():
+        for module in model.modules():
             if isinstance(module, FSDPModule):
                 fsdp_hooks.install(module, self._comms)
         self._reshard()
+        return hooks
 
     def _reshard(self) -> None:
         """Drops every unsharded and hpZ secondary copy of the weights; the next forward gathers the primary shards.
@@ -320,7 +328,9 @@ class ZeroPPStrategy(ModelParallelStrategy):
 
     # ------------------------------------------------------------------ checkpoints
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: str | os.PathLike, storage_options: Any | None = None
+    ) -> None:
         """Writes to a temporary name and renames it into place when complete, so an interrupted save never
         damages the checkpoint already at ``filepath``."""
         if storage_options is not None:
@@ -328,154 +338,50 @@ class ZeroPPStrategy(ModelParallelStrategy):
                 "ZeroPPStrategy.save_checkpoint(..., storage_options=...) is not supported: the strategy writes the"
                 " checkpoint itself (a sharded folder or one file), not through a CheckpointIO plugin."
             )
-        path = Path(self.broadcast(filepath))
-        checkpoint[ckpt.RNG_KEY] = self._gather_rng_states()  # every rank's, so a resume continues each stream
-        if self._state_dict_type == "full":
-            self._on_rank_zero_or_raise(
-                path, lambda: ckpt.save_full(checkpoint, path, self.checkpoint_io.save_checkpoint)
-            )
-            return
-        from lightning.fabric.strategies.fsdp import _distributed_checkpoint_save
-        from torch.distributed.checkpoint.api import CheckpointException
-
-        tmp = Path(self.broadcast(str(ckpt.temporary_name(path)) if self.is_global_zero else None))
-        converted = {ckpt.MODEL_KEY: checkpoint.pop("state_dict")}
-        converted.update({f"optimizer_{i}": state for i, state in enumerate(checkpoint.pop("optimizer_states", []))})
-        try:
-            _distributed_checkpoint_save(converted, tmp)  # every rank writes its shards; fails on all if one does
-        except CheckpointException as err:  # a BaseException: it would slip past `except Exception` in user code
-            if self.is_global_zero:
-                ckpt.remove(tmp)
-            failures = "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, e in sorted(err.failures.items()))
-            raise RuntimeError(
-                f"ZeroPPStrategy: saving the checkpoint {path} failed ({failures}). The checkpoint previously at that"
-                " path, if any, is untouched."
-            ) from err
-
-        def finish() -> None:
-            try:
-                torch.save(checkpoint, tmp / _METADATA_FILENAME)  # last: a folder without it is incomplete
-                ckpt.replace_atomically(tmp, path)
-            except BaseException:
-                ckpt.remove(tmp)
-                raise
-
-        self._on_rank_zero_or_raise(path, finish)
-
-    def _on_rank_zero_or_raise(self, path: Path, write: Any) -> None:
-        """Runs ``write`` on rank 0 and makes every rank raise if it failed (no rank is left waiting)."""
-        error: BaseException | None = None
-        if self.is_global_zero:
-            try:
-                write()
-            except Exception as err:
-                error = err
-        message = self.broadcast(None if error is None else f"{type(error).__name__}: {error}")
-        if message is not None:
-            raise RuntimeError(
-                f"ZeroPPStrategy: saving the checkpoint {path} failed on rank 0 ({message}). The checkpoint previously"
-                " at that path, if any, is untouched."
-            ) from error
+        ckpt.save(self, checkpoint, filepath, self._state_dict_type, self.checkpoint_io.save_checkpoint)
 
     @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        path = Path(self.broadcast(checkpoint_path))
+    def load_checkpoint(self, checkpoint_path: str | os.PathLike, weights_only: bool | None = None) -> dict[str, Any]:
         assert self.model is not None and self.lightning_module is not None
-        strict = self.lightning_module.strict_loading
         shapes = {k: tuple(v.shape) for k, v in self.model.state_dict().items()}
-        # Every rank reads the files itself (they may not share a filesystem): agree before any collective load.
-        problem: BaseException | None = None
-        try:
-            if not path.exists():
-                raise FileNotFoundError(f"ZeroPPStrategy: checkpoint {path} does not exist.")
-            ckpt.check_compatible(path, shapes, strict)
-        except (FileNotFoundError, ckpt.CheckpointMismatchError) as err:
-            problem = err
-        self._raise_if_any_rank_failed(problem)
-        from torch.distributed.checkpoint.api import CheckpointException
-
-        try:
-            loaded = super().load_checkpoint(path, weights_only=weights_only)
-        except ckpt.CheckpointMismatchError:
-            raise
-        except (Exception, CheckpointException) as err:  # a truncated shard, an unreadable file: name them
-            raise ckpt.CheckpointMismatchError(f"ZeroPPStrategy: loading the checkpoint {path} failed: {err}") from err
-        self._restore_rng_state(loaded.pop(ckpt.RNG_KEY, None))
+        read = super().load_checkpoint
+        loaded = ckpt.load(
+            self, checkpoint_path, shapes, self.lightning_module.strict_loading, lambda p: read(p, weights_only)
+        )
         self._reshard()
         return loaded
-
-    def _raise_if_any_rank_failed(self, problem: BaseException | None) -> None:
-        """Raises on every rank if any rank hit a problem (its own error, or the first failing rank's), else returns."""
-        import torch.distributed as dist
-
-        message = None if problem is None else (type(problem).__name__, str(problem))
-        messages = [message]
-        if self.world_size > 1:
-            messages = [None] * self.world_size
-            dist.all_gather_object(messages, message)
-        failed = [(rank, m) for rank, m in enumerate(messages) if m is not None]
-        if not failed:
-            return
-        if problem is not None:
-            raise problem
-        rank, (kind, text) = failed[0]
-        error = FileNotFoundError if kind == "FileNotFoundError" else ckpt.CheckpointMismatchError
-        raise error(f"{text} (seen on rank {rank})")
-
-    def _gather_rng_states(self) -> list[dict[str, Any]]:
-        import torch.distributed as dist
-
-        states: list[Any] = [None] * self.world_size
-        if self.world_size > 1:
-            dist.all_gather_object(states, ckpt.rng_state())
-        else:
-            states[0] = ckpt.rng_state()
-        return states
-
-    def _restore_rng_state(self, states: list[dict[str, Any]] | None) -> None:
-        if not states:
-            return
-        if len(states) != self.world_size:
-            rank_zero_warn(
-                f"ZeroPPStrategy: the checkpoint was written by {len(states)} ranks and is loaded by {self.world_size};"
-                " the weights, optimizer and loops resume exactly, the random number streams (dropout) start afresh."
-            )
-            return
-        ckpt.set_rng_state(states[self.global_rank])
-
-    @override
-    def model_to_device(self) -> None:
-        if self._cpu_offload:
-            return  # FSDP's CPUOffloadPolicy owns placement: shards on the host, unsharded weights on the device
-        super().model_to_device()
 
     # ------------------------------------------------------------------ steps
     # ``fully_shard`` is applied in place to the LightningModule, so ``self.model is self.lightning_module`` and
     # Lightning would call ``training_step`` directly, skipping FSDP2's root forward hooks (lazy init, unsharding
-    # the root's own parameters). Always route the steps through ``forward`` (see ``_RootStepRedirection``).
+    # the root's own parameters). Always route the steps through ``forward`` (see ``_StepRedirection``).
+    def _step(self, method_name: str, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        assert self._steps is not None and self.lightning_module is not None
+        return self._steps.run(self.lightning_module, method_name, *args, **kwargs)
+
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         with self.precision_plugin.train_step_context():
-            return self._forward_redirection(self.model, self.lightning_module, "training_step", *args, **kwargs)
+            return self._step("training_step", *args, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         with self.precision_plugin.val_step_context():
-            out = self._forward_redirection(self.model, self.lightning_module, "validation_step", *args, **kwargs)
+            out = self._step("validation_step", *args, **kwargs)
         self._reshard()
         return out
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         with self.precision_plugin.test_step_context():
-            out = self._forward_redirection(self.model, self.lightning_module, "test_step", *args, **kwargs)
+            out = self._step("test_step", *args, **kwargs)
         self._reshard()
         return out
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         with self.precision_plugin.predict_step_context():
-            out = self._forward_redirection(self.model, self.lightning_module, "predict_step", *args, **kwargs)
+            out = self._step("predict_step", *args, **kwargs)
         self._reshard()
         return out
 
@@ -498,3 +404,13 @@ class ZeroPPStrategy(ModelParallelStrategy):
             hpz_partition_size=1,
             quantize_gradients=False,
         )
+
+
+def _renamed(old: str, old_value: ModuleSelection, new: str, new_value: ModuleSelection) -> ModuleSelection:
+    """The value of an argument that was renamed to Lightning's spelling; the old name still works, with a warning."""
+    if old_value is None:
+        return new_value
+    if new_value is not None:
+        raise ValueError(f"ZeroPPStrategy: `{old}` is the deprecated spelling of `{new}`; pass only `{new}`.")
+    rank_zero_deprecation(f"ZeroPPStrategy: `{old}` is deprecated and will be removed; use `{new}` (Lightning's name).")
+    return old_value

@@ -62,18 +62,22 @@ class ForwardHooks:
     _DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
               "_forward_hooks_always_called")  # fmt: skip
 
-    def __init__(self, module: nn.Module, added: dict[str, set[int]]) -> None:
+    def __init__(self, module: nn.Module) -> None:
         self.module = module
-        self._added = added
+        self._added: dict[str, set[int]] = {name: set() for name in self._DICTS}
         self._saved: dict[str, OrderedDict] | None = None
 
-    @classmethod
-    def record(cls, module: nn.Module, register: Callable[[], Any]) -> ForwardHooks:
-        """Runs ``register()`` and remembers which forward hooks of ``module`` it added."""
-        before = {name: set(getattr(module, name, {})) for name in cls._DICTS}
+    def record(self, register: Callable[[], Any]) -> None:
+        """Runs ``register()`` and remembers which forward hooks of the module it added."""
+        before = {name: set(getattr(self.module, name, {})) for name in self._DICTS}
         register()
-        added = {name: set(getattr(module, name, {})) - before[name] for name in cls._DICTS}
-        return cls(module, added)
+        for name in self._DICTS:
+            self._added[name] |= set(getattr(self.module, name, {})) - before[name]
+
+    @property
+    def selecting(self) -> bool:
+        """Whether :meth:`only_recorded` is active."""
+        return self._saved is not None
 
     def _absorb(self) -> None:
         """Hooks registered while a subset was installed join the saved full set."""

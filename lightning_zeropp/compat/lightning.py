@@ -1,0 +1,78 @@
+"""Lightning symbols that are private or changed between the versions lightning-zeropp supports (lightning >= 2.5).
+
+Lightning's strategies are extended through a few private hooks and helpers; this module is the only place that names
+them. :class:`ModelParallelBase` gives the private extension points of ``ModelParallelStrategy`` public names, so the
+strategy itself is written against this module's names only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
+from torch import nn
+
+from .versions import LIGHTNING_VERSION, require
+
+require(LIGHTNING_VERSION >= (2, 5), "lightning", "ModelParallelStrategy with FSDP2 and distributed checkpoints")
+from lightning.fabric.utilities.init import _materialize_distributed_module  # noqa: E402
+from lightning.fabric.utilities.load import _METADATA_FILENAME  # noqa: E402
+from lightning.pytorch.strategies.strategy import _ForwardRedirection  # noqa: E402
+
+# The file of a sharded checkpoint folder that holds everything but the tensors; Lightning's loader reads it.
+METADATA_FILENAME: str = _METADATA_FILENAME
+
+__all__ = ["METADATA_FILENAME", "ForwardRedirection", "ModelParallelBase", "disable_inference_mode"]
+
+
+class ForwardRedirection(_ForwardRedirection):
+    """Lightning's forward redirection: a step method called through the wrapper module's ``forward``, with two hooks,
+    ``on_after_inner_forward`` (the method returned, the wrapper's forward has not) and ``on_after_outer_forward``."""
+
+
+class ModelParallelBase(ModelParallelStrategy):
+    """``ModelParallelStrategy`` with the private parts lightning-zeropp builds on given public names.
+
+    Subclasses implement :meth:`shard_model` (called by Lightning's ``Strategy.setup`` at the point where strategies
+    wrap the model, after the precision plugin converted it) and call :meth:`setup_distributed`,
+    :meth:`set_device_mesh` and :meth:`base_setup`.
+    """
+
+    def shard_model(self, model: nn.Module) -> nn.Module:
+        raise NotImplementedError
+
+    def _setup_model(self, model: nn.Module) -> nn.Module:
+        return self.shard_model(model)
+
+    def setup_distributed(self) -> None:
+        """Lightning's process-group setup of ``ModelParallelStrategy`` (ranks, backend, timeout), without its mesh."""
+        self._setup_distributed()
+
+    def set_device_mesh(self, mesh: Any) -> None:
+        """The mesh ``device_mesh`` returns, also on the LightningModule (``configure_model`` may read it)."""
+        self._device_mesh = mesh
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = mesh
+
+    def base_setup(self, trainer: pl.Trainer) -> None:
+        """``Strategy.setup``: accelerator, precision conversion, :meth:`shard_model`, optimizers, precision plugin,
+        optimizers to the device. ``ModelParallelStrategy.setup`` is skipped: it requires ``configure_model`` to
+        parallelize the model itself, where this strategy shards any model."""
+        Strategy.setup(self, trainer)
+
+
+def materialize_distributed_module(module: nn.Module, device: torch.device) -> None:
+    """Materializes parameters and buffers left on the meta device (``empty_init``) as sharded tensors on ``device``."""
+    _materialize_distributed_module(module, device)
+
+
+def disable_inference_mode(trainer: pl.Trainer) -> None:
+    """Evaluation loops run under ``torch.no_grad`` instead of ``torch.inference_mode``.
+
+    FSDP2's buffers must not be created under inference mode (pytorch#95957); Lightning falls back to no_grad only
+    for gloo and for its own FSDPStrategy. The loops hold the choice in an attribute that is not part of the API.
+    """
+    for loop in (trainer.fit_loop.epoch_loop.val_loop, trainer.validate_loop, trainer.test_loop, trainer.predict_loop):
+        loop.inference_mode = False
