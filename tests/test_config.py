@@ -24,9 +24,10 @@ BAD = [
     (dict(quantize_weights="yes"), TypeError, r"`quantize_weights` must be True or False"),
     (dict(state_dict_type="consolidated"), ValueError, r"`state_dict_type='consolidated'`.*sharded.*full"),
     (dict(process_group_backend="nccl2"), ValueError, r"`process_group_backend='nccl2'`.*gloo"),
-    (dict(wrap_modules="Block"), TypeError, r"`wrap_modules` must be a set of nn.Module classes or a list"),
-    (dict(wrap_modules=[int]), TypeError, r"`wrap_modules` holds <class 'int'>"),
-    (dict(activation_checkpointing={3}), TypeError, r"`activation_checkpointing` holds 3"),
+    (dict(auto_wrap_policy="Block"), TypeError, r"`auto_wrap_policy` must be a set of nn.Module classes or a list"),
+    (dict(auto_wrap_policy=[int]), TypeError, r"`auto_wrap_policy` holds <class 'int'>"),
+    (dict(activation_checkpointing_policy={3}), TypeError, r"`activation_checkpointing_policy` holds 3"),
+    (dict(wrap_modules=["A"], auto_wrap_policy=["B"]), ValueError, r"`wrap_modules` is the deprecated spelling"),
     (dict(cpu_offload=1), TypeError, r"`cpu_offload` must be True or False"),
 ]
 
@@ -62,22 +63,57 @@ def test_default_units_are_the_outermost_list_elements():
     assert default_wrap_targets(net) == [net.blocks[0], net.blocks[1]]
 
 
-def test_good_arguments_are_kept():
-    s = ZeroPPStrategy(
-        weight_bits=4,
-        weight_block_size=64,
-        hpz_partition_size=2,
-        gradient_bits=8,
-        ranks_per_node=4,
-        wrap_modules={nn.Linear},
-        activation_checkpointing=["Block"],
-        state_dict_type="full",
-        kernel_backend="torch",
-        process_group_backend="gloo",
-    )
-    c = s.zeropp_config
-    assert (c.weight_bits, c.weight_block_size, c.hpz_partition_size, c.gradient_bits) == (4, 64, 2, 8)
-    assert s.state_dict_type == "full" and s.process_group_backend == "gloo"
+def test_deprecated_spellings_still_work_and_warn():
+    with pytest.deprecated_call(match="`wrap_modules` is deprecated.*auto_wrap_policy"):
+        s = ZeroPPStrategy(wrap_modules=["Block"])
+    assert s.auto_wrap_policy == ["Block"]
+    with pytest.deprecated_call(match="`activation_checkpointing` is deprecated.*activation_checkpointing_policy"):
+        s = ZeroPPStrategy(activation_checkpointing={nn.Linear})
+    assert s.activation_checkpointing_policy == {nn.Linear}
+    with pytest.raises(TypeError, match="`auto_wrap_policy` holds 3"):  # the old spelling is validated the same way
+        ZeroPPStrategy(wrap_modules=[3])
+
+
+@pytest.fixture
+def one_rank():
+    """A one-rank gloo job in this process: the strategy's groups, for the collectives' own arithmetic."""
+    import torch.distributed as dist
+
+    from lightning_zeropp.topology import ProcessGroups, Topology
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield ProcessGroups.build(Topology(1, 1, 0))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(weight_bits=4, weight_block_size=64), dict(weight_block_size=32), dict(), dict(quantize_weights=False)],
+    ids=["int4-64", "int8-32", "defaults", "exact"],
+)
+def test_weight_arguments_reach_the_all_gather(one_rank, kwargs):
+    """What the forward all-gather produces is the quantizer the arguments name, bit for bit, and no other."""
+    import torch
+
+    from lightning_zeropp import kernels
+    from lightning_zeropp.comm import ZeroPPComms
+    from lightning_zeropp.ledger import CommLedger
+
+    config = ZeroPPStrategy(**kwargs).zeropp_config
+    comms = ZeroPPComms(config, one_rank, CommLedger(one_rank.topology))
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    out = torch.empty_like(x)
+    comms.all_gather(out, x.clone(), one_rank.world, async_op=False)
+    expected = {}
+    for bits, block in ((8, 256), (4, 64), (8, 32), (4, 256)):
+        expected[(bits, block)] = kernels.dequantize(kernels.quantize(x, bits, block), 1000, bits, block, x.dtype)
+    matches = [key for key, y in expected.items() if torch.equal(out, y)]
+    if kwargs.get("quantize_weights", True):
+        assert matches == [(config.weight_bits, config.weight_block_size)]
+    else:
+        assert torch.equal(out, x) and not matches
 
 
 @pytest.mark.parametrize(
