@@ -17,30 +17,24 @@ from .comm import ZeroPPComms
 from .compat.torch import AllGather, ReduceScatter
 
 
-def _fresh(size: Sequence[int | torch.SymInt], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.empty(*size, dtype=dtype, device=device)
+class _OnComms:
+    """Both hooks: calls go to the model's :class:`ZeroPPComms`; buffers are fresh memory, never reused."""
 
-
-class ZeroPPAllGather(AllGather):
     def __init__(self, comms: ZeroPPComms) -> None:
         self.comms = comms
 
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return _fresh(size, dtype, device)
+    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
 
+
+class ZeroPPAllGather(_OnComms, AllGather):
     def __call__(
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
     ) -> dist.Work | None:
         return self.comms.all_gather(output_tensor, input_tensor, group, async_op)
 
 
-class ZeroPPReduceScatter(ReduceScatter):
-    def __init__(self, comms: ZeroPPComms) -> None:
-        self.comms = comms
-
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return _fresh(size, dtype, device)
-
+class ZeroPPReduceScatter(_OnComms, ReduceScatter):
     def __call__(
         self,
         output_tensor: torch.Tensor,

@@ -366,22 +366,20 @@ class ZeroPPStrategy(ModelParallelBase):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        with self.precision_plugin.val_step_context():
-            out = self._step("validation_step", *args, **kwargs)
-        self._reshard()
-        return out
+        return self._evaluation_step("validation_step", self.precision_plugin.val_step_context(), args, kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        with self.precision_plugin.test_step_context():
-            out = self._step("test_step", *args, **kwargs)
-        self._reshard()
-        return out
+        return self._evaluation_step("test_step", self.precision_plugin.test_step_context(), args, kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        with self.precision_plugin.predict_step_context():
-            out = self._step("predict_step", *args, **kwargs)
+        return self._evaluation_step("predict_step", self.precision_plugin.predict_step_context(), args, kwargs)
+
+    def _evaluation_step(self, method_name: str, context: Any, args: tuple, kwargs: dict) -> STEP_OUTPUT:
+        """A step without backward, then every unit resharded (see :meth:`_reshard`)."""
+        with context:
+            out = self._step(method_name, *args, **kwargs)
         self._reshard()
         return out
 

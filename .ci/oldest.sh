@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The oldest dependencies pyproject.toml allows (torch 2.9.0, Lightning 2.5.0, and the triton torch 2.9 ships), in a
+# virtual environment of their own, running the tests that touch what changes between versions: the compat layer,
+# FSDP2's hooks, the strategy's lifecycle and steps, checkpoints, qgZ, the kernels (interpreted).
+# PyPI's torch 2.9.0 for Linux x86-64 is the CUDA build (it runs on the CPU): about 4 GB to download, 7 GB on disk.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv=${OLDEST_VENV:-${TMPDIR:-/tmp}/lightning-zeropp-oldest}
+free_gb=$(df -Pk "$(dirname "$venv")" | awk 'NR == 2 { print int($4 / 1048576) }')
+if (( free_gb < 12 )); then
+    echo "oldest.sh: SKIPPED: $free_gb GB free next to $venv; the oldest torch (a CUDA build) needs about 12" >&2
+    exit 0
+fi
+python -m venv "$venv"
+"$venv/bin/pip" install -q "torch==2.9.0" "lightning==2.5.0" "pytest>=8"
+"$venv/bin/pip" install -q --no-deps -e .
+"$venv/bin/python" - <<'PY'
+import lightning, torch, triton
+print(f"oldest.sh: torch {torch.__version__}, lightning {lightning.__version__}, triton {triton.__version__}")
+PY
+"$venv/bin/python" -m pytest -p no:cacheprovider -q \
+    tests/test_private_api.py tests/test_config.py tests/test_step_hooks.py tests/test_zero3.py \
+    tests/test_checkpoint.py tests/test_qgz.py tests/test_kernels.py
