@@ -79,7 +79,7 @@ def _fit(rank: int, world: int) -> dict:
     data = DataLoader(TensorDataset(x, (x + 1) % 13), batch_size=2)
     model = HookedLM()
     trainer = Trainer(
-        accelerator="cpu", devices=world // 2, num_nodes=2, strategy=ZeroPPStrategy(ranks_per_node=world // 2),
+        accelerator="cpu", devices=world, strategy=ZeroPPStrategy(ranks_per_node=world // 2),  # 2 nodes x 2
         max_steps=3, limit_val_batches=1, num_sanity_val_steps=0, val_check_interval=3, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
