@@ -21,6 +21,12 @@ from lightning.fabric.utilities.init import _materialize_distributed_module  # n
 from lightning.fabric.utilities.load import _METADATA_FILENAME  # noqa: E402
 from lightning.pytorch.strategies.strategy import _ForwardRedirection  # noqa: E402
 
+require(
+    hasattr(Strategy, "_setup_model") and hasattr(ModelParallelStrategy, "_setup_distributed"),
+    "lightning",
+    "the strategy hooks ZeroPPStrategy overrides",
+)
+
 # The file of a sharded checkpoint folder that holds everything but the tensors; Lightning's loader reads it.
 METADATA_FILENAME: str = _METADATA_FILENAME
 
@@ -75,4 +81,5 @@ def disable_inference_mode(trainer: pl.Trainer) -> None:
     for gloo and for its own FSDPStrategy. The loops hold the choice in an attribute that is not part of the API.
     """
     for loop in (trainer.fit_loop.epoch_loop.val_loop, trainer.validate_loop, trainer.test_loop, trainer.predict_loop):
+        require(hasattr(loop, "inference_mode"), "lightning", "evaluation loops without inference_mode")
         loop.inference_mode = False

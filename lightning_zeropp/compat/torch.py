@@ -40,6 +40,9 @@ __all__ = [
 ]
 
 
+require(hasattr(torch._C, "_current_graph_task_id"), "torch", "telling FSDP2's backward re-gather from forward's")
+
+
 def in_backward() -> bool:
     """Whether the caller runs inside autograd's backward pass (a graph task is executing)."""
     return torch._C._current_graph_task_id() != -1
@@ -113,3 +116,7 @@ class ForwardHooks:
 
     def switch_to_recorded(self) -> None:
         self._select(True)
+
+
+_probe = nn.Module()
+require(all(isinstance(getattr(_probe, n, None), dict) for n in ForwardHooks._DICTS), "torch", "nn.Module's hooks")
