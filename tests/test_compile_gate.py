@@ -88,3 +88,43 @@ def test_payload_loads_and_stores_are_vectorized(report):
         # only the wire buffers hold bytes: an access of one byte is payload moved byte by byte, however attributed
         scalar += [f"{_where(c)}: one-byte access {a}" for a in c["accesses"] if a["bytes"] == 1]
     assert not scalar, "\n".join(scalar[:10])
+
+
+def _without_interpreter(code: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_compat_records_and_specializes_a_launch():
+    """Triton's launch internals, through ``lightning_zeropp.compat.triton``: a launch is recorded (not run) and
+    specialized for sm_90 as a real launch would be, and ``JITFunction.run`` is restored afterwards."""
+    done = _without_interpreter(
+        "import torch\n"
+        "from lightning_zeropp.compat import triton as compat\n"
+        "from lightning_zeropp.kernels import triton_ops\n"
+        "run = compat.JITFunction.run\n"
+        "with compat.record_launches() as got:\n"
+        "    triton_ops.quantize(torch.zeros(3 * 4096, dtype=torch.bfloat16), 4, 256)\n"
+        "assert compat.JITFunction.run is run\n"
+        "(kernel, args, kwargs, grid), = got\n"
+        "spec = compat.specialize(kernel, args, kwargs, 90)\n"
+        "print(spec.signature['x_ptr'], spec.signature['n'], spec.constexprs['BITS'], spec.constexprs['BS'],"
+        " sorted(spec.divisible_by_16 & {'x_ptr', 'n'}), grid)\n"
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    # n = 3 * 4096: a multiple of 16, as is the fresh buffer's address; 48 blocks of 256, 16 per program
+    assert done.stdout.split() == ["*bf16", "i32", "4", "256", "['n',", "'x_ptr']", "(3,", "1)"], done.stdout
+
+
+def test_compat_names_the_triton_it_needs():
+    """An older Triton fails at the import of ``compat.triton`` with the version and the feature, not later."""
+    done = _without_interpreter(
+        "from lightning_zeropp.compat import versions\n"
+        "versions.TRITON_VERSION = (3, 4, 0)\n"
+        "try:\n"
+        "    from lightning_zeropp.compat import triton\n"
+        "except ImportError as err:\n"
+        "    print(err)\n"
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "needs a newer triton for the kernels' compile gate (installed: 3.4.0)" in done.stdout, done.stdout

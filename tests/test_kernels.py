@@ -6,7 +6,9 @@ import os
 
 import pytest
 import torch
-from kernel_checks import (
+
+from lightning_zeropp import kernels as tk
+from lightning_zeropp.testing.kernels import (
     DTYPES,
     SIZES,
     check_quantize_dequantize,
@@ -15,8 +17,6 @@ from kernel_checks import (
     check_stochastic,
     check_swizzle_quantize,
 )
-
-from lightning_zeropp import kernels as tk
 
 pytestmark = [
     pytest.mark.triton_interpret,
@@ -65,20 +65,6 @@ def test_stochastic_rounding(bits):
 def test_empty():
     buf = tk.quantize(torch.empty(0), 8, 64, backend="triton")
     assert buf.numel() == 0 and tk.dequantize(buf, 0, 8, 64, torch.float32, backend="triton").numel() == 0
-
-
-def test_dispatch():
-    x = torch.randn(10)
-    assert tk._impl("auto", x) is tk.reference  # CPU tensors take the twins unless Triton is asked for
-    assert tk._impl("triton", x).__name__.endswith("triton_ops")
-    with pytest.raises(TypeError, match="float32, bfloat16 or float16"):
-        tk.quantize(torch.arange(10), 8, 8, backend="triton")
-
-
-def test_triton_on_cpu_without_interpreter_is_refused(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
-        tk.quantize(torch.randn(4), 8, 8, backend="triton")
 
 
 def test_kernels_write_every_wire_byte(monkeypatch):

@@ -4,7 +4,8 @@ import itertools
 
 import pytest
 import torch
-from kernel_checks import (
+
+from lightning_zeropp.testing.kernels import (
     DTYPES,
     check_quantize_dequantize,
     check_reduce,

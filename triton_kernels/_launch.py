@@ -1,26 +1,22 @@
-"""What the Triton launchers share: input checks, tile shapes, grids, index width and launch options."""
+"""What the Triton launchers share: tile shapes, grids, index width and launch options.
+
+The launchers get only calls the public ops in ``lightning_zeropp.kernels`` have checked; they keep ``assert``s only
+where a wrong size would make a kernel read or write outside a buffer.
+"""
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 
+from . import interpreting
 from .layout import num_blocks, scale_offset
-
-FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # FMA contraction would fuse ``q * scale`` into the following add (or ``x * inv`` into the rounding add) and round
 # once where the torch twins round twice: the kernels would no longer match the twins bit for bit.
 LAUNCH_OPTIONS = {"enable_fp_fusion": False}
 
 _INT32_LIMIT = 2**31 - 1
-
-
-def interpreting() -> bool:
-    """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def tile_shape(block_size: int) -> tuple[int, int]:
@@ -42,11 +38,9 @@ def needs_int64(*extents: int) -> bool:
     return max(extents) > _INT32_LIMIT
 
 
-def check_input(x: torch.Tensor, op: str) -> torch.Tensor:
-    if x.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{op}: expected float32, bfloat16 or float16 input, got {x.dtype}.")
-    if x.dim() not in (1, 2):
-        raise ValueError(f"{op}: expected a 1-D tensor or 2-D rows, got shape {tuple(x.shape)}.")
+def unit_stride(x: torch.Tensor) -> torch.Tensor:
+    """``x``, copied if its elements are not adjacent along the last dimension (the kernels' loads need that; rows
+    may lie anywhere: the launchers pass the row stride)."""
     return x if x.stride(-1) == 1 else x.contiguous()
 
 

@@ -24,8 +24,12 @@ FMA contraction, which would fuse ``q * scale`` into a following add):
   (its reciprocal would overflow).
 """
 
+import types
+
 import triton
 import triton.language as tl
+
+from . import layout
 
 ROUND_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
@@ -33,6 +37,17 @@ FLT_MIN_NORMAL = tl.constexpr(1.1754943508222875e-38)
 # Philox 4x32 with 7 rounds passes the BigCrush battery (Salmon et al., SC 2011, "Parallel random numbers: as easy as
 # 1, 2, 3"); 10 is the library default's safety margin. Rounding noise needs no more, and each round costs.
 PHILOX_ROUNDS = tl.constexpr(7)
+
+
+def _jit_here(fn: types.FunctionType):
+    """``triton.jit`` of a plain function of a module that must not import triton (``layout``, which the torch twins
+    use): the same code with this module's globals, where Triton looks names up (its interpreter requires
+    ``triton.language`` among them). The source stays where it is written."""
+    return triton.jit(types.FunctionType(fn.__code__, globals(), fn.__name__, fn.__defaults__, fn.__closure__))
+
+
+# qgZ's slot order: the function the torch twin's gather uses, compiled, so the formula is written once
+swizzle_source = _jit_here(layout.swizzle_source)
 
 
 @triton.jit
@@ -62,6 +77,13 @@ def is_full_tile(pid, n, BS: tl.constexpr, G: tl.constexpr):
 def padded_blocks(n, BS: tl.constexpr):
     """The block count rounded up to 4: the scale slots a wire row holds (its end is 16-byte aligned)."""
     return (n + BS - 1) // BS + 3 & -4
+
+
+@triton.jit
+def wire_row(bytes_ptr, scales_ptr, row, wire, so):
+    """Pointers to the payload and to the first scale of wire row ``row`` (rows of ``wire`` bytes, scales from byte
+    ``so``), given the buffer's int8 and fp32 views."""
+    return bytes_ptr + row * wire, scales_ptr + row * (wire // 4) + so // 4
 
 
 @triton.jit
@@ -223,17 +245,28 @@ def sum_dequantized(buf_ptr, scale_ptr, row0, row_step, wire, e, blk, t, n, so, 
 
     ROWS is a compile-time constant so the loop unrolls and the loads of all rows are in flight at once.
     """
-    scale_stride = wire // 4
-    so4 = so // 4
-    acc_e, acc_o = load_dequantized(buf_ptr + row0 * wire, scale_ptr + row0 * scale_stride + so4, e, blk, t, n, so,
-                                    nb4, BITS, MASKED, BS, G, HALF)  # fmt: skip
+    payload, scales = wire_row(buf_ptr, scale_ptr, row0, wire, so)
+    acc_e, acc_o = load_dequantized(payload, scales, e, blk, t, n, so, nb4, BITS, MASKED, BS, G, HALF)
     for i in tl.static_range(1, ROWS):
-        row = row0 + i * row_step
-        ve, vo = load_dequantized(buf_ptr + row * wire, scale_ptr + row * scale_stride + so4, e, blk, t, n, so, nb4,
-                                  BITS, MASKED, BS, G, HALF)  # fmt: skip
+        payload, scales = wire_row(buf_ptr, scale_ptr, row0 + i * row_step, wire, so)
+        ve, vo = load_dequantized(payload, scales, e, blk, t, n, so, nb4, BITS, MASKED, BS, G, HALF)
         acc_e += ve
         acc_o += vo
     return acc_e, acc_o
+
+
+@triton.jit
+def quantize_to_row(out_ptr, scale_ptr, row, pid, wire, so, nb4, xe, xo, seed, e, blk, t, BITS: tl.constexpr,
+                    QMAX: tl.constexpr, STOCHASTIC: tl.constexpr, MASKED: tl.constexpr, BS: tl.constexpr,
+                    G: tl.constexpr, HALF: tl.constexpr):  # fmt: skip
+    """Quantizes tile ``pid``'s fp32 pairs into wire row ``row`` (codes, scales and their padding).
+
+    The rounding noise's Philox counters are numbered by (row, tile), so no two tiles of a launch share any.
+    """
+    counter0 = (row * tl.num_programs(0) + pid) * (G * HALF // 4)
+    ye, yo, scale = quantize_pairs(xe, xo, seed, counter0, QMAX, STOCHASTIC, G, HALF)
+    payload, scales = wire_row(out_ptr, scale_ptr, row, wire, so)
+    store_codes(payload, scales, ye, yo, scale, e, blk, t, so, nb4, BITS, MASKED, BS, G, HALF)
 
 
 @triton.jit

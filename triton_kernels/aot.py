@@ -13,6 +13,9 @@ still not compile. This module compiles exactly what the launchers launch:
    source line it came from. Lines of ``_tiles.py`` that move wire payload end in ``# payload``, and so do the
    constexpr branches that choose among them (Triton's line info for a masked load may point at its branch).
 
+Triton's launch internals that steps 1 and 2 need are in ``lightning_zeropp.compat.triton``, and only this tool
+imports it: a Triton upgrade that moves them breaks the gate, never a training run.
+
 Run ``python -m lightning_zeropp.kernels.aot --json FILE`` (without ``TRITON_INTERPRET``) for the report the tests
 check.
 """
@@ -34,6 +37,8 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+from lightning_zeropp.compat import triton as compat
+
 ARCHS = (80, 90, 100)
 PATH_ARCH = 90  # the SASS is read (paths, spill instructions) for this target; the others report registers/memory
 
@@ -52,46 +57,19 @@ class Launch:
 @contextlib.contextmanager
 def capture() -> Iterator[list[Launch]]:
     """Records the launches made inside the block instead of running them (nothing reaches a device)."""
-    from triton.runtime.jit import JITFunction
-
     launches: list[Launch] = []
-    original = JITFunction.run
-
-    def record(self, *args, grid, warmup, **kwargs):
-        launches.append(Launch(self, args, dict(kwargs), tuple(grid)))
-
-    JITFunction.run = record
-    try:
+    with compat.record_launches() as recorded:
         yield launches
-    finally:
-        JITFunction.run = original
+    launches.extend(Launch(kernel, args, kwargs, grid) for kernel, args, kwargs, grid in recorded)
 
 
-def _specialize(launch: Launch, arch: int):
-    """What ``JITFunction.run`` computes before compiling, for ``arch`` instead of the current device.
-
-    Uses Triton's launch internals (``create_function_from_signature``, ``JITFunction._pack_args``): only this
-    development tool does, so a Triton upgrade that moves them breaks the gate, never a training run.
-    """
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import make_backend
-    from triton.runtime.jit import create_function_from_signature
-
-    target = GPUTarget("cuda", arch, 32)
-    backend = make_backend(target)
-    kernel = launch.kernel
-    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
-    kwargs = dict(launch.kwargs, debug=False)
-    bound, specialization, options = binder(*launch.args, **kwargs)
-    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
-    return target, options, signature, constexprs, attrs
+def _specialize(launch: Launch, arch: int) -> compat.Specialization:
+    return compat.specialize(launch.kernel, launch.args, launch.kwargs, arch)
 
 
 def specialization_key(launch: Launch) -> str:
-    """What makes two launches compile to the same code (Triton's own cache key ingredients)."""
-    _, options, signature, constexprs, attrs = _specialize(launch, 90)
-    return repr((launch.kernel.__name__, signature, sorted(constexprs.items()), sorted(attrs.items()),
-                 sorted(options.__dict__.items())))  # fmt: skip
+    """What makes two launches compile to the same code."""
+    return _specialize(launch, PATH_ARCH).key
 
 
 @dataclasses.dataclass
@@ -120,12 +98,6 @@ class Compiled:
     sass_paths: list[dict]  # each entry-to-exit path of the SASS: instructions, masked global accesses
     accesses: list[Access]
     error: str = ""
-
-
-def _bin(name: str) -> str:
-    from triton.backends.nvidia import compiler
-
-    return str(Path(compiler.__file__).parent / "bin" / name)
 
 
 def _tagged_lines() -> dict[int, str]:
@@ -167,7 +139,9 @@ def _ptx_accesses(ptx: str) -> list[Access]:
 def _sass_paths(cubin: Path) -> tuple[list[dict], int]:
     """Every entry-to-EXIT path through the SASS basic blocks (instructions, and predicated global loads/stores:
     masked accesses), and the spill instructions (local loads/stores)."""
-    dot = subprocess.run([_bin("nvdisasm"), "-bbcfg", str(cubin)], capture_output=True, text=True, check=True).stdout
+    dot = subprocess.run(
+        [compat.toolchain("nvdisasm"), "-bbcfg", str(cubin)], capture_output=True, text=True, check=True
+    ).stdout
     spills = len(re.findall(r"\b(STL|LDL)\b", dot))
     blocks, edges = {}, {}
     for m in re.finditer(r'^"([^"]+)"\s*\[label="(.*?)"\]\s*$', dot, re.M | re.S):
@@ -200,39 +174,28 @@ def _sass_paths(cubin: Path) -> tuple[list[dict], int]:
 
 
 def compile_launch(launch: Launch, arch: int) -> Compiled:
-    import triton
-    from triton.compiler import ASTSource
-
-    target, options, signature, constexprs, attrs = _specialize(launch, arch)
-    name = launch.kernel.__name__
-    const = {str(k[0] if len(k) == 1 else k): v for k, v in constexprs.items()}
-    const = {launch.kernel.arg_names[int(k)] if k.isdigit() else k: v for k, v in const.items()}
-    base = dict(kernel=name, arch=arch, label=launch.label, signature={k: v for k, v in signature.items()
-                if v != "constexpr"}, constexprs={k: repr(v) for k, v in const.items()},
-                num_warps=options.num_warps, aligned=_aligned(launch.kernel, signature, attrs))  # fmt: skip
+    spec = _specialize(launch, arch)
+    sizes = [name for name in ("n", "chunk", "start") if spec.signature.get(name, "constexpr") != "constexpr"]
+    base = dict(kernel=launch.kernel.__name__, arch=arch, label=launch.label,
+                signature={k: v for k, v in spec.signature.items() if v != "constexpr"},
+                constexprs={k: repr(v) for k, v in spec.constexprs.items()}, num_warps=spec.num_warps,
+                aligned=all(name in spec.divisible_by_16 for name in sizes))  # fmt: skip
     try:
-        compiled = triton.compile(ASTSource(launch.kernel, signature, constexprs, attrs), target=target,
-                                  options=options.__dict__)  # fmt: skip
+        binary = compat.compile_specialization(spec)
     except Exception as err:  # reported with the configuration; the gate fails on it
         return Compiled(**base, registers=0, stack_bytes=0, local_bytes=0, shared_bytes=0, spill_instructions=0,
                         sass_paths=[], accesses=[], error=_describe(err))  # fmt: skip
-    usage = _code_facts(compiled.asm["cubin"], with_paths=arch == PATH_ARCH)
+    usage = _code_facts(binary.cubin, with_paths=arch == PATH_ARCH)
     return Compiled(
         **base,
         registers=usage["registers"],
         stack_bytes=usage["stack"],
         local_bytes=usage["local"],
-        shared_bytes=int(compiled.metadata.shared),
+        shared_bytes=binary.shared_bytes,
         spill_instructions=usage["spills"],
         sass_paths=usage["paths"],
-        accesses=_ptx_accesses(compiled.asm["ptx"]),
+        accesses=_ptx_accesses(binary.ptx),
     )
-
-
-def _aligned(kernel, signature: dict, attrs: dict) -> bool:
-    divisible = {kernel.arg_names[k[0]] for k, v in attrs.items() if ["tt.divisibility", 16] in [list(a) for a in v]}
-    sizes = [name for name in ("n", "chunk", "start") if name in signature and signature[name] != "constexpr"]
-    return all(name in divisible for name in sizes)
 
 
 def _describe(err: BaseException) -> str:
@@ -258,7 +221,9 @@ def _code_facts(cubin: bytes, with_paths: bool) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "k.cubin"
         path.write_bytes(cubin)
-        res = subprocess.run([_bin("cuobjdump"), "-res-usage", str(path)], capture_output=True, text=True).stdout
+        res = subprocess.run(
+            [compat.toolchain("cuobjdump"), "-res-usage", str(path)], capture_output=True, text=True
+        ).stdout
         usage = dict(re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", res))
         paths, spills = _sass_paths(path) if with_paths else ([], 0)
     facts = {"registers": int(usage.get("REG", 0)), "stack": int(usage.get("STACK", 0)),
@@ -365,28 +330,9 @@ def _init_worker() -> None:
     _UNIQUE = unique_launches(strategy_launches())
 
 
-def accepted(arch: int) -> bool:
-    """Whether this Triton (its LLVM and bundled ptxas) compiles for ``arch`` at all: probed with a one-line kernel.
-    sm_80 and sm_90 are required by the gate; newer targets are compiled where the toolchain knows them."""
-    import triton
-    import triton.language as tl
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    @triton.jit
-    def _probe(x_ptr, BLOCK: tl.constexpr):
-        tl.store(x_ptr + tl.arange(0, BLOCK), tl.zeros((BLOCK,), tl.float32))
-
-    try:
-        triton.compile(ASTSource(_probe, {"x_ptr": "*fp32", "BLOCK": "constexpr"}, {(1,): 16}),
-                       target=GPUTarget("cuda", arch, 32))  # fmt: skip
-    except Exception:  # whatever the toolchain raises, it lacks the target
-        return False
-    return True
-
-
 def report(archs: list[int], workers: int) -> dict:
-    skipped = [a for a in archs if a not in (80, 90) and not accepted(a)]
+    # sm_80 and sm_90 are required by the gate; newer targets are compiled where the toolchain knows them
+    skipped = [a for a in archs if a not in (80, 90) and not compat.target_supported(a)]
     archs = [a for a in archs if a not in skipped]
     _init_worker()
     jobs = [(i, arch) for arch in archs for i in range(len(_UNIQUE))]

@@ -11,9 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import FLOAT_DTYPES, LAUNCH_OPTIONS, bf16_by_hand, needs_int64, output_view, tile_shape
+from ._launch import LAUNCH_OPTIONS, bf16_by_hand, needs_int64, output_view, tile_shape
 from ._tiles import is_full_tile, padded_blocks, program_ids, store_values, sum_dequantized, tile_index
-from .layout import check_format, check_wire, num_blocks, scale_offset
+from .layout import num_blocks, scale_offset, wire_size
 
 
 @triton.jit
@@ -45,6 +45,9 @@ def _dequantize_kernel(buf_ptr, scale_ptr, out_ptr, n, wire, so, multiplier, ROW
 def _launch(rows: torch.Tensor, out: torch.Tensor, numel: int, bits: int, block_size: int, summed: int,
             multiplier: float) -> None:  # fmt: skip
     """Writes ``out`` (``rows.shape[0] // summed`` rows of ``numel``) from the wire ``rows``."""
+    # the kernel indexes both buffers by these sizes: a mismatch would read or write outside them
+    assert rows.is_contiguous() and rows.shape[1] == wire_size(numel, bits, block_size)
+    assert out.is_contiguous() and out.numel() == rows.shape[0] // summed * numel
     if not numel or not rows.shape[0]:
         return
     G, HALF = tile_shape(block_size)
@@ -57,27 +60,12 @@ def _launch(rows: torch.Tensor, out: torch.Tensor, numel: int, bits: int, block_
     )  # fmt: skip
 
 
-def _check_out(out: torch.Tensor, numel: int, op: str) -> None:
-    if out.dtype not in FLOAT_DTYPES or out.numel() != numel or not out.is_contiguous():
-        raise ValueError(
-            f"{op}: `out` must be a contiguous float tensor of {numel} elements, got {tuple(out.shape)} {out.dtype}"
-            f" (contiguous: {out.is_contiguous()})."
-        )
-
-
 def dequantize(
     buf: torch.Tensor, numel: int, bits: int, block_size: int, dtype: torch.dtype, *, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    check_format(bits, block_size)
-    if dtype not in FLOAT_DTYPES:
-        raise TypeError(f"dequantize: output dtype must be float32, bfloat16 or float16, got {dtype}.")
-    rows = buf if buf.dim() == 2 else buf.view(1, -1)
-    check_wire(rows, numel, bits, block_size, "dequantize")
-    rows = rows.contiguous()
+    rows = (buf if buf.dim() == 2 else buf.view(1, -1)).contiguous()
     if out is None:
         out = torch.empty(buf.shape[:-1] + (numel,), dtype=dtype, device=buf.device)
-    else:
-        _check_out(out, rows.shape[0] * numel, "dequantize")
     _launch(rows, out, numel, bits, block_size, 1, 1.0)
     return out
 
@@ -92,16 +80,7 @@ def dequantize_reduce(
     out: torch.Tensor | None = None,
     dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    check_format(bits, block_size)
-    if buf.dim() != 2:
-        raise ValueError(f"dequantize_reduce: expected (M, wire) rows, got shape {tuple(buf.shape)}.")
-    check_wire(buf, numel, bits, block_size, "dequantize_reduce")
-    buf = buf.contiguous()
     if out is None:
         out = torch.empty(numel, dtype=dtype or torch.float32, device=buf.device)
-    _check_out(out, numel, "dequantize_reduce")
-    if buf.shape[0]:
-        _launch(buf, out, numel, bits, block_size, buf.shape[0], multiplier)
-    else:
-        out.zero_()
+    _launch(buf.contiguous(), out, numel, bits, block_size, buf.shape[0], multiplier)
     return out

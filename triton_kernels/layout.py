@@ -21,13 +21,17 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-def check_format(bits: int, block_size: int) -> None:
-    if bits not in QMAX:
-        raise ValueError(f"quantization: `bits={bits!r}` is not supported; use 8 or 4.")
+def check_format(bits: int, block_size: int, *, op: str = "quantization", bits_name: str = "bits") -> None:
+    """Raises unless ``bits`` and ``block_size`` describe a wire format; the message starts with ``op`` and names the
+    bits argument ``bits_name``."""
+    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in QMAX:
+        raise ValueError(f"{op}: `{bits_name}={bits!r}` is not supported; use 8 or 4.")
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"quantization: `block_size={block_size!r}` must be a positive int.")
+        raise ValueError(f"{op}: `block_size={block_size!r}` is not allowed; use a positive int.")
     if bits == 4 and block_size % 2:
-        raise ValueError(f"quantization: INT4 packs pairs, so `block_size={block_size}` must be even.")
+        raise ValueError(
+            f"{op}: `block_size={block_size}` is odd, but INT4 packs pairs of elements; use an even block size."
+        )
 
 
 def payload_bytes(numel: int, bits: int) -> int:
@@ -48,16 +52,15 @@ def wire_size(numel: int, bits: int, block_size: int) -> int:
     return _round_up(scale_offset(numel, bits) + 4 * num_blocks(numel, block_size), ALIGN)
 
 
-def check_wire(buf, numel: int, bits: int, block_size: int, op: str) -> None:
-    """Raises unless ``buf`` (a tensor) is uint8 with rows of ``wire_size(numel, bits, block_size)`` bytes."""
-    if str(buf.dtype) != "torch.uint8":
-        raise TypeError(f"{op}: expected a uint8 wire buffer, got {buf.dtype}.")
-    expected = wire_size(numel, bits, block_size)
-    if buf.shape[-1] != expected:
-        raise ValueError(
-            f"{op}: a row of {numel} elements at {bits} bits, block {block_size} takes {expected} bytes,"
-            f" but the buffer rows hold {buf.shape[-1]}."
-        )
+def swizzle_source(slot, ranks_per_node, num_nodes):
+    """The chunk that goes to ``slot`` before the intra-node all-to-all (see :func:`swizzle_order`).
+
+    The one place the formula is written: :func:`swizzle_order` (the torch twin's gather) calls it on Python ints,
+    and the quantize kernel compiles it (``triton.jit(swizzle_source)``) and calls it on its row index. So it uses
+    only operators both understand, on non-negative integers (where Triton's C-style ``//`` and ``%`` agree with
+    Python's).
+    """
+    return (slot % num_nodes) * ranks_per_node + slot // num_nodes
 
 
 def swizzle_order(ranks_per_node: int, num_nodes: int) -> list[int]:
@@ -67,8 +70,7 @@ def swizzle_order(ranks_per_node: int, num_nodes: int) -> list[int]:
     local peer ``l``, which then holds, from each local peer, the K chunks of the ranks with local rank ``l``. The
     paper's tensor-slice reordering: ``[0, 1, ..., YX-1] -> [0, X, 2X, ..., (Y-1)X, 1, X+1, ...]`` (X = N, Y = K).
     """
-    N, K = ranks_per_node, num_nodes
-    return [(slot % K) * N + slot // K for slot in range(N * K)]
+    return [swizzle_source(slot, ranks_per_node, num_nodes) for slot in range(ranks_per_node * num_nodes)]
 
 
 def stage_bounds(chunk_numel: int, stages: int, stage: int, block_size: int) -> tuple[int, int]:
@@ -81,14 +83,3 @@ def stage_bounds(chunk_numel: int, stages: int, stage: int, block_size: int) -> 
     piece = _round_up(-(-chunk_numel // stages), block_size)
     start = min(stage * piece, chunk_numel)
     return start, min(piece, chunk_numel - start)
-
-
-def generalized_swizzle_slot(chunk: int, stage: int, ranks_per_node: int, num_nodes: int) -> int:
-    """Slot of (chunk, stage) when all stages share one buffer: stage-major, then the swizzled order within a stage.
-
-    With stages, piece ``s`` of every chunk travels in stage ``s``, so stage ``s + 1``'s intra-node hop can run while
-    stage ``s`` crosses nodes.
-    """
-    N, K = ranks_per_node, num_nodes
-    local, node = chunk % N, chunk // N
-    return stage * N * K + local * K + node

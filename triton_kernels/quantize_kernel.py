@@ -1,9 +1,10 @@
 """Block quantization in Triton (INT8, INT4), plain or fused with qgZ's swizzle; bit-identical to the twins'
 ``reference.quantize`` / ``reference.swizzle_quantize``.
 
-One kernel serves both: output row ``r`` reads input row ``(r % K) * N + r // K`` (at ``start`` within a row of
-``chunk`` elements). Plain quantization of R rows is N = 1, K = R (row r reads row r); qgZ's step 1 is the swizzle
-(slot ``l*K + k`` <- chunk ``k*N + l``) over piece ``start`` of each chunk, so no reordered copy is ever written.
+One kernel serves both: output row ``r`` reads input row ``layout.swizzle_source(r, N, K)`` (at ``start`` within a
+row of ``chunk`` elements). Plain quantization of R rows is N = 1, K = R (row r reads row r); qgZ's step 1 is the
+swizzle (slot ``l*K + k`` <- chunk ``k*N + l``) over piece ``start`` of each chunk, so no reordered copy is ever
+written.
 """
 
 from __future__ import annotations
@@ -12,9 +13,17 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import LAUNCH_OPTIONS, check_input, needs_int64, quantize_grid, stochastic_seed, tile_shape
-from ._tiles import is_full_tile, load_pairs, padded_blocks, program_ids, quantize_pairs, store_codes, tile_index
-from .layout import QMAX, check_format, scale_offset, stage_bounds, wire_size
+from ._launch import LAUNCH_OPTIONS, needs_int64, quantize_grid, stochastic_seed, tile_shape, unit_stride
+from ._tiles import (
+    is_full_tile,
+    load_pairs,
+    padded_blocks,
+    program_ids,
+    quantize_to_row,
+    swizzle_source,
+    tile_index,
+)
+from .layout import QMAX, scale_offset, stage_bounds, wire_size
 
 
 @triton.jit
@@ -22,11 +31,9 @@ def _quantize_tile(pid, row, x_ptr, out_ptr, scale_ptr, n, chunk, start, N, K, w
                    QMAX: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr,
                    STOCHASTIC: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
     blk, e, t = tile_index(pid, BS, G, HALF)
-    xe, xo = load_pairs(x_ptr + ((row % K) * N + row // K) * chunk + start, e, t, n, MASKED, BS, G, HALF)
-    counter0 = (row * tl.num_programs(0) + pid) * (G * HALF // 4)
-    ye, yo, scale = quantize_pairs(xe, xo, seed, counter0, QMAX, STOCHASTIC, G, HALF)
-    store_codes(out_ptr + row * wire, scale_ptr + row * (wire // 4) + so // 4, ye, yo, scale, e, blk, t, so,
-                padded_blocks(n, BS), BITS, MASKED, BS, G, HALF)  # fmt: skip
+    xe, xo = load_pairs(x_ptr + swizzle_source(row, N, K) * chunk + start, e, t, n, MASKED, BS, G, HALF)
+    quantize_to_row(out_ptr, scale_ptr, row, pid, wire, so, padded_blocks(n, BS), xe, xo, seed, e, blk, t, BITS, QMAX,
+                    STOCHASTIC, MASKED, BS, G, HALF)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["seed"])  # a fresh random seed per call must not recompile
@@ -65,8 +72,7 @@ def _launch(src: torch.Tensor, rows: int, n: int, chunk: int, start: int, N: int
 def quantize(
     x: torch.Tensor, bits: int, block_size: int, *, stochastic: bool = False, seed: int | None = None
 ) -> torch.Tensor:
-    check_format(bits, block_size)
-    x = check_input(x, "quantize")
+    x = unit_stride(x)
     rows = x if x.dim() == 2 else x.view(1, -1)
     R, n = rows.shape
     out = _launch(rows, R, n, rows.stride(0), 0, 1, R, bits, block_size, stochastic, seed)
@@ -85,11 +91,8 @@ def swizzle_quantize(
     stochastic: bool = False,
     seed: int | None = None,
 ) -> torch.Tensor:
-    check_format(bits, block_size)
-    x = check_input(x, "swizzle_quantize")
+    x = unit_stride(x)
     W = ranks_per_node * num_nodes
-    if x.dim() != 1 or x.numel() % W:
-        raise ValueError(f"swizzle_quantize: expected a flat buffer of {W} equal chunks, got shape {tuple(x.shape)}.")
     chunk = x.numel() // W
     start, n = stage_bounds(chunk, stages, stage, block_size)
     return _launch(x, W, n, chunk, start, ranks_per_node, num_nodes, bits, block_size, stochastic, seed)

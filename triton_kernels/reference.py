@@ -2,23 +2,14 @@
 
 Vectorised over blocks and rows; the only Python loops run over ranks (the sum of N or K received copies is
 sequential, in rank order, so the fp32 result is the same as the kernels' running sum). Never imports triton.
+The arguments are checked once, by the public ops in ``lightning_zeropp.kernels``, before they get here.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .layout import (
-    QMAX,
-    check_format,
-    check_wire,
-    num_blocks,
-    payload_bytes,
-    scale_offset,
-    stage_bounds,
-    swizzle_order,
-    wire_size,
-)
+from .layout import QMAX, num_blocks, payload_bytes, scale_offset, stage_bounds, swizzle_order, wire_size
 
 _FLT_MIN_NORMAL = torch.finfo(torch.float32).tiny
 
@@ -54,7 +45,6 @@ def quantize(
     x: torch.Tensor, bits: int, block_size: int, *, stochastic: bool = False, seed: int | None = None
 ) -> torch.Tensor:
     """Block-quantizes ``x`` (1-D: one row; 2-D: each row on its own) into the wire format (see ``layout``)."""
-    check_format(bits, block_size)
     rows, two_d = _as_rows(x)
     R, n = rows.shape
     nb, qmax = num_blocks(n, block_size), QMAX[bits]
@@ -126,19 +116,12 @@ def dequantize(
     buf: torch.Tensor, numel: int, bits: int, block_size: int, dtype: torch.dtype, *, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Inverse of :func:`quantize`: a 1-D buffer gives ``(numel,)``, a 2-D one ``(rows, numel)``, in ``dtype``; with
-    ``out`` (contiguous, rows x numel elements, any float dtype), written there instead."""
-    check_format(bits, block_size)
+    ``out`` (contiguous, ``(rows, numel)`` or flat), written there instead."""
     rows, two_d = _as_rows(buf)
-    check_wire(rows, numel, bits, block_size, "dequantize")
     if out is None:
         target = torch.empty(rows.shape[0], numel, dtype=dtype, device=buf.device)
         _dequantize_into(target, rows, numel, bits, block_size)
         return target if two_d else target.view(-1)
-    if out.numel() != rows.shape[0] * numel or not out.is_contiguous():
-        raise ValueError(
-            f"dequantize: `out` must be a contiguous tensor of {rows.shape[0] * numel} elements, got"
-            f" {tuple(out.shape)} (contiguous: {out.is_contiguous()})."
-        )
     _dequantize_into(out.view(rows.shape[0], numel), rows, numel, bits, block_size)
     return out
 
@@ -160,8 +143,6 @@ def swizzle_quantize(
     Returns ``(W, wire_size(piece))``: rows ``[l*K, (l+1)*K)`` are for local peer ``l``.
     """
     W = ranks_per_node * num_nodes
-    if x.dim() != 1 or x.numel() % W:
-        raise ValueError(f"swizzle_quantize: expected a flat buffer of {W} equal chunks, got shape {tuple(x.shape)}.")
     chunk = x.numel() // W
     start, size = stage_bounds(chunk, stages, stage, block_size)
     order = torch.tensor(swizzle_order(ranks_per_node, num_nodes), device=x.device)
@@ -189,10 +170,8 @@ def dequantize_reduce_quantize(
 ) -> torch.Tensor:
     """qgZ step 3: ``buf`` is ``(N, K, wire_in)``, K pieces from each of N peers; returns ``(K, wire_out)``, each
     piece dequantized, summed over the N peers in fp32, and re-quantized."""
-    check_format(in_bits, block_size)
-    N, K, _ = buf.shape
-    check_wire(buf.view(N * K, -1), numel, in_bits, block_size, "dequantize_reduce_quantize")
-    values = _dequantize_f32(buf.reshape(N * K, -1), numel, in_bits, block_size).view(N, K, numel)
+    N, K, wire = buf.shape
+    values = _dequantize_f32(buf.reshape(N * K, wire), numel, in_bits, block_size).view(N, K, numel)
     return quantize(_sum_rows_f32(values), out_bits, block_size, stochastic=stochastic, seed=seed)
 
 
@@ -208,8 +187,6 @@ def dequantize_reduce(
 ) -> torch.Tensor:
     """qgZ step 5: ``buf`` is ``(M, wire)``; returns the fp32 sum of the M dequantized rows times ``multiplier``,
     cast to ``out``'s dtype (written into ``out`` when given) or ``dtype``."""
-    check_format(bits, block_size)
-    check_wire(buf, numel, bits, block_size, "dequantize_reduce")
     total = _sum_rows_f32(_dequantize_f32(buf, numel, bits, block_size))
     if multiplier != 1.0:
         total = total * multiplier

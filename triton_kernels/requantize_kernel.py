@@ -9,16 +9,8 @@ import triton
 import triton.language as tl
 
 from ._launch import LAUNCH_OPTIONS, needs_int64, quantize_grid, stochastic_seed, tile_shape
-from ._tiles import (
-    is_full_tile,
-    padded_blocks,
-    program_ids,
-    quantize_pairs,
-    store_codes,
-    sum_dequantized,
-    tile_index,
-)
-from .layout import QMAX, check_format, check_wire, scale_offset, wire_size
+from ._tiles import is_full_tile, padded_blocks, program_ids, quantize_to_row, sum_dequantized, tile_index
+from .layout import QMAX, scale_offset, wire_size
 
 
 @triton.jit
@@ -30,10 +22,8 @@ def _requantize_tile(pid, k, buf_ptr, in_scale_ptr, out_ptr, out_scale_ptr, n, K
     nb4 = padded_blocks(n, BS)
     xe, xo = sum_dequantized(buf_ptr, in_scale_ptr, k, K, in_wire, e, blk, t, n, in_so, nb4, N, IN_BITS, MASKED, BS,
                              G, HALF)  # fmt: skip
-    counter0 = (k * tl.num_programs(0) + pid) * (G * HALF // 4)
-    ye, yo, scale = quantize_pairs(xe, xo, seed, counter0, QMAX, STOCHASTIC, G, HALF)
-    store_codes(out_ptr + k * out_wire, out_scale_ptr + k * (out_wire // 4) + out_so // 4, ye, yo, scale, e, blk, t,
-                out_so, nb4, OUT_BITS, MASKED, BS, G, HALF)  # fmt: skip
+    quantize_to_row(out_ptr, out_scale_ptr, k, pid, out_wire, out_so, nb4, xe, xo, seed, e, blk, t, OUT_BITS, QMAX,
+                    STOCHASTIC, MASKED, BS, G, HALF)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["seed"])  # a fresh random seed per call must not recompile
@@ -60,21 +50,17 @@ def dequantize_reduce_quantize(
     stochastic: bool = False,
     seed: int | None = None,
 ) -> torch.Tensor:
-    check_format(in_bits, block_size)
-    check_format(out_bits, block_size)
-    if buf.dim() != 3:
-        raise ValueError(f"dequantize_reduce_quantize: expected (N, K, wire) rows, got shape {tuple(buf.shape)}.")
-    N, K, _ = buf.shape
-    check_wire(buf, numel, in_bits, block_size, "dequantize_reduce_quantize")
+    N, K, in_wire = buf.shape
+    assert N >= 1 and in_wire == wire_size(numel, in_bits, block_size)  # the kernel reads N rows of this size
     buf = buf.contiguous()
     out_wire = wire_size(numel, out_bits, block_size)
     out = torch.empty(K, out_wire, dtype=torch.uint8, device=buf.device)
-    if numel and K and N:
+    if numel and K:
         G, HALF = tile_shape(block_size)
         grid = (quantize_grid(numel, out_bits, block_size, G), K)
         _requantize_kernel[grid](
             buf.view(torch.int8), buf.view(torch.float32), out.view(torch.int8), out.view(torch.float32), numel, K,
-            buf.shape[2], scale_offset(numel, in_bits), out_wire, scale_offset(numel, out_bits),
+            in_wire, scale_offset(numel, in_bits), out_wire, scale_offset(numel, out_bits),
             stochastic_seed(seed) if stochastic else 0, N=N, IN_BITS=in_bits, OUT_BITS=out_bits, QMAX=QMAX[out_bits],
             BS=block_size, G=G, HALF=HALF, STOCHASTIC=stochastic,
             IDX64=needs_int64(buf.numel() + 2 * G * HALF, out.numel() + 2 * G * HALF, grid[0] * K * G * HALF),

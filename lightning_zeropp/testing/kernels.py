@@ -1,6 +1,8 @@
-"""Bit-exactness checks of the Triton kernels against the torch twins, shared by the interpreter and GPU tests.
+"""Bit-exactness checks of the Triton kernels against the torch twins, shared by the interpreter tests (CPU under
+``TRITON_INTERPRET=1``), the GPU tests and projects that ship their own build of the kernels.
 
 Each check takes the device to run on; inputs are made on the CPU (so both devices see the same values) and moved.
+Inputs span ten decades of magnitude and, above 300 elements, hold a NaN, an Inf, a -Inf and a block of zeros.
 """
 
 from __future__ import annotations
