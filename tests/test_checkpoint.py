@@ -1,18 +1,27 @@
 """Checkpoints: exact resume (sharded and full), resume with quantization after an evaluation (no stale hpZ copy),
 resume on another world size and back, consolidation into one ordinary file, interrupted saves, and mismatches."""
 
+import re
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, lightning_trainer, spawn
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.utils.data import DataLoader, TensorDataset
-from workers import TINY, LossRecorder, TinyGPT, save_inputs
+
+from lightning_zeropp import ZeroPPStrategy
+from lightning_zeropp.testing.distributed import lightning_trainer, spawn
+from lightning_zeropp.testing.models import TINY, TinyLM
+from lightning_zeropp.testing.workers import LossRecorder, save_inputs
 
 pytestmark = pytest.mark.multiprocess
 
 BATCH = 2
+WIDER = TINY["n_embd"] + TINY["n_head"]  # a model that differs from TINY in width only
 EXACT = dict(hpz_partition_size=2, quantize_weights=False, quantize_gradients=False)
 
 
@@ -24,8 +33,6 @@ def _loaders(rank, world, data_path):
 
 
 def _trainer(world, strategy_kwargs, per_node, **kwargs):
-    from lightning_zeropp import ZeroPPStrategy
-
     recorder = LossRecorder()
     strategy = ZeroPPStrategy(ranks_per_node=per_node, **strategy_kwargs)
     kwargs.setdefault("limit_val_batches", 1.0)
@@ -34,8 +41,6 @@ def _trainer(world, strategy_kwargs, per_node, **kwargs):
 
 
 def _full_state(model):
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
@@ -44,16 +49,16 @@ def _resume_worker(rank, world, init_path, data_path, ckpt, strategy_kwargs, eva
     train, every = _loaders(rank, world, data_path)
     torch.manual_seed(rank)  # the same random streams (dropout) in both runs
     trainer, uninterrupted = _trainer(world, strategy_kwargs, 2, max_epochs=2)
-    trainer.fit(TinyGPT(init_path, dropout=dropout), train)
+    trainer.fit(TinyLM(init_path, dropout=dropout), train)
 
     torch.manual_seed(rank)
     trainer, first = _trainer(world, strategy_kwargs, 2, max_epochs=1)
-    trainer.fit(TinyGPT(init_path, dropout=dropout), train)
+    trainer.fit(TinyLM(init_path, dropout=dropout), train)
     trainer.save_checkpoint(ckpt)
 
     torch.manual_seed(12345)  # a resumed job starts elsewhere: the checkpoint must bring the streams back
     trainer, resumed = _trainer(world, strategy_kwargs, 2, max_epochs=2)
-    model = TinyGPT(init_path, dropout=dropout)
+    model = TinyLM(init_path, dropout=dropout)
     if evaluate_first:  # leaves hpZ secondary copies of the *initial* weights behind, unless they are dropped
         trainer.validate(model, every, verbose=False)
     trainer.fit(model, train, ckpt_path=ckpt)
@@ -74,16 +79,15 @@ def test_resume_continues_exactly(tmp_path, state_dict_type, quantized, dropout)
         continued = torch.tensor(r["resumed"])
         expected = torch.tensor(r["uninterrupted"][2:])
         assert len(r["resumed"]) == 2, f"rank {rank}: resumed for {len(r['resumed'])} steps"
-        if quantized:  # the first step after resume must see exactly the saved weights
-            assert continued[0] == expected[0], f"rank {rank}: {continued.tolist()} vs {expected.tolist()}"
-        torch.testing.assert_close(continued, expected, rtol=1e-6, atol=0)
+        # bit-identical (as measured), quantized or not: the steps after resume see exactly the saved weights
+        torch.testing.assert_close(continued, expected, rtol=0, atol=0)
 
 
 # ----------------------------------------------------------------------------------- another world size and back
 def _save_on(rank, world, per_node, init_path, data_path, ckpt, steps, resume_from):
     train, every = _loaders(rank, world, data_path)
     trainer, _ = _trainer(world, EXACT, per_node, max_steps=steps)
-    model = TinyGPT(init_path)
+    model = TinyLM(init_path)
     if resume_from is None:
         trainer.fit(model, train)
         loaded = None
@@ -110,11 +114,12 @@ def cross_world(tmp_path_factory):
 def test_resume_on_another_world_size_and_back(cross_world):
     _, _, _, _, on4, on2, back = cross_world
     for rank, r in enumerate(on2):
-        assert r["loaded"]["loss"] == pytest.approx(on4[0]["saved_loss"], rel=1e-5), f"4 -> 2 ranks, rank {rank}"
+        # measured: equal (here and 2 -> 4); the slack is for a reduction order that differs with the world size
+        assert r["loaded"]["loss"] == pytest.approx(on4[0]["saved_loss"], rel=1e-6), f"4 -> 2 ranks, rank {rank}"
     for name, value in on4[0]["saved_state"].items():
         assert torch.equal(on2[0]["loaded"]["state"][name], value), f"4 -> 2 ranks: {name} changed"
     for rank, r in enumerate(back):
-        assert r["loaded"]["loss"] == pytest.approx(on2[0]["saved_loss"], rel=1e-5), f"2 -> 4 ranks, rank {rank}"
+        assert r["loaded"]["loss"] == pytest.approx(on2[0]["saved_loss"], rel=1e-6), f"2 -> 4 ranks, rank {rank}"
     assert on2[0]["saved_loss"] != on4[0]["saved_loss"]  # the 2-rank job trained on
 
 
@@ -122,40 +127,42 @@ def test_consolidate_to_one_ordinary_checkpoint(cross_world):
     tmp, init_path, data_path, sharded, on4, *_ = cross_world
     out = tmp / "consolidated.ckpt"
     cmd = [sys.executable, "-m", "lightning_zeropp.consolidate", sharded, str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     plain = torch.load(out, weights_only=False)
     for name, value in on4[0]["saved_state"].items():
         assert torch.equal(plain["state_dict"][name], value), name
-    momentum = plain["optimizer_states"][0]["state"]
-    assert all(isinstance(k, int) for k in momentum) and len(momentum) == len(
-        plain["optimizer_states"][0]["param_groups"][0]["params"]
-    )
     assert plain["global_step"] == 2 and "hyper_parameters" in plain
 
-    model = TinyGPT.load_from_checkpoint(out)  # one process, no strategy
+    model = TinyLM.load_from_checkpoint(out)  # one process, no strategy
+    # SGD's momentum in the single-process layout: keyed by the index of each parameter (the tied weight counted
+    # once) in the order configure_optimizers gives them, each of that parameter's shape, and not all zero
+    optimizer = plain["optimizer_states"][0]
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    assert optimizer["param_groups"][0]["params"] == list(range(len(shapes)))
+    momentum = optimizer["state"]
+    assert sorted(momentum) == list(range(len(shapes))), sorted(momentum)
+    for i, shape in enumerate(shapes):
+        buffer = momentum[i]["momentum_buffer"]
+        assert tuple(buffer.shape) == shape and buffer.abs().sum() > 0, f"parameter {i}: {tuple(buffer.shape)}"
     x, y = torch.load(data_path, weights_only=True)
     with torch.no_grad():
-        loss = (model._loss((x[:4], y[:4])).item() + model._loss((x[4:8], y[4:8])).item()) / 2
-    assert loss == pytest.approx(on4[0]["saved_loss"], rel=1e-5)
+        loss = (model.loss((x[:4], y[:4])).item() + model.loss((x[4:8], y[4:8])).item()) / 2
+    assert loss == pytest.approx(on4[0]["saved_loss"], rel=1e-6)  # measured: 5e-8 (one process, other order)
 
     bad = subprocess.run([sys.executable, "-m", "lightning_zeropp.consolidate", str(tmp), str(tmp / "x.ckpt")],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
+                         cwd=tmp, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert bad.returncode == 2 and "not a sharded checkpoint folder" in bad.stderr
 
 
 # ------------------------------------------------------------------------------ interrupted saves and mismatches
 def _interrupted_worker(rank, world, init_path, data_path, tmp):
-    from pathlib import Path
-
-    from torch.distributed.checkpoint import FileSystemWriter
-
     train, _ = _loaders(rank, world, data_path)
     report = {}
     for kind in ("sharded", "full"):
         path = Path(tmp) / ("ckpt" if kind == "sharded" else "last.ckpt")
         trainer, _ = _trainer(world, {**EXACT, "state_dict_type": kind}, 2, max_steps=1)
-        model = TinyGPT(init_path)
+        model = TinyLM(init_path)
         trainer.fit(model, train)
         trainer.save_checkpoint(path)
         saved = {k: v.clone() for k, v in _full_state(model).items()}
@@ -181,7 +188,7 @@ def _interrupted_worker(rank, world, init_path, data_path, tmp):
             report[kind] = f"{type(err).__name__}: {err}"
         finally:
             FileSystemWriter.write_data, trainer.strategy.checkpoint_io.save_checkpoint = original
-        fresh = TinyGPT(init_path)
+        fresh = TinyLM(init_path)
         trainer2, _ = _trainer(world, {**EXACT, "state_dict_type": kind}, 2, max_steps=1)
         trainer2.validate(fresh, _loaders(rank, world, data_path)[1], ckpt_path=path, verbose=False)
         restored = _full_state(fresh)
@@ -192,23 +199,23 @@ def _interrupted_worker(rank, world, init_path, data_path, tmp):
 
 def test_interrupted_save_keeps_the_previous_checkpoint(tmp_path):
     init_path, data_path, *_ = save_inputs(tmp_path, 2 * 2 * BATCH)
-    for rank, r in enumerate(spawn(_interrupted_worker, 2, init_path, data_path, str(tmp_path))):
-        assert r["sharded"] != "no error" and r["full"] != "no error", r
-        if rank == 0:
-            assert "No space left on device" in r["full"]
+    for r in spawn(_interrupted_worker, 2, init_path, data_path, str(tmp_path)):
+        # every rank refuses, and says which rank failed and why (rank 1's disk for the sharded save, rank 0 writes
+        # the full file)
+        assert re.search(r"saving the checkpoint .*ckpt failed.*rank 1.*No space left on device", r["sharded"]), r
+        assert re.search(r"saving the checkpoint .*last\.ckpt failed on rank 0.*No space left", r["full"]), r
         assert r["sharded_intact"] and r["full_intact"], r
         assert r["sharded_leftovers"] == [] and r["full_leftovers"] == [], r
 
 
 def _mismatch_worker(rank, world, init_path, data_path, tmp):
-    import shutil
-    from pathlib import Path
-
     train, every = _loaders(rank, world, data_path)
     tmp = Path(tmp)
     trainer, _ = _trainer(world, EXACT, 2, max_steps=1)
-    trainer.fit(TinyGPT(init_path), train)
+    trained = TinyLM(init_path)
+    trainer.fit(trained, train)
     trainer.save_checkpoint(tmp / "good")
+    saved = {k: v.clone() for k, v in _full_state(trained).items()}
     if rank == 0:
         shutil.copytree(tmp / "good", tmp / "no_meta")
         (tmp / "no_meta" / "meta.pt").unlink()
@@ -218,11 +225,12 @@ def _mismatch_worker(rank, world, init_path, data_path, tmp):
         (tmp / "garbage.ckpt").write_bytes(b"not a checkpoint")
     trainer.strategy.barrier()
     cases = {
-        "wider model": (TinyGPT(init_path=None, n_embd=48), tmp / "good"),
-        "no meta": (TinyGPT(init_path), tmp / "no_meta"),
-        "truncated": (TinyGPT(init_path), tmp / "truncated"),
-        "garbage": (TinyGPT(init_path), tmp / "garbage.ckpt"),
-        "absent": (TinyGPT(init_path), tmp / "absent"),
+        "good": (TinyLM(init_path), tmp / "good"),  # the control: the same harness loads an intact checkpoint
+        "wider model": (TinyLM(init_path=None, n_embd=WIDER), tmp / "good"),
+        "no meta": (TinyLM(init_path), tmp / "no_meta"),
+        "truncated": (TinyLM(init_path), tmp / "truncated"),
+        "garbage": (TinyLM(init_path), tmp / "garbage.ckpt"),
+        "absent": (TinyLM(init_path), tmp / "absent"),
     }
     report = {}
     for name, (model, path) in cases.items():
@@ -232,22 +240,40 @@ def _mismatch_worker(rank, world, init_path, data_path, tmp):
             report[name] = "no error"
         except Exception as err:
             report[name] = f"{type(err).__name__}: {err}"
+        if name == "good":
+            loaded = _full_state(model)
+            report["good loaded the saved weights"] = all(torch.equal(loaded[k], v) for k, v in saved.items())
     return report
+
+
+def _reshaped(wider: int) -> list[str]:
+    """What the error must list for a model ``wider`` than TINY: every tensor whose shape depends on the width."""
+    narrow, wide = TinyLM(), TinyLM(n_embd=wider)
+    narrow.configure_model()
+    wide.configure_model()
+    theirs = wide.state_dict()
+    return sorted(
+        f"{k}: checkpoint {list(v.shape)} vs model {list(theirs[k].shape)}"
+        for k, v in narrow.state_dict().items()
+        if v.shape != theirs[k].shape
+    )
 
 
 def test_mismatched_or_damaged_checkpoints_are_refused(tmp_path):
     init_path, data_path, *_ = save_inputs(tmp_path, 2 * 2 * BATCH)
+    reshaped = _reshaped(WIDER)
+    assert len(reshaped) > 8  # the message lists the first 8 and the count
     expected = {
-        "wider model": r"CheckpointMismatchError: .*does not fit this model; shape differs: net\.blocks\.0\.attn\.proj"
-        r"\.bias: checkpoint \[32\] vs model \[48\]",
+        "good": "^no error$",
+        "wider model": r"CheckpointMismatchError: .*does not fit this model; shape differs: "
+        + re.escape(", ".join(reshaped[:8]) + f", ... ({len(reshaped)} in all).")
+        + "$",
         "no meta": r"CheckpointMismatchError: .*not a complete sharded checkpoint: it has no meta\.pt",
         "truncated": r"CheckpointMismatchError: .*loading the checkpoint .*truncated failed",
         "garbage": r"CheckpointMismatchError: .*garbage\.ckpt is not a readable checkpoint file",
         "absent": r"FileNotFoundError: .*absent does not exist",
     }
-    import re
-
     for rank, report in enumerate(spawn(_mismatch_worker, 2, init_path, data_path, str(tmp_path))):
         for name, pattern in expected.items():
             assert re.search(pattern, report[name], re.S), f"rank {rank}, {name}: {report[name]}"
-    assert TINY["n_embd"] == 32
+        assert report["good loaded the saved weights"], f"rank {rank}"

@@ -9,16 +9,19 @@ across the boundary, qwZ's quantized one the same share); the test requires at m
 
 import math
 import subprocess
-import sys
 import time
+from pathlib import Path
 
 import pytest
-from helpers import ROOT
 
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from lightning_zeropp.testing.scripts import load_script
 
-from cluster import MODEL, launch, summarize
-from netns import TwoNodeCluster, missing_requirements
+ROOT = Path(__file__).resolve().parents[1]
+
+
+cluster_benchmark = load_script(ROOT / "benchmarks" / "cluster.py", "cluster_benchmark")  # finds netns.py itself
+MODEL, launch, summarize = cluster_benchmark.MODEL, cluster_benchmark.launch, cluster_benchmark.summarize
+TwoNodeCluster, missing_requirements = cluster_benchmark.TwoNodeCluster, cluster_benchmark.missing_requirements
 
 pytestmark = pytest.mark.cluster
 needs_root = pytest.mark.skipif(missing_requirements() is not None, reason=f"TwoNodeCluster {missing_requirements()}")

@@ -3,19 +3,16 @@ results can be compared with one process to 1e-5): gradient accumulation, clippi
 checkpointing, CPU offload, frozen weights, manual optimization with two optimizers, no optimizer, the evaluation
 loops, bf16-true and 16-true, and a single process."""
 
+import math
+
 import pytest
 import torch
-from helpers import lightning_trainer, spawn
+from lightning.pytorch import Callback
 from torch.utils.data import DataLoader, TensorDataset
-from workers import (
-    LossRecorder,
-    TinyGPT,
-    freeze_all_but_biases_and_norms,
-    reference_training,
-    relative_error,
-    save_inputs,
-    tiny_gpt,
-)
+
+from lightning_zeropp.testing.distributed import lightning_trainer, spawn
+from lightning_zeropp.testing.models import TINY, TinyLM, freeze_all_but_biases_and_norms
+from lightning_zeropp.testing.workers import LossRecorder, reference_training, relative_error, save_inputs
 
 pytestmark = pytest.mark.multiprocess
 
@@ -30,7 +27,7 @@ def _fit(rank, world, init_path, data_path, *, steps=STEPS, accumulate=1, strate
     from lightning_zeropp import ZeroPPStrategy
 
     x, y = torch.load(data_path, weights_only=True)
-    model = model or tiny_gpt(init_path)
+    model = model or TinyLM(init_path)
     strat = ZeroPPStrategy(**(EXACT if strategy is None else strategy)) if not isinstance(strategy, str) else strategy
     recorder = LossRecorder()
     trainer_kwargs = dict(trainer_kwargs or {})
@@ -69,16 +66,37 @@ def _clip_value(rank, world, init_path, data_path):
     return _fit(rank, world, init_path, data_path, trainer_kwargs=kw)[2]
 
 
+class BlockForwardCounter(Callback):
+    """Counts, per block, the forward calls of its first layer norm: recomputation in backward calls it again."""
+
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.calls = [0] * len(pl_module.net.blocks)
+        for i, block in enumerate(pl_module.net.blocks):
+            block.ln1.register_forward_hook(lambda module, args, output, i=i: self.count(i))
+
+    def count(self, i: int) -> None:
+        self.calls[i] += 1
+
+
 def _activation_checkpointing(rank, world, init_path, data_path):
-    return _fit(rank, world, init_path, data_path, strategy={**EXACT, "activation_checkpointing": ["Block"]})[2]
+    counter = BlockForwardCounter()
+    strategy = {**EXACT, "activation_checkpointing_policy": ["Block"]}
+    out = _fit(rank, world, init_path, data_path, strategy=strategy, trainer_kwargs={"callbacks": [counter]})[2]
+    return {**out, "block_forwards": counter.calls}
 
 
 def _cpu_offload(rank, world, init_path, data_path):
-    return _fit(rank, world, init_path, data_path, strategy={**EXACT, "cpu_offload": True})[2]
+    counter = BlockForwardCounter()  # without activation checkpointing: one forward per block and step
+    strategy = {**EXACT, "cpu_offload": True}
+    out = _fit(rank, world, init_path, data_path, strategy=strategy, trainer_kwargs={"callbacks": [counter]})[2]
+    return {**out, "block_forwards": counter.calls}
 
 
 def _frozen(rank, world, init_path, data_path):
-    class Frozen(TinyGPT):
+    class Frozen(TinyLM):
         def configure_model(self):
             super().configure_model()
             freeze_all_but_biases_and_norms(self)
@@ -87,14 +105,14 @@ def _frozen(rank, world, init_path, data_path):
 
 
 def _manual_two_optimizers(rank, world, init_path, data_path):
-    class Manual(TinyGPT):
+    class Manual(TinyLM):
         def __init__(self, init_path):
             super().__init__(init_path)
             self.automatic_optimization = False
 
         def training_step(self, batch, batch_idx):
             blocks, rest = self.optimizers()
-            loss = self._loss(batch)
+            loss = self.loss(batch)
             self.manual_backward(loss)
             blocks.step()
             rest.step()
@@ -115,7 +133,7 @@ def _manual_two_optimizers(rank, world, init_path, data_path):
 
 
 def _no_optimizer(rank, world, init_path, data_path):
-    class NoOptimizer(TinyGPT):
+    class NoOptimizer(TinyLM):
         def configure_optimizers(self):
             return None
 
@@ -140,10 +158,12 @@ def _evaluation_loops(rank, world, init_path, data_path):
 def _weights_swapped_for_validation(rank, world, init_path, data_path):
     """A callback that swaps other weights in for validation (as EMA callbacks do) and restores them after: the
     hpZ copies made during validation hold the swapped-in weights and must not serve the next training step."""
-    from lightning.pytorch import Callback
 
     class SwapForValidation(Callback):
+        swaps = 0
+
         def on_validation_start(self, trainer, pl_module):
+            self.swaps += 1
             self.saved = [p.detach().clone() for p in pl_module.parameters()]
             with torch.no_grad():
                 for p in pl_module.parameters():
@@ -156,9 +176,10 @@ def _weights_swapped_for_validation(rank, world, init_path, data_path):
 
     x, y = torch.load(data_path, weights_only=True)
     val = DataLoader(TensorDataset(x[:4], y[:4]), batch_size=2)
-    kw = dict(val_check_interval=1, limit_val_batches=2, callbacks=[SwapForValidation()])
+    swap = SwapForValidation()
+    kw = dict(val_check_interval=1, limit_val_batches=2, callbacks=[swap])
     trainer, model, out = _fit(rank, world, init_path, data_path, trainer_kwargs=kw, val_loader=val)
-    return out
+    return {**out, "validations": swap.swaps}
 
 
 def _bf16_true(rank, world, init_path, data_path):
@@ -189,7 +210,8 @@ def run(tmp_path_factory):
     return init_path, x, y, init, results
 
 
-def _assert_matches(state, ref_state, tol=1e-5):
+def _assert_matches(state, ref_state, tol=1e-6):
+    # measured: at most 1.8e-7 (accumulation 1.3e-7, clipping 5e-8, one process 3e-8)
     for name, ref in ref_state.items():
         err = relative_error(state[name], ref)
         assert err <= tol, f"{name}: relative error {err:.2e}"
@@ -210,7 +232,8 @@ def test_gradient_clipping(run, name, clip):
     init_path, x, y, init, results = run
     ref, _ = reference_training(init_path, x, y, WORLD * BATCH, STEPS, clip=clip)
     unclipped, _ = reference_training(init_path, x, y, WORLD * BATCH, STEPS)
-    assert relative_error(ref["net.blocks.0.mlp.0.weight"], unclipped["net.blocks.0.mlp.0.weight"]) > 1e-4
+    # the clip changes the result far beyond the parity tolerance (measured: 0.027 by norm, 0.0097 by value)
+    assert relative_error(ref["net.blocks.0.mlp.fc.weight"], unclipped["net.blocks.0.mlp.fc.weight"]) > 1e-3
     _assert_matches(results[0][name]["state"], ref)
 
 
@@ -221,6 +244,14 @@ def test_matches_single_process(run, name):
     init_path, x, y, _, results = run
     ref, _ = reference_training(init_path, x, y, WORLD * BATCH, STEPS)
     _assert_matches(results[0][name]["state"], ref)
+    for rank, r in enumerate(results):
+        if name in ("activation_checkpointing", "cpu_offload"):
+            # with activation checkpointing each block runs forward again in backward; without it, once per step
+            per_step = 2 if name == "activation_checkpointing" else 1
+            forwards = r[name]["block_forwards"]
+            assert forwards == [per_step * STEPS] * TINY["n_layer"], f"rank {rank}: block forwards {forwards}"
+        if name == "weights_swapped_for_validation":  # validation ran (and swapped) after every step
+            assert r[name]["validations"] == STEPS, f"rank {rank}: {r[name]['validations']} validations"
 
 
 def test_frozen_weights(run):
@@ -244,15 +275,15 @@ def test_no_optimizer(run):
 def test_evaluation_loops_do_not_communicate_gradients(run):
     init_path, x, y, _, results = run
     ref_state, _ = reference_training(init_path, x, y, WORLD * BATCH, STEPS)
-    model = tiny_gpt(init_path)
+    model = TinyLM(init_path)
     model.configure_model()
     model.net.load_state_dict({k[len("net.") :]: v for k, v in ref_state.items()})
     with torch.no_grad():
-        expected = model._loss((x[:4], y[:4])).item() / 2 + model._loss((x[4:8], y[4:8])).item() / 2
+        expected = model.loss((x[:4], y[:4])).item() / 2 + model.loss((x[4:8], y[4:8])).item() / 2
     for r in results:
         out = r["evaluation_loops"]
-        assert out["val"] == pytest.approx(expected, rel=1e-5)
-        assert out["predicted_shape"] == (4, 16, 256)
+        assert out["val"] == pytest.approx(expected, rel=1e-6)  # measured: equal
+        assert out["predicted_shape"] == (4, TINY["block_size"], TINY["vocab_size"])
         assert out["eval_kinds"] == ["weight_all_gather"], out["eval_kinds"]  # weights only, no gradient traffic
 
 
@@ -260,10 +291,11 @@ def test_evaluation_loops_do_not_communicate_gradients(run):
 def test_half_precision_trains(run, name, dtype):
     *_, init, results = run
     assert results[0][name]["dtypes"] == [dtype]
-    for r in results:
-        assert all(torch.isfinite(torch.tensor(r[name]["losses"])))
-    weight = "net.blocks.0.mlp.0.weight"
-    assert relative_error(results[0][name]["state"][weight], init[weight]) > 1e-3  # it trained
+    for rank, r in enumerate(results):
+        losses = r[name]["losses"]
+        assert len(losses) == 3 and all(map(math.isfinite, losses)), f"rank {rank}: losses {losses}"
+    weight = "net.blocks.0.mlp.fc.weight"
+    assert relative_error(results[0][name]["state"][weight], init[weight]) > 1e-2  # it trained (measured: 0.046)
 
 
 def _single_process(rank, world, init_path, data_path):

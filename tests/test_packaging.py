@@ -42,6 +42,8 @@ def test_the_wheel_holds_the_kernels_under_our_package_only(wheel):
         assert f"lightning_zeropp/kernels/{module}.py" in names, module
     for package in ("compat", "testing"):
         assert f"lightning_zeropp/{package}/__init__.py" in names, package
+    for module in ("distributed", "models", "workers"):  # test support for projects built on lightning-zeropp
+        assert f"lightning_zeropp/testing/{module}.py" in names, module
 
 
 def test_ours_imports_beside_a_package_named_triton_kernels(wheel, tmp_path):

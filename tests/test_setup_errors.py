@@ -1,14 +1,25 @@
 """Arguments that can only be checked against the running job fail at setup, on every rank, with a clear error."""
 
+import re
+
 import pytest
-from helpers import spawn
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_zeropp import ZeroPPStrategy
+from lightning_zeropp.testing.distributed import lightning_trainer, spawn
+from lightning_zeropp.testing.models import TINY, TinyLM
 
 pytestmark = pytest.mark.multiprocess
 
 CASES = {
-    "unknown wrap class": (dict(wrap_modules=["Blok"]), "32-true", r"`wrap_modules` names 'Blok'.*Block"),
-    "absent wrap class": (dict(wrap_modules={"Conv2d"}), "32-true", r"`wrap_modules` names 'Conv2d'"),
-    "unknown AC class": (dict(activation_checkpointing=["Blocks"]), "32-true", r"`activation_checkpointing` names"),
+    "unknown wrap class": (dict(auto_wrap_policy=["Blok"]), "32-true", r"`auto_wrap_policy` names 'Blok'.*Block"),
+    "absent wrap class": (dict(auto_wrap_policy={"Conv2d"}), "32-true", r"`auto_wrap_policy` names 'Conv2d'"),
+    "unknown AC class": (
+        dict(activation_checkpointing_policy=["Blocks"]),
+        "32-true",
+        r"`activation_checkpointing_policy` names 'Blocks'",
+    ),
     "hpz does not divide": (dict(hpz_partition_size=3), "32-true", r"`hpz_partition_size=3`.*world size 2"),
     "ranks_per_node spans machines": (
         dict(ranks_per_node=2),
@@ -19,24 +30,20 @@ CASES = {
 }
 
 
+def _data() -> DataLoader:
+    tokens = torch.zeros(4, TINY["block_size"], dtype=torch.long)
+    return DataLoader(TensorDataset(tokens, tokens))
+
+
 def _setup_worker(rank, world_size):
-    import re
-
-    import torch
-    from helpers import lightning_trainer
-    from torch.utils.data import DataLoader, TensorDataset
-    from workers import tiny_gpt
-
-    from lightning_zeropp import ZeroPPStrategy
-
-    data = DataLoader(TensorDataset(torch.zeros(4, 16, dtype=torch.long), torch.zeros(4, 16, dtype=torch.long)))
+    data = _data()
     failures = {}
     for name, (kwargs, precision, pattern) in CASES.items():
         try:
             trainer = lightning_trainer(
                 world_size, ZeroPPStrategy(**kwargs), num_nodes=2, precision=precision, max_steps=1
             )
-            trainer.fit(tiny_gpt(), data)
+            trainer.fit(TinyLM(), data)
         except (ValueError, TypeError) as err:
             if not re.search(pattern, str(err), re.S):
                 failures[name] = f"wrong message: {err}"
@@ -46,17 +53,10 @@ def _setup_worker(rank, world_size):
 
 
 def _triton_on_cpu_worker(rank, world_size):
-    import torch
-    from helpers import lightning_trainer
-    from torch.utils.data import DataLoader, TensorDataset
-    from workers import tiny_gpt
-
-    from lightning_zeropp import ZeroPPStrategy
-
-    data = DataLoader(TensorDataset(torch.zeros(4, 16, dtype=torch.long), torch.zeros(4, 16, dtype=torch.long)))
+    data = _data()
     trainer = lightning_trainer(world_size, ZeroPPStrategy(kernel_backend="triton"), max_steps=1)
     try:
-        trainer.fit(tiny_gpt(), data)
+        trainer.fit(TinyLM(), data)
     except ValueError as err:
         return str(err)
     return "no error"

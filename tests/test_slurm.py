@@ -13,9 +13,14 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
-from helpers import EXAMPLE, ROOT, free_port
+
+from lightning_zeropp.testing.distributed import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "gpt"
 
 pytestmark = pytest.mark.slurm
 

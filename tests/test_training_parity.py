@@ -1,28 +1,36 @@
-"""qwZ, qgZ and all three (with hpZ) train the example GPT like ZeRO-3, and backward sees forward's exact weights.
+"""qwZ, qgZ and all three (with hpZ) train a tiny transformer LM like ZeRO-3, and backward sees forward's exact weights.
 
 4 ranks as 2 nodes x 2, 32-true, 3 SGD steps; the reference is one process on the global batch (ZeRO-3 matches it
-to 1e-5, test_zero3.py). Tolerances, from the quantizers' error (measured values in the comments):
-- loss per step: within 0.5% (the forward weights differ by at most half an INT8 step, 1/254 of a block's absmax);
-- parameter update (final - initial) over the whole model, relative L2 error vs the reference update.
+to 2e-6, test_zero3.py). Tolerances, from the quantizers' error (measured values beside each):
+- loss per step, relative to the reference's;
+- parameter update (final - initial) over the whole model, relative L2 error vs the reference update;
+- the same for each parameter on its own, where quantization leaves each its own update (see below).
+
+The model's odd sizes make quantization blocks straddle parameters, as in real models: a LayerNorm's few weights
+(about 1) share a block with attention or MLP weights (about 0.02), and its gradients (about 1e-4) share a block
+with far larger ones. So INT4 weights lose precision where a block holds a norm, and nearest-rounded INT4 gradients
+lose a norm's gradients altogether (``test_nearest_rounded_gradients_keep_every_update``, expected to fail).
 """
 
 import os
 
 import pytest
 import torch
-from helpers import spawn
-from workers import reference_training, relative_error, save_inputs, train_worker
+
+from lightning_zeropp.testing.distributed import spawn
+from lightning_zeropp.testing.workers import reference_training, relative_error, save_inputs, train_worker
 
 pytestmark = pytest.mark.multiprocess
 
 WORLD, PER_NODE, BATCH, STEPS = 4, 2, 2, 3
 CONFIGS = {
-    # name: (strategy kwargs, update tolerance); measured on this setup: 0.060, 0.125, 0.139, 0.278 (losses within
-    # 0.04%, 0.03%, 0.04%, 0.27% of ZeRO-3's)
-    "qwz": (dict(quantize_weights=True, hpz_partition_size=1, quantize_gradients=False), 0.12),
-    "qgz": (dict(quantize_weights=False, hpz_partition_size=1, quantize_gradients=True), 0.25),
-    "zeropp": (dict(), 0.25),
-    "zeropp_int4_weights": (dict(weight_bits=4, weight_block_size=64), 0.5),
+    # name: (strategy kwargs, loss tolerance, whole-model update tolerance, per-parameter update tolerance or None)
+    # measured: losses within 2.6e-4, 1.5e-4, 2.2e-4, 9.7e-3; updates 0.084, 0.168, 0.187, 0.642; per parameter
+    # (qwZ only: with qgZ the LayerNorms' updates are lost) at most 0.181
+    "qwz": (dict(quantize_weights=True, hpz_partition_size=1, quantize_gradients=False), 5e-4, 0.12, 0.25),
+    "qgz": (dict(quantize_weights=False, hpz_partition_size=1, quantize_gradients=True), 5e-4, 0.22, None),
+    "zeropp": (dict(), 5e-4, 0.25, None),
+    "zeropp_int4_weights": (dict(weight_bits=4, weight_block_size=64), 1.5e-2, 0.8, None),
 }
 
 
@@ -34,6 +42,21 @@ def inputs(tmp_path_factory):
     return init_path, data_path, init, ref_state, ref_losses
 
 
+@pytest.fixture(scope="module")
+def runs(inputs):
+    """Each configuration's results, trained once on first use."""
+    init_path, data_path, *_ = inputs
+    cache = {}
+
+    def run(name: str) -> list[dict]:
+        if name not in cache:
+            kwargs = dict(ranks_per_node=PER_NODE, **CONFIGS[name][0])
+            cache[name] = spawn(train_worker, WORLD, kwargs, init_path, data_path, BATCH, STEPS, "32-true", 1, True)
+        return cache[name]
+
+    return run
+
+
 def _update_error(state, init, ref_state) -> float:
     names = sorted(ref_state)
     got = torch.cat([(state[n] - init[n]).flatten() for n in names])
@@ -41,20 +64,26 @@ def _update_error(state, init, ref_state) -> float:
     return relative_error(got, want)
 
 
+def _parameter_update_errors(state, init, ref_state) -> dict[str, float]:
+    return {n: relative_error(state[n] - init[n], ref_state[n] - init[n]) for n in sorted(ref_state)}
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_quantized_training_tracks_zero3(inputs, name):
-    init_path, data_path, init, ref_state, ref_losses = inputs
-    kwargs, update_tol = CONFIGS[name]
-    results = spawn(
-        train_worker, WORLD, dict(ranks_per_node=PER_NODE, **kwargs), init_path, data_path, BATCH, STEPS,
-        "32-true", 1, True,
-    )  # fmt: skip
+def test_quantized_training_tracks_zero3(inputs, runs, name):
+    _, _, init, ref_state, ref_losses = inputs
+    kwargs, loss_tol, update_tol, param_tol = CONFIGS[name]
+    results = runs(name)
     losses = torch.tensor([r["losses"] for r in results]).mean(0)
     ref = torch.tensor(ref_losses)
-    assert torch.all((losses - ref).abs() / ref <= 5e-3), f"losses {losses.tolist()} vs ZeRO-3 {ref_losses}"
+    assert losses.shape == ref.shape, f"{losses.shape[0]} steps, the reference {ref.shape[0]}"
+    assert torch.all((losses - ref).abs() / ref <= loss_tol), f"losses {losses.tolist()} vs ZeRO-3 {ref_losses}"
     err = _update_error(results[0]["state"], init, ref_state)
     assert err <= update_tol, f"{name}: update differs from ZeRO-3's by {err:.3f} (relative L2)"
     assert err > 0, "quantization left no trace: is it switched on?"
+    if param_tol is not None:
+        errors = _parameter_update_errors(results[0]["state"], init, ref_state)
+        worst = max(errors, key=errors.get)
+        assert errors[worst] <= param_tol, f"{name}: {worst}'s update differs by {errors[worst]:.3f}"
     for r in results:
         assert r["weights_compared"] > 0 and r["weights_mismatched"] == 0
     ledger = results[0]["ledger"]
@@ -64,16 +93,29 @@ def test_quantized_training_tracks_zero3(inputs, name):
         assert "gradient_all_to_all_inter" not in ledger
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="qgZ's blocks straddle parameters: a LayerNorm's gradients (~1e-4) share an INT4 block with far larger"
+    " ones and round to 0 (measured: ln2's update lost entirely in both blocks). Per-parameter blocks or stochastic"
+    " rounding would keep them; when this passes, give qgz a per-parameter tolerance in CONFIGS.",
+)
+def test_nearest_rounded_gradients_keep_every_update(inputs, runs):
+    _, _, init, ref_state, _ = inputs
+    errors = _parameter_update_errors(runs("qgz")[0]["state"], init, ref_state)
+    lost = sorted(n for n, e in errors.items() if e >= 1)  # no closer to the reference's update than no update
+    assert not lost, f"updates lost or reversed: {lost}"
+
+
 @pytest.mark.triton_interpret
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 (set without a GPU)")
 def test_triton_backend_trains_bit_identically(inputs):
     """ZeRO++ through the Triton kernels (interpreted on the CPU) gives exactly the torch path's weights."""
     init_path, data_path, *_ = inputs
-    runs = {
+    states = {
         backend: spawn(
             train_worker, WORLD, dict(ranks_per_node=PER_NODE, kernel_backend=backend), init_path, data_path, BATCH, 2
         )[0]["state"]
         for backend in ("torch", "triton")
     }
-    for name, value in runs["torch"].items():
-        assert torch.equal(value, runs["triton"][name]), name
+    for name, value in states["torch"].items():
+        assert torch.equal(value, states["triton"][name]), name

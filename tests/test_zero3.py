@@ -2,8 +2,16 @@
 
 import pytest
 import torch
-from helpers import spawn
-from workers import reference_training, relative_error, save_inputs, tiny_gpt, train_worker, unit_shard_numels
+
+from lightning_zeropp.testing.distributed import spawn
+from lightning_zeropp.testing.models import TinyLM
+from lightning_zeropp.testing.workers import (
+    reference_training,
+    relative_error,
+    save_inputs,
+    train_worker,
+    unit_shard_numels,
+)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -18,7 +26,7 @@ def inputs(tmp_path_factory):
 
 def _expected_ledger(hpz: int) -> dict[str, tuple[int, int, int]]:
     """Analytic per-rank bytes for STEPS steps in fp32 (4 bytes), from the model's shapes alone."""
-    model = tiny_gpt()
+    model = TinyLM()
     model.configure_model()
     shards = unit_shard_numels(model, WORLD)
     n_units = len(shards)
@@ -46,12 +54,12 @@ def test_parity_and_ledger(inputs, hpz):
     state = results[0]["state"]
     for name, ref in ref_state.items():
         err = relative_error(state[name], ref)
-        assert err <= 1e-5, f"{name}: relative error {err:.2e} after {STEPS} steps"
+        assert err <= 2e-6, f"{name}: relative error {err:.2e} after {STEPS} steps"  # measured: at most 2.7e-7
     assert not torch.equal(ref_state["net.tok_emb.weight"], torch.load(init_path)["tok_emb.weight"])  # it trained
 
     # the mean of the per-rank losses is the single-process loss on the global batch
     mean_losses = torch.tensor([r["losses"] for r in results]).mean(0)
-    torch.testing.assert_close(mean_losses, torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    torch.testing.assert_close(mean_losses, torch.tensor(ref_losses), rtol=1e-6, atol=0)  # measured: equal
 
     expected = _expected_ledger(hpz)
     for rank, r in enumerate(results):

@@ -1,0 +1,206 @@
+"""Small models shaped like real ones, for tests of sharding and quantization on CPU gloo ranks.
+
+:class:`TinyLM` is a causal transformer language model (a few thousand parameters, trains in a fraction of a second)
+with the features of a real one that sharding and quantization must get right::
+
+    tokens ─> tok_emb (131 x 27) ─┐                       tied: head.weight IS tok_emb.weight, one parameter that
+    positions ─> pos_emb (16 x 27)┴─> + ─> blocks ─> ln_f ─> head (27 -> 131)   sits in the root's FSDP unit
+                                            │
+              nn.ModuleList of Block:  ln1 ─> attn.qkv (27 -> 81, bias) ─> attn.proj (27 -> 27, bias) ─> +
+                                       ln2 ─> mlp.fc (27 -> 61, bias) ─> GELU ─> mlp.proj (61 -> 27, bias) ─> +
+
+Every size is odd and none divides by 2 or 4: FSDP pads dim 0 of every parameter on 2 or 4 ranks, and the
+quantizers' blocks end in partial tails. 1-D parameters (norms, biases) sit right next to matrices in each unit.
+Every parameter starts with distinct random values (norm weights near 1, biases near 0, never all-equal), so a
+gather that swaps, drops or zeroes a slice changes the loss from the first step.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule
+from torch import nn
+
+__all__ = ["TINY", "Block", "TinyLM", "TinyTransformer", "freeze_all_but_biases_and_norms", "make_batches"]
+
+TINY = dict(vocab_size=131, block_size=16, n_layer=2, n_head=3, n_embd=27, mlp_hidden=61)
+"""The default shape of :class:`TinyLM`."""
+
+
+class Attention(nn.Module):
+    """Causal multi-head self-attention: one fused ``qkv`` projection and an output ``proj``, both with biases."""
+
+    def __init__(self, n_embd: int, n_head: int, dropout: float) -> None:
+        super().__init__()
+        if n_embd % n_head:
+            raise ValueError(f"Attention: n_embd={n_embd} must be a multiple of n_head={n_head}.")
+        self.n_head = n_head
+        self.dropout = dropout
+        self.qkv = nn.Linear(n_embd, 3 * n_embd)
+        self.proj = nn.Linear(n_embd, n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in self.qkv(x).split(C, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class MLP(nn.Module):
+    def __init__(self, n_embd: int, hidden: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(n_embd, hidden)
+        self.proj = nn.Linear(hidden, n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class Block(nn.Module):
+    """A pre-norm transformer block; the class name is what ``auto_wrap_policy`` and
+    ``activation_checkpointing_policy`` select in tests (``["Block"]``)."""
+
+    def __init__(self, n_embd: int, n_head: int, mlp_hidden: int, dropout: float) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(n_embd)
+        self.attn = Attention(n_embd, n_head, dropout)
+        self.ln2 = nn.LayerNorm(n_embd)
+        self.mlp = MLP(n_embd, mlp_hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyTransformer(nn.Module):
+    """Token and position embeddings, ``n_layer`` :class:`Block` s in an ``nn.ModuleList``, a final LayerNorm and
+    an output head tied to the token embedding."""
+
+    def __init__(
+        self, vocab_size: int, block_size: int, n_layer: int, n_head: int, n_embd: int, mlp_hidden: int, dropout: float
+    ) -> None:
+        super().__init__()
+        self.block_size = block_size
+        self.tok_emb = nn.Embedding(vocab_size, n_embd)
+        self.pos_emb = nn.Embedding(block_size, n_embd)
+        self.blocks = nn.ModuleList(Block(n_embd, n_head, mlp_hidden, dropout) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(n_embd)
+        self.head = nn.Linear(n_embd, vocab_size, bias=False)
+        self.head.weight = self.tok_emb.weight
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=0.02)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.normal_(module.bias, std=0.02)
+            elif isinstance(module, nn.LayerNorm):
+                nn.init.normal_(module.weight, mean=1.0, std=0.1)
+                nn.init.normal_(module.bias, std=0.02)
+        for block in self.blocks:  # GPT-2: the residual projections scaled by depth
+            for proj in (block.attn.proj, block.mlp.proj):
+                nn.init.normal_(proj.weight, std=0.02 / math.sqrt(2 * len(self.blocks)))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        T = idx.size(1)
+        if T > self.block_size:
+            raise ValueError(f"TinyTransformer: sequence length {T} exceeds block_size={self.block_size}.")
+        x = self.tok_emb(idx) + self.pos_emb(torch.arange(T, device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+class TinyLM(LightningModule):
+    """:class:`TinyTransformer` as a LightningModule, trained with SGD + momentum at a constant learning rate.
+
+    The network is built in ``configure_model`` (as large models are, so the strategy can shard it as it is made);
+    with ``init_path`` its initial weights are loaded from that file (a ``state_dict`` of the network), so every
+    run of a test starts from the same point. SGD and not Adam: Adam divides by the root of the squared gradient,
+    so a parameter whose true gradient is zero (the key bias: softmax ignores it) turns rounding noise into
+    full-size steps, and a parity check would measure that noise instead of the strategy.
+
+    Args:
+        init_path: a file saved from ``TinyLM().net.state_dict()``; ``None``: random initial weights.
+        vocab_size, block_size, n_layer, n_head, n_embd, mlp_hidden: the shape (defaults: :data:`TINY`).
+        dropout: attention dropout while training.
+        lr, momentum: SGD's.
+    """
+
+    def __init__(
+        self,
+        init_path: str | None = None,
+        *,
+        vocab_size: int = TINY["vocab_size"],
+        block_size: int = TINY["block_size"],
+        n_layer: int = TINY["n_layer"],
+        n_head: int = TINY["n_head"],
+        n_embd: int = TINY["n_embd"],
+        mlp_hidden: int = TINY["mlp_hidden"],
+        dropout: float = 0.0,
+        lr: float = 0.3,
+        momentum: float = 0.9,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters(ignore="init_path")  # a checkpoint must not depend on the test's temporary file
+        self.init_path = init_path
+        self.net: TinyTransformer | None = None
+
+    def configure_model(self) -> None:
+        if self.net is not None:
+            return
+        h = self.hparams
+        self.net = TinyTransformer(h.vocab_size, h.block_size, h.n_layer, h.n_head, h.n_embd, h.mlp_hidden, h.dropout)
+        if self.init_path is not None:
+            self.net.load_state_dict(torch.load(self.init_path, weights_only=True))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.net(idx)
+
+    def loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Mean next-token cross-entropy of a batch ``(inputs, targets)``, computed in fp32."""
+        x, y = batch
+        logits = self(x)
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.loss(batch)
+        self.log("train/loss", loss)
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.loss(batch)
+        self.log("val/loss", loss, sync_dist=True)
+        return loss
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0])
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=self.hparams.momentum)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def freeze_all_but_biases_and_norms(model: TinyLM) -> None:
+    """Freezes every matrix and embedding of ``model.net``, as when fine-tuning only a few parameters."""
+    for p in model.net.parameters():
+        p.requires_grad_(p.dim() < 2)
+
+
+def make_batches(
+    n_samples: int, block_size: int = TINY["block_size"], vocab_size: int = TINY["vocab_size"], seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``n_samples`` windows of ``block_size`` tokens and their next tokens: a noisy periodic sequence over the
+    vocabulary (learnable, not random)."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.arange(n_samples * (block_size + 1)) % 97
+    noise = torch.randint(0, 3, base.shape, generator=g)
+    seq = ((base + noise) * 7 % vocab_size).view(n_samples, block_size + 1)
+    return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()

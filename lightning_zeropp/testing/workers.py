@@ -1,0 +1,182 @@
+"""Rank workers and what they share: module-level functions, so spawned ranks can import them by name.
+
+The parity tests all follow one pattern: :func:`save_inputs` writes an initial state and a data set, every rank
+trains :class:`~lightning_zeropp.testing.models.TinyLM` from them with :func:`train_worker`, and the result is
+compared with :func:`reference_training`, one process on the global batch.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback
+from torch.utils.data import DataLoader, TensorDataset
+
+from .distributed import lightning_trainer
+from .models import TINY, TinyLM, freeze_all_but_biases_and_norms, make_batches
+
+__all__ = [
+    "LossRecorder",
+    "WeightProbe",
+    "padded_shard_numel",
+    "reference_training",
+    "relative_error",
+    "save_inputs",
+    "train_worker",
+    "unit_shard_numels",
+]
+
+
+class LossRecorder(Callback):
+    """Collects the training loss of every step on this rank."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+
+class WeightProbe(Callback):
+    """Checks that every Linear in the blocks computes backward with bit-identical weights to its forward."""
+
+    def __init__(self) -> None:
+        self.compared, self.mismatched = 0, 0
+        self.seen: dict[int, torch.Tensor] = {}
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        for module in pl_module.net.blocks.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.register_forward_hook(self.forward_hook)
+                module.register_full_backward_pre_hook(self.backward_hook)
+
+    def forward_hook(self, module, args, output) -> None:
+        if torch.is_grad_enabled():
+            self.seen[id(module)] = module.weight.detach().clone()
+
+    def backward_hook(self, module, grad_output) -> None:
+        self.compared += 1
+        self.mismatched += int(not torch.equal(self.seen.pop(id(module)), module.weight.detach()))
+
+
+def save_inputs(tmp: Path, n_samples: int, seed: int = 0) -> tuple[str, str, torch.Tensor, torch.Tensor]:
+    """Writes a fresh TinyLM's initial weights and ``n_samples`` token windows under ``tmp``; returns both paths
+    and the data."""
+    torch.manual_seed(seed)
+    model = TinyLM()
+    model.configure_model()
+    init_path, data_path = str(tmp / "init.pt"), str(tmp / "data.pt")
+    torch.save(model.net.state_dict(), init_path)
+    x, y = make_batches(n_samples, TINY["block_size"], TINY["vocab_size"], seed)
+    torch.save((x, y), data_path)
+    return init_path, data_path, x, y
+
+
+def reference_training(
+    init_path: str,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    global_batch: int,
+    steps: int,
+    *,
+    accumulate: int = 1,
+    clip: tuple[str, float] | None = None,
+    freeze_matrices: bool = False,
+) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """Single-process training on the global batch, what every data-parallel run must reproduce; returns the final
+    weights (named as in the LightningModule's state dict) and the loss of every micro-batch."""
+    model = TinyLM(init_path)
+    model.configure_model()
+    if freeze_matrices:
+        freeze_all_but_biases_and_norms(model)
+    opt_conf = model.configure_optimizers()
+    optimizer, scheduler = opt_conf["optimizer"], opt_conf["lr_scheduler"]["scheduler"]
+    losses = []
+    for k in range(steps):
+        for m in range(accumulate):
+            i = k * accumulate + m
+            sl = slice(i * global_batch, (i + 1) * global_batch)
+            loss = model.loss((x[sl], y[sl]))
+            (loss / accumulate).backward()
+            losses.append(loss.item())
+        if clip is not None:
+            kind, value = clip
+            params = [p for p in model.parameters() if p.grad is not None]
+            if kind == "norm":
+                torch.nn.utils.clip_grad_norm_(params, value)
+            else:
+                torch.nn.utils.clip_grad_value_(params, value)
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+    return {f"net.{k}": v.detach().clone() for k, v in model.net.state_dict().items()}, losses
+
+
+def train_worker(
+    rank: int,
+    world_size: int,
+    strategy_kwargs: dict[str, Any],
+    init_path: str,
+    data_path: str,
+    batch_size: int,
+    steps: int,
+    precision: str = "32-true",
+    num_nodes: int = 1,
+    probe_weights: bool = False,
+) -> dict[str, Any]:
+    """Trains TinyLM with ``ZeroPPStrategy(**strategy_kwargs)``; returns the full weights (rank 0), the losses, the
+    ledger and what :class:`WeightProbe` saw."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from lightning_zeropp import ZeroPPStrategy
+
+    x, y = torch.load(data_path, weights_only=True)
+    model = TinyLM(init_path)
+    strategy = ZeroPPStrategy(**strategy_kwargs)
+    recorder = LossRecorder()
+    probe = WeightProbe()
+    trainer = lightning_trainer(
+        world_size,
+        strategy,
+        num_nodes=num_nodes,
+        max_steps=steps,
+        precision=precision,
+        callbacks=[recorder, probe] if probe_weights else [recorder],
+        use_distributed_sampler=False,
+    )
+    # rank r takes samples r, r + W, ...: batch k of all ranks together is the reference's global batch k
+    local = TensorDataset(x[rank::world_size], y[rank::world_size])
+    trainer.fit(model, DataLoader(local, batch_size=batch_size, shuffle=False))
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    ledger = {k: (t.intra_node_bytes, t.inter_node_bytes, t.calls) for k, t in strategy.comm_ledger.by_kind().items()}
+    return {
+        "state": {k: v.float() for k, v in state.items()} if rank == 0 else None,
+        "losses": recorder.losses,
+        "ledger": ledger,
+        "weights_compared": probe.compared,
+        "weights_mismatched": probe.mismatched,
+    }
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``|a - b| / |b|`` in the L2 norm, in fp32."""
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+def padded_shard_numel(shape: torch.Size, world_size: int) -> int:
+    """FSDP2 pads dim 0 to a multiple of the world size: the per-rank numel of a parameter's shard."""
+    rest = math.prod(shape[1:])
+    return math.ceil(shape[0] / world_size) * rest
+
+
+def unit_shard_numels(model: TinyLM, world_size: int) -> list[int]:
+    """Per FSDP unit (each block, then the root's remaining parameters): the per-rank all-gather input numel."""
+    blocks = list(model.net.blocks)
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    units = [list(b.parameters()) for b in blocks]
+    root = [p for p in model.parameters() if id(p) not in in_blocks]  # parameters() yields the tied weight once
+    units.append(root)
+    return [sum(padded_shard_numel(p.shape, world_size) for p in unit) for unit in units]
