@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The oldest dependencies pyproject.toml allows (torch 2.9.0, Lightning 2.5.0, and the triton torch 2.9 ships), in a
+# The oldest dependencies pyproject.toml allows (torch 2.9.0, Lightning 2.6.0, and the triton torch 2.9 ships), in a
 # virtual environment of their own, running the tests that touch what changes between versions: the compat layer,
 # FSDP2's hooks, the strategy's lifecycle and steps, checkpoints, qgZ, the kernels (interpreted).
 # PyPI's torch 2.9.0 for Linux x86-64 is the CUDA build (it runs on the CPU): about 4 GB to download, 7 GB on disk.
@@ -12,7 +12,7 @@ if (( free_gb < 12 )); then
     exit 0
 fi
 python -m venv "$venv"
-"$venv/bin/pip" install -q "torch==2.9.0" "lightning==2.5.0" "pytest>=8"
+"$venv/bin/pip" install -q "torch==2.9.0" "lightning==2.6.0" "pytest>=8"
 "$venv/bin/pip" install -q --no-deps -e .
 "$venv/bin/python" - <<'PY'
 import lightning, torch, triton

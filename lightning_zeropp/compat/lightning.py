@@ -1,4 +1,4 @@
-"""Lightning symbols that are private or changed between the versions lightning-zeropp supports (lightning >= 2.5).
+"""Lightning symbols that are private or changed between the versions lightning-zeropp supports (lightning >= 2.6).
 
 Lightning's strategies are extended through a few private hooks and helpers; this module is the only place that names
 them. :class:`ModelParallelBase` gives the private extension points of ``ModelParallelStrategy`` public names, so the
@@ -16,7 +16,7 @@ from torch import nn
 
 from .versions import LIGHTNING_VERSION, require
 
-require(LIGHTNING_VERSION >= (2, 5), "lightning", "ModelParallelStrategy with FSDP2 and distributed checkpoints")
+require(LIGHTNING_VERSION >= (2, 6), "lightning", "ModelParallelStrategy with FSDP2 and distributed checkpoints")
 from lightning.fabric.utilities.init import _materialize_distributed_module  # noqa: E402
 from lightning.fabric.utilities.load import _METADATA_FILENAME  # noqa: E402
 from lightning.pytorch.strategies.strategy import _ForwardRedirection  # noqa: E402
