@@ -29,6 +29,7 @@ from .compat.lightning import METADATA_FILENAME
 
 MODEL_KEY = "state_dict"
 RNG_KEY = "zeropp_rng_states"
+COMMS_KEY = "zeropp_comms"  # per rank: the collectives' counters and error feedback residuals (ZeroPPComms)
 
 
 class Ranks(Protocol):
@@ -175,12 +176,21 @@ def save(
     filepath: str | os.PathLike,
     state_dict_type: Literal["sharded", "full"],
     save_file: Callable[[dict[str, Any], Path], None],
+    comms_state: dict[str, Any] | None = None,
 ) -> None:
     """Writes ``checkpoint`` (Lightning's dict, the model and optimizer states as the strategy collected them) to a
     temporary name and renames it onto ``filepath`` when complete. Collective: every rank calls it; if any rank fails,
-    every rank raises. ``save_file`` writes one file (the ``full`` format, on rank 0)."""
+    every rank raises. ``save_file`` writes one file (the ``full`` format, on rank 0). ``comms_state``: this rank's
+    :meth:`ZeroPPComms.state_dict`; its residuals are written by each rank into a sharded checkpoint, or gathered
+    into the one file."""
     path = Path(ranks.broadcast(filepath))
     checkpoint[RNG_KEY] = gather_rng_states(ranks.world_size)  # every rank's, so a resume continues each stream
+    residuals = _split_residuals(comms_state) if comms_state is not None else {}
+    if comms_state is not None and state_dict_type == "full":
+        comms_state["error_feedback"]["residuals"] = {u: r.cpu() for u, r in residuals.items()}
+        residuals = {}
+    if comms_state is not None:
+        checkpoint[COMMS_KEY] = _gather_to_zero(comms_state, ranks)
     if state_dict_type == "full":
         error = _attempt(lambda: save_full(checkpoint, path, save_file)) if ranks.is_global_zero else None
         agree_or_raise(error, f"ZeroPPStrategy: saving the checkpoint {path}", after=_UNTOUCHED)
@@ -191,6 +201,8 @@ def save(
     tmp = Path(ranks.broadcast(str(temporary_name(path)) if ranks.is_global_zero else None))
     tensors = {MODEL_KEY: checkpoint.pop(MODEL_KEY)}
     tensors.update({f"optimizer_{i}": state for i, state in enumerate(checkpoint.pop("optimizer_states", []))})
+    if residuals:  # each rank its own, under its rank: rank-local tensors, not shards of one global tensor
+        tensors[COMMS_KEY] = {f"rank{ranks.global_rank}": residuals}
     try:
         dcp_save(tensors, checkpoint_id=tmp)  # every rank writes its shards; fails on all if one does
     except CheckpointException as err:  # a BaseException: it would slip past `except Exception` in user code
@@ -225,10 +237,11 @@ def load(
     model_shapes: Mapping[str, tuple[int, ...]],
     strict: bool,
     read: Callable[[Path], dict[str, Any]],
+    restore: Callable[[Any, Path], None] | None = None,
 ) -> dict[str, Any]:
     """Checks the checkpoint against the model on every rank (each reads the files itself: they may not share a
     filesystem) and only then runs the collective ``read(path)``; restores this rank's random state. Returns what
-    ``read`` returned, without the random states."""
+    ``read`` returned, without the random states and the collectives' state (handed to ``restore(state, path)``)."""
     path = Path(ranks.broadcast(filepath))
     problem: Exception | None = None
     try:
@@ -247,7 +260,70 @@ def load(
     except (Exception, CheckpointException) as err:  # a truncated shard, an unreadable file: name them
         raise CheckpointMismatchError(f"ZeroPPStrategy: loading the checkpoint {path} failed: {err}") from err
     restore_rng_states(loaded.pop(RNG_KEY, None), ranks.world_size, ranks.global_rank)
+    if restore is not None:
+        restore(loaded.pop(COMMS_KEY, None), path)
+    else:
+        loaded.pop(COMMS_KEY, None)
     return loaded
+
+
+# ----------------------------------------------------------------------------------------------- collectives' state
+def _split_residuals(comms_state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Takes the residual tensors out of ``comms_state`` (leaving their shapes); returns them by unit."""
+    feedback = comms_state.get("error_feedback")
+    if feedback is None:
+        return {}
+    residuals = feedback.pop("residuals")
+    feedback["shapes"] = {unit: tuple(r.shape) for unit, r in residuals.items()}
+    return residuals
+
+
+def _gather_to_zero(state: dict[str, Any], ranks: Ranks) -> list[dict[str, Any]] | None:
+    """Every rank's ``state`` on rank 0 (None elsewhere: only rank 0's copy of the checkpoint dict is written)."""
+    if ranks.world_size == 1:
+        return [state]
+    gathered: list[Any] | None = [None] * ranks.world_size if ranks.is_global_zero else None
+    dist.gather_object(state, gathered, dst=0)
+    return gathered
+
+
+def restore_comms(
+    comms: Any, states: list[dict[str, Any]] | None, path: Path, sharded: bool, world_size: int, rank: int
+) -> None:
+    """Gives ``comms`` (a :class:`~lightning_zeropp.comm.ZeroPPComms`) its state from a checkpoint: the counters
+    always; the error feedback residuals when the checkpoint was written by a job of the same shape (ranks per node,
+    nodes, pipeline stages, blocks), else they start from zero, with one warning. Collective for a sharded checkpoint
+    with residuals (every rank reads its own)."""
+    if not states:
+        return
+    mine = states[rank] if len(states) == world_size else states[0]
+    comms.gradient_calls = int(mine["gradient_calls"])
+    feedback = mine.get("error_feedback")
+    if comms.feedback is None:
+        return
+    comms.feedback.clear()
+    if feedback is None:
+        rank_zero_warn(
+            f"ZeroPPStrategy: the checkpoint {path} has no error feedback residuals (it was saved without"
+            " `gradient_error_feedback`); they start from zero."
+        )
+        return
+    comms.feedback.steps = int(feedback["steps"])
+    if len(states) != world_size or mine["layout"] != comms.layout():
+        rank_zero_warn(
+            f"ZeroPPStrategy: the checkpoint {path} was written by {len(states)} ranks laid out as {mine['layout']};"
+            f" this job has {world_size} ranks laid out as {comms.layout()}. The error feedback residuals belong to"
+            " that layout and are dropped (they start from zero); everything else resumes as saved."
+        )
+        return
+    residuals = feedback.get("residuals")
+    if residuals is None and sharded:
+        from torch.distributed.checkpoint import load as dcp_load
+
+        target = {u: torch.empty(shape, dtype=torch.float32) for u, shape in feedback["shapes"].items()}
+        dcp_load({COMMS_KEY: {f"rank{rank}": target}}, checkpoint_id=path)
+        residuals = target
+    comms.feedback.load_state_dict({"residuals": residuals or {}, "periods": feedback["periods"]})
 
 
 def gather_rng_states(world_size: int) -> list[dict[str, Any]]:

@@ -16,24 +16,27 @@ gradient reduce-scatter        whole group                 qgZ 2-hop all-to-all,
 
 from __future__ import annotations
 
-import itertools
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from . import hpz, qgz, qwz
+from .blocks import UnitBlocks
 from .collectives import all_gather_flat, reduce_scatter_flat, split_reduce_op
 from .compat.torch import in_backward
 from .config import ZeroPPConfig
+from .feedback import ErrorFeedback
 from .ledger import CommLedger
 from .topology import ProcessGroups
 
 
 class ZeroPPComms:
     """Shared by every sharded module of one model; owns the groups, the ledger, the technique switches and the
-    little state the collectives keep (the count of gradient reductions that seeds stochastic rounding, whether the
-    raw-bytes warning was given)."""
+    state the collectives keep: the count of gradient reductions that seeds stochastic rounding, the optimizer steps
+    taken, the error feedback residuals, whether the raw-bytes warning was given. :meth:`state_dict` is what a
+    checkpoint keeps of it."""
 
     def __init__(self, config: ZeroPPConfig, groups: ProcessGroups, ledger: CommLedger) -> None:
         self.config = config
@@ -46,12 +49,23 @@ class ZeroPPComms:
                 f"ZeroPPStrategy: qgZ is on but the job has one node ({self.topology.ranks_per_node} ranks): there is"
                 " no inter-node traffic to save, so gradients use the exact reduce-scatter."
             )
-        self._gradient_calls = itertools.count()
+        self.gradient_calls = 0
+        self.feedback = (
+            ErrorFeedback(config.error_feedback_decay, config.error_feedback_reset)
+            if config.gradient_error_feedback and self.use_qgz
+            else None
+        )
+        self.units: list[UnitBlocks] = []  # the model's sharded units, set by fsdp_hooks.install
         self._warned_raw_bytes = False
 
     # ----------------------------------------------------------------- all-gather
     def all_gather(
-        self, output: torch.Tensor, input: torch.Tensor, fsdp_group: dist.ProcessGroup, async_op: bool
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        fsdp_group: dist.ProcessGroup,
+        async_op: bool,
+        unit: UnitBlocks | None = None,
     ) -> dist.Work | None:
         role = self.groups.role_of(fsdp_group)
         group, ranks = self.groups.group(role), self.groups.ranks(role)
@@ -60,7 +74,10 @@ class ZeroPPComms:
         # Inside autograd's backward: this is the re-gather of a resharded module.
         kind = "weight_all_gather_backward" if in_backward() else "weight_all_gather"
         if self.config.quantize_weights and self._quantizable(input):
-            return qwz.quantized_all_gather(output, input, group, ranks, self.ledger, self.config, kind, async_op)
+            blocks = unit.weights(input.numel()) if unit is not None else None
+            return qwz.quantized_all_gather(
+                output, input, group, ranks, self.ledger, self.config, kind, async_op, blocks=blocks
+            )
         self.ledger.record_all_gather(kind, ranks, input.numel() * input.element_size())
         return all_gather_flat(output, input, group, async_op)
 
@@ -77,7 +94,14 @@ class ZeroPPComms:
         return False
 
     # ----------------------------------------------------------------- reduce-scatter
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, fsdp_group: dist.ProcessGroup, op) -> None:
+    def reduce_scatter(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        fsdp_group: dist.ProcessGroup,
+        op,
+        unit: UnitBlocks | None = None,
+    ) -> None:
         role = self.groups.role_of(fsdp_group)
         if role != "world":  # FSDP reduces over the whole data-parallel group; anything else is a sharding error
             raise RuntimeError(
@@ -86,12 +110,45 @@ class ZeroPPComms:
             )
         base_op, premul = split_reduce_op(op)
         if self.use_qgz:
-            call = next(self._gradient_calls)
+            call, self.gradient_calls = self.gradient_calls, self.gradient_calls + 1
+            chunk = output.numel()
+            blocks = unit.gradients(chunk) if unit is not None else None
+            residuals = None
+            if self.feedback is not None:
+                pieces = [(start, size) for start, size, _ in qgz.stages(chunk, self.config, blocks)]
+                name = unit.name if unit is not None else "<unit>"
+                residuals = self.feedback.pieces(name, self.topology.num_nodes, chunk, pieces, input.device)
             qgz.quantized_reduce_scatter(
-                output, input, base_op, premul, self.groups, self.ledger, self.config, call=call
-            )
+                output, input, base_op, premul, self.groups, self.ledger, self.config, call=call, blocks=blocks,
+                residuals=residuals,
+            )  # fmt: skip
             return
         exact_reduce_scatter(output, input, base_op, premul, self.groups, self.ledger)
+
+    # ----------------------------------------------------------------- state
+    def optimizer_stepped(self) -> None:
+        """Counts an optimizer step (the error feedback's reset period follows optimizer steps)."""
+        if self.feedback is not None:
+            self.feedback.steps += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resume needs to continue exactly: this rank's residuals and the counters; ``layout`` says which
+        job shape they belong to."""
+        state: dict[str, Any] = {"layout": self.layout(), "gradient_calls": self.gradient_calls}
+        if self.feedback is not None:
+            state["error_feedback"] = {"steps": self.feedback.steps, **self.feedback.state_dict()}
+        return state
+
+    def layout(self) -> dict[str, Any]:
+        """What the residuals' shapes and meaning depend on: ranks per node and nodes, stages, blocks."""
+        c = self.config
+        return {
+            "ranks_per_node": self.topology.ranks_per_node,
+            "num_nodes": self.topology.num_nodes,
+            "pipeline_stages": c.pipeline_stages,
+            "gradient_block_size": c.gradient_block_size,
+            "block_alignment": c.block_alignment,
+        }
 
 
 def exact_reduce_scatter(

@@ -17,11 +17,13 @@ from lightning_zeropp.kernels import Backend as KernelBackend
 
 StateDictType = Literal["sharded", "full"]
 GradientRounding = Literal["nearest", "stochastic"]
+BlockAlignment = Literal["parameter", "flat"]
 ModuleSelection = set[type[nn.Module]] | list[str] | None
 
 _KERNEL_BACKENDS = get_args(KernelBackend)
 _STATE_DICT_TYPES = ("sharded", "full")
 _GRADIENT_ROUNDINGS = ("nearest", "stochastic")
+_BLOCK_ALIGNMENTS = ("parameter", "flat")
 # A block's scale is one fp32 (4 bytes): blocks smaller than this make the scales outweigh the payload.
 _MIN_BLOCK_SIZE = 8
 _MAX_BLOCK_SIZE = 1 << 16
@@ -103,6 +105,16 @@ class ZeroPPConfig:
     """Gradient elements that share one fp32 scale."""
     gradient_rounding: GradientRounding = "nearest"
     """Rounding of gradients: "nearest" (half to even) or "stochastic" (unbiased)."""
+    block_alignment: BlockAlignment = "parameter"
+    """"parameter": no quantization block holds elements of two parameters (a small parameter never shares a scale
+    with a large one); "flat": fixed blocks over each unit's flat buffer, as the reference implementation (an
+    ablation: small parameters next to large ones can be rounded to zero)."""
+    gradient_error_feedback: bool = False
+    """qgZ: keep what the INT4 inter-node hop's quantization lost and add it (decayed) to the next step's values."""
+    error_feedback_decay: float = 0.8
+    """The factor the error feedback residual is carried to the next step with (0 < decay <= 1)."""
+    error_feedback_reset: int = 1024
+    """Zero the error feedback residuals every this many optimizer steps (0: never)."""
     pipeline_stages: int = 2
     """qgZ: pieces each chunk is cut into, so one piece's intra-node hop overlaps another's inter-node hop."""
     ranks_per_node: int | Literal["auto"] = "auto"
@@ -122,6 +134,24 @@ class ZeroPPConfig:
         )
         if self.gradient_rounding not in _GRADIENT_ROUNDINGS:
             raise _fail("gradient_rounding", self.gradient_rounding, f"choose one of {_GRADIENT_ROUNDINGS}")
+        if self.block_alignment not in _BLOCK_ALIGNMENTS:
+            raise _fail("block_alignment", self.block_alignment, f"choose one of {_BLOCK_ALIGNMENTS}")
+        _check_bool("gradient_error_feedback", self.gradient_error_feedback)
+        decay = self.error_feedback_decay
+        if isinstance(decay, bool) or not isinstance(decay, (int, float)):
+            raise TypeError(
+                f"ZeroPPStrategy: `error_feedback_decay` must be a float, got {decay!r} ({type(decay).__name__})."
+            )
+        if not 0.0 < decay <= 1.0:
+            raise _fail("error_feedback_decay", decay, "use a float in (0, 1]: 0.8 as LoCo, 1.0 for plain feedback")
+        if self.gradient_error_feedback and not self.quantize_gradients:
+            raise ValueError(
+                "ZeroPPStrategy: `gradient_error_feedback=True` corrects qgZ's quantization error, but"
+                " `quantize_gradients=False` reduces gradients exactly; turn qgZ on or leave error feedback off."
+            )
+        _check_int("error_feedback_reset", self.error_feedback_reset)
+        if self.error_feedback_reset < 0:
+            raise _fail("error_feedback_reset", self.error_feedback_reset, "use a number of steps >= 1, or 0 (never)")
         _check_int("pipeline_stages", self.pipeline_stages)
         if self.pipeline_stages < 1:
             raise _fail("pipeline_stages", self.pipeline_stages, "use 1 (no overlap) or more")

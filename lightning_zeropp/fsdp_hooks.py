@@ -12,16 +12,20 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
+from .blocks import UnitBlocks
 from .comm import ZeroPPComms
 from .compat.torch import AllGather, ReduceScatter
 
 
 class _OnComms:
-    """Both hooks: calls go to the model's :class:`ZeroPPComms`; buffers are fresh memory, never reused."""
+    """Both hooks of one sharded unit: calls go to the model's :class:`ZeroPPComms` with the unit's blocks; buffers
+    are fresh memory, never reused."""
 
-    def __init__(self, comms: ZeroPPComms) -> None:
+    def __init__(self, comms: ZeroPPComms, unit: UnitBlocks) -> None:
         self.comms = comms
+        self.unit = unit
 
     def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -31,7 +35,7 @@ class ZeroPPAllGather(_OnComms, AllGather):
     def __call__(
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
     ) -> dist.Work | None:
-        return self.comms.all_gather(output_tensor, input_tensor, group, async_op)
+        return self.comms.all_gather(output_tensor, input_tensor, group, async_op, self.unit)
 
 
 class ZeroPPReduceScatter(_OnComms, ReduceScatter):
@@ -44,10 +48,16 @@ class ZeroPPReduceScatter(_OnComms, ReduceScatter):
         async_op: bool = False,
     ) -> None:
         # Synchronous whatever ``async_op`` says (FSDP2 never asks for async): the output is complete on return.
-        self.comms.reduce_scatter(output_tensor, input_tensor, group, op)
+        self.comms.reduce_scatter(output_tensor, input_tensor, group, op, self.unit)
 
 
-def install(module: torch.nn.Module, comms: ZeroPPComms) -> None:
-    """Routes the collectives of an ``FSDPModule`` through ``comms``."""
-    module.set_custom_all_gather(ZeroPPAllGather(comms))
-    module.set_custom_reduce_scatter(ZeroPPReduceScatter(comms))
+def install(model: torch.nn.Module, comms: ZeroPPComms) -> None:
+    """Routes the collectives of every ``FSDPModule`` in ``model`` through ``comms``, each with its unit's blocks
+    (the unit is named by its module path, which also keys its error feedback residual in checkpoints)."""
+    comms.units = []
+    for name, module in model.named_modules():
+        if isinstance(module, FSDPModule):
+            unit = UnitBlocks(module, name, comms.config)
+            comms.units.append(unit)
+            module.set_custom_all_gather(ZeroPPAllGather(comms, unit))
+            module.set_custom_reduce_scatter(ZeroPPReduceScatter(comms, unit))

@@ -9,6 +9,14 @@ rank's reduced chunk. For each pipeline stage s (piece s of every chunk)::
     4. all-to-all on the rail piece for node k goes to the rank with my local rank on node k
     5. dequantize K pieces, sum in fp32, apply AVG / SUM / PREMUL_SUM, write the output    [fused kernel]
 
+Blocks: with parameter-aligned blocks (``blocks``, the chunk's :class:`~lightning_zeropp.kernels.layout.Blocks`),
+no block holds two parameters on either hop, and the pieces are cut at block boundaries (``Blocks.stages``).
+
+Error feedback (``residuals``, one fp32 ``(K, piece)`` tensor per stage) sits on the INT4 inter-node hop, where the
+error is: step 3 quantizes ``sum + decay * residual`` and keeps what that lost in ``residual`` for the next call.
+A residual there covers the K pieces this rank sends, M / N elements per rank; one on the intra-node hop would cover
+the W pieces it sends (M per rank) to correct an INT8 error 16x smaller.
+
 Stage s + 1's intra-node hop is started before stage s's inter-node hop is waited on, so the two links work at once.
 Nothing is divided before the last step: AVG divides the fp32 sum by W exactly once. The sizes are free: any chunk
 length (tails are partial blocks), 1-D or not, any N and K. With N = 1 the intra hop is skipped (nothing to send);
@@ -44,10 +52,14 @@ def quantized_reduce_scatter(
     config: ZeroPPConfig,
     *,
     call: int | None = None,
+    blocks: tk.Blocks | None = None,
+    residuals: list[torch.Tensor] | None = None,
 ) -> None:
     """Reduces ``input`` (W chunks) into ``output`` (this rank's chunk). ``call`` numbers the reductions of a job
     (:class:`~lightning_zeropp.comm.ZeroPPComms` counts them): with stochastic rounding, the noise of call ``c`` on
-    rank ``r`` is fixed by ``(c, r)``, so a run is reproducible and no two calls or ranks share noise."""
+    rank ``r`` is fixed by ``(c, r)``, so a run is reproducible and no two calls or ranks share noise. ``blocks``: the
+    chunk's parameter-aligned blocks (None: flat blocks). ``residuals``: error feedback state, per stage of
+    :func:`stages` a float32 ``(K, size)`` tensor, updated in place."""
     topo = groups.topology
     N, K, W = topo.ranks_per_node, topo.num_nodes, topo.world_size
     chunk = output.numel()
@@ -68,40 +80,39 @@ def quantized_reduce_scatter(
     # Streams (CUDA): FSDP calls this on its reduce-scatter stream, and every buffer below is made, sent, received and
     # read on it (``work.wait()`` makes the current stream wait for the collective); the output is complete in stream
     # order when this returns, which is what FSDP's reduce-scatter event records.
-    stages = []
-    for s in range(config.pipeline_stages):
-        start, size = tk.stage_bounds(chunk, config.pipeline_stages, s, block)
-        if size:
-            stages.append((s, start, size))
+    pieces = stages(chunk, config, blocks)
+    stages_ = [(s, start, size, piece) for s, (start, size, piece) in enumerate(pieces) if size]
+    decay = config.error_feedback_decay
 
     def start_intra(s: int):
         if N == 1:
             return None, None
         send = tk.swizzle_quantize(
             input, N, K, config.pipeline_stages, s, intra_bits, block,
-            stochastic=stochastic, seed=_seed(call, topo.rank, 0, s), backend=backend,
+            stochastic=stochastic, seed=_seed(call, topo.rank, 0, s), blocks=blocks, backend=backend,
         )  # fmt: skip
         recv = torch.empty_like(send)
         ledger.record_to_peers("gradient_all_to_all_intra", intra_ranks, K * send.shape[1])
         return dist.all_to_all_single(recv, send, group=groups.intra_node, async_op=True), recv
 
-    def reduce_in_node(s: int, start: int, size: int, work, recv) -> torch.Tensor | None:
+    def reduce_in_node(s: int, start: int, size: int, piece, work, recv) -> torch.Tensor | None:
         """Steps 3 (K > 1: returns the buffer for the rail) or 3 + 5 (K == 1: writes the output)."""
         if work is not None:
             work.wait()
         if K == 1:
             tk.dequantize_reduce(
                 recv, size, intra_bits, block, multiplier=multiplier, out=flat_out[start : start + size],
-                backend=backend,
+                blocks=piece, backend=backend,
             )  # fmt: skip
             return None
+        feedback = {} if residuals is None else {"residual": residuals[s], "decay": decay}
         if N == 1:  # nothing arrived from local peers: this rank's own K pieces go straight to the rail
-            pieces = input.view(W, chunk)[:, start : start + size]
-            return tk.quantize(pieces, inter_bits, block, stochastic=stochastic, seed=_seed(call, topo.rank, 1, s),
-                               backend=backend)  # fmt: skip
+            own = input.view(W, chunk)[:, start : start + size]
+            return tk.quantize(own, inter_bits, block, stochastic=stochastic, seed=_seed(call, topo.rank, 1, s),
+                               blocks=piece, backend=backend, **feedback)  # fmt: skip
         return tk.dequantize_reduce_quantize(
             recv.view(N, K, -1), size, intra_bits, inter_bits, block,
-            stochastic=stochastic, seed=_seed(call, topo.rank, 1, s), backend=backend,
+            stochastic=stochastic, seed=_seed(call, topo.rank, 1, s), blocks=piece, backend=backend, **feedback,
         )  # fmt: skip
 
     def start_inter(send: torch.Tensor):
@@ -109,21 +120,31 @@ def quantized_reduce_scatter(
         ledger.record_to_peers("gradient_all_to_all_inter", rail_ranks, send.shape[1])
         return dist.all_to_all_single(recv, send, group=groups.inter_node, async_op=True), recv
 
-    def finish(start: int, size: int, work, recv) -> None:
+    def finish(start: int, size: int, piece, work, recv) -> None:
         work.wait()
         tk.dequantize_reduce(
-            recv, size, inter_bits, block, multiplier=multiplier, out=flat_out[start : start + size], backend=backend
-        )
+            recv, size, inter_bits, block, multiplier=multiplier, out=flat_out[start : start + size], blocks=piece,
+            backend=backend,
+        )  # fmt: skip
 
-    intra = start_intra(stages[0][0])
+    intra = start_intra(stages_[0][0])
     in_flight = None
-    for i, (s, start, size) in enumerate(stages):
-        to_rail = reduce_in_node(s, start, size, *intra)
+    for i, (s, start, size, piece) in enumerate(stages_):
+        to_rail = reduce_in_node(s, start, size, piece, *intra)
         inter = start_inter(to_rail) if to_rail is not None else None
-        if i + 1 < len(stages):  # the next stage's intra-node hop overlaps this stage's inter-node hop
-            intra = start_intra(stages[i + 1][0])
+        if i + 1 < len(stages_):  # the next stage's intra-node hop overlaps this stage's inter-node hop
+            intra = start_intra(stages_[i + 1][0])
         if in_flight is not None:
             finish(*in_flight)
-        in_flight = (start, size, *inter) if inter is not None else None
+        in_flight = (start, size, piece, *inter) if inter is not None else None
     if in_flight is not None:
         finish(*in_flight)
+
+
+def stages(chunk: int, config: ZeroPPConfig, blocks: tk.Blocks | None) -> list[tuple[int, int, tk.Blocks | None]]:
+    """``(start, size, piece blocks)`` of each pipeline stage's piece of a chunk (sizes may be 0)."""
+    if blocks is None:
+        bounds = (tk.stage_bounds(chunk, config.pipeline_stages, s, config.gradient_block_size)
+                  for s in range(config.pipeline_stages))  # fmt: skip
+        return [(start, size, None) for start, size in bounds]
+    return [(start, piece.numel, piece) for start, piece in blocks.stages(config.pipeline_stages)]

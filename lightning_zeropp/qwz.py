@@ -51,12 +51,14 @@ def quantized_all_gather(
     config: ZeroPPConfig,
     kind: str,
     async_op: bool,
+    blocks: tk.Blocks | None = None,
 ) -> dist.Work | None:
     """Quantizes this rank's shard, all-gathers the quantized buffers and dequantizes them into ``output``. The
-    caller sends units whose flat buffer is not floating point (FSDP's raw bytes for mixed dtypes) exactly."""
+    caller sends units whose flat buffer is not floating point (FSDP's raw bytes for mixed dtypes) exactly.
+    ``blocks``: the shard's parameter-aligned blocks (the same in every rank's shard); None: flat blocks."""
     bits, block, backend = config.weight_bits, config.weight_block_size, config.kernel_backend
     numel, world = input.numel(), len(ranks)
-    packed = tk.quantize(input, bits, block, backend=backend)
+    packed = tk.quantize(input, bits, block, blocks=blocks, backend=backend)
     gathered = torch.empty(world * packed.numel(), dtype=torch.uint8, device=input.device)
     ledger.record_all_gather(kind, ranks, packed.numel())
     work = all_gather_flat(gathered, packed, group, async_op)
@@ -71,7 +73,9 @@ def quantized_all_gather(
         if made_on is not None and torch.cuda.current_stream() != made_on:
             gathered.record_stream(torch.cuda.current_stream())
         # straight into FSDP's output (own slot included): no temporary, no copy
-        tk.dequantize(gathered.view(world, -1), numel, bits, block, output.dtype, out=output, backend=backend)
+        tk.dequantize(
+            gathered.view(world, -1), numel, bits, block, output.dtype, out=output, blocks=blocks, backend=backend
+        )
 
     if async_op:
         return _FinishOnWait(work, finish)

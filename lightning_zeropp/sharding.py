@@ -123,6 +123,5 @@ def apply_zeropp(
     root_policy = dataclasses.replace(kwargs["mp_policy"], cast_forward_inputs=False)
     fully_shard(model, **{**kwargs, "mp_policy": root_policy})
     sharded = [*targets, model]
-    for module in sharded:
-        fsdp_hooks.install(module, comms)
+    fsdp_hooks.install(model, comms)
     return sharded

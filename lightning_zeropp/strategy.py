@@ -6,6 +6,7 @@ import os
 from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -94,6 +95,14 @@ class ZeroPPStrategy(ModelParallelBase):
         weight_block_size: weight elements per fp32 scale.
         gradient_block_size: gradient elements per fp32 scale.
         gradient_rounding: ``"nearest"`` (round half to even) or ``"stochastic"`` (unbiased) for gradients.
+        block_alignment: ``"parameter"``: no quantization block (weights or gradients) holds elements of two
+            parameters, so a small parameter never shares a scale with a large neighbour; ``"flat"``: fixed blocks
+            over each unit's flat buffer (the reference implementation's layout; an ablation).
+        gradient_error_feedback: qgZ error feedback: each rank keeps what the INT4 inter-node hop's quantization
+            lost (fp32, 4 bytes per element of the M/N elements it sends) and adds it, times
+            ``error_feedback_decay``, to the next reduction's values. Saved in checkpoints.
+        error_feedback_decay: the residual's carry-over factor, in (0, 1].
+        error_feedback_reset: zero the residuals every this many optimizer steps (0: never).
         pipeline_stages: qgZ pieces per chunk; piece s+1 crosses the node's links while piece s crosses nodes.
         ranks_per_node: ranks per node; ``"auto"`` is the launcher's local world size. A smaller value makes one
             machine act as several nodes (tests, demos). Must divide the local world size.
@@ -122,6 +131,10 @@ class ZeroPPStrategy(ModelParallelBase):
         weight_block_size: int = 256,
         gradient_block_size: int = 128,
         gradient_rounding: Literal["nearest", "stochastic"] = "nearest",
+        block_alignment: Literal["parameter", "flat"] = "parameter",
+        gradient_error_feedback: bool = False,
+        error_feedback_decay: float = 0.8,
+        error_feedback_reset: int = 1024,
         pipeline_stages: int = 2,
         ranks_per_node: int | Literal["auto"] = "auto",
         auto_wrap_policy: ModuleSelection = None,
@@ -144,6 +157,10 @@ class ZeroPPStrategy(ModelParallelBase):
             weight_block_size=weight_block_size,
             gradient_block_size=gradient_block_size,
             gradient_rounding=gradient_rounding,
+            block_alignment=block_alignment,
+            gradient_error_feedback=gradient_error_feedback,
+            error_feedback_decay=error_feedback_decay,
+            error_feedback_reset=error_feedback_reset,
             pipeline_stages=pipeline_stages,
             ranks_per_node=ranks_per_node,
             kernel_backend=kernel_backend,
@@ -291,9 +308,7 @@ class ZeroPPStrategy(ModelParallelBase):
                 + "). Build a fresh model and load a checkpoint instead: sharded checkpoints load on any world size"
                 " and settings."
             )
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                fsdp_hooks.install(module, self._comms)
+        fsdp_hooks.install(model, self._comms)
         self._reshard()
         return hooks
 
@@ -326,6 +341,15 @@ class ZeroPPStrategy(ModelParallelBase):
         finally:
             self.model.set_requires_gradient_sync(True)
 
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        """Steps the optimizer and counts the step (error feedback residuals reset every
+        ``error_feedback_reset`` optimizer steps)."""
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._comms is not None:
+            self._comms.optimizer_stepped()
+        return output
+
     # ------------------------------------------------------------------ checkpoints
     @override
     def save_checkpoint(
@@ -338,16 +362,23 @@ class ZeroPPStrategy(ModelParallelBase):
                 "ZeroPPStrategy.save_checkpoint(..., storage_options=...) is not supported: the strategy writes the"
                 " checkpoint itself (a sharded folder or one file), not through a CheckpointIO plugin."
             )
-        ckpt.save(self, checkpoint, filepath, self._state_dict_type, self.checkpoint_io.save_checkpoint)
+        comms_state = self._comms.state_dict() if self._comms is not None else None
+        ckpt.save(self, checkpoint, filepath, self._state_dict_type, self.checkpoint_io.save_checkpoint, comms_state)
 
     @override
     def load_checkpoint(self, checkpoint_path: str | os.PathLike, weights_only: bool | None = None) -> dict[str, Any]:
         assert self.model is not None and self.lightning_module is not None
         shapes = {k: tuple(v.shape) for k, v in self.model.state_dict().items()}
         read = super().load_checkpoint
+
+        def restore(states: Any, path: Path) -> None:
+            if self._comms is not None:
+                ckpt.restore_comms(self._comms, states, path, path.is_dir(), self.world_size, self.global_rank)
+
         loaded = ckpt.load(
-            self, checkpoint_path, shapes, self.lightning_module.strict_loading, lambda p: read(p, weights_only)
-        )
+            self, checkpoint_path, shapes, self.lightning_module.strict_loading, lambda p: read(p, weights_only),
+            restore,
+        )  # fmt: skip
         self._reshard()
         return loaded
 

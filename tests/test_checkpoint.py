@@ -23,6 +23,9 @@ pytestmark = pytest.mark.multiprocess
 BATCH = 2
 WIDER = TINY["n_embd"] + TINY["n_head"]  # a model that differs from TINY in width only
 EXACT = dict(hpz_partition_size=2, quantize_weights=False, quantize_gradients=False)
+# error feedback residuals and the stochastic rounding's call count must come back for a resume to continue exactly
+FEEDBACK = dict(gradient_error_feedback=True, gradient_rounding="stochastic")
+MODES = {"exact": EXACT, "quantized": {}, "feedback": FEEDBACK}
 
 
 def _loaders(rank, world, data_path):
@@ -66,14 +69,21 @@ def _resume_worker(rank, world, init_path, data_path, ckpt, strategy_kwargs, eva
 
 
 @pytest.mark.parametrize(
-    ("state_dict_type", "quantized", "dropout"),
-    [("sharded", False, 0.1), ("full", False, 0.1), ("sharded", True, 0.0)],
-    ids=["sharded-dropout", "full-dropout", "sharded-quantized"],
+    ("state_dict_type", "mode", "dropout"),
+    [
+        ("sharded", "exact", 0.1),
+        ("full", "exact", 0.1),
+        ("sharded", "quantized", 0.0),
+        ("sharded", "feedback", 0.0),
+        ("full", "feedback", 0.0),
+    ],
+    ids=["sharded-dropout", "full-dropout", "sharded-quantized", "sharded-feedback", "full-feedback"],
 )
-def test_resume_continues_exactly(tmp_path, state_dict_type, quantized, dropout):
+def test_resume_continues_exactly(tmp_path, state_dict_type, mode, dropout):
     init_path, data_path, *_ = save_inputs(tmp_path, 4 * 2 * BATCH)
-    kwargs = {**({} if quantized else EXACT), "state_dict_type": state_dict_type}
+    kwargs = {**MODES[mode], "state_dict_type": state_dict_type}
     ckpt = str(tmp_path / ("ckpt" if state_dict_type == "sharded" else "last.ckpt"))
+    quantized = mode != "exact"
     for rank, r in enumerate(spawn(_resume_worker, 4, init_path, data_path, ckpt, kwargs, quantized, dropout)):
         assert r["first"] == r["uninterrupted"][:2], f"rank {rank}: the two runs started differently"
         continued = torch.tensor(r["resumed"])

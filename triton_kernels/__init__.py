@@ -19,7 +19,7 @@ from typing import Literal
 import torch
 
 from . import reference
-from .layout import QMAX, check_format, payload_bytes, scale_offset, stage_bounds, swizzle_order, wire_size
+from .layout import QMAX, Blocks, check_format, payload_bytes, scale_offset, stage_bounds, swizzle_order, wire_size
 
 Backend = Literal["auto", "triton", "torch"]
 _BACKENDS = ("auto", "triton", "torch")
@@ -115,13 +115,24 @@ def _check_float_input(op: str, name: str, x: object, ranks: tuple[int, ...]) ->
         raise ValueError(f"{op}: `{name}` is {_describe(x)}; use {allowed}.")
 
 
-def _check_wire(op: str, buf: object, rank: tuple[int, ...], layout: str, numel: int, bits: int, block: int) -> None:
-    """``buf``: uint8, ``rank`` dimensions (``layout`` names them), rows of ``wire_size(numel, bits, block)`` bytes."""
+def _check_wire(
+    op: str, buf: object, rank: tuple[int, ...], layout: str, numel: int, bits: int, block: int, blocks=None
+) -> None:
+    """``buf``: uint8, ``rank`` dimensions (``layout`` names them), rows of ``wire_size(numel, bits, block)`` bytes
+    (or ``blocks.wire_size(bits)``)."""
     _check_tensor(op, "buf", buf)
     if buf.dtype != torch.uint8:
         raise TypeError(f"{op}: `buf` is {_describe(buf)}; use the uint8 wire buffer quantize returns.")
     if buf.dim() not in rank:
         raise ValueError(f"{op}: `buf` is {_describe(buf)}; use {layout}.")
+    if blocks is not None:
+        expected = blocks.wire_size(bits)
+        if buf.shape[-1] != expected:
+            raise ValueError(
+                f"{op}: `buf` is {_describe(buf)}, but a row of {blocks} at {bits} bits takes {expected} bytes; use"
+                f" rows of blocks.wire_size(bits) = {expected} bytes (the buffer quantize returned with these blocks)."
+            )
+        return
     expected = wire_size(numel, bits, block)
     if buf.shape[-1] != expected:
         raise ValueError(
@@ -174,9 +185,54 @@ def _check_out(op: str, out: object, shapes: list[tuple[int, ...]], device: torc
         raise ValueError(f"{op}: `out` is {_describe(out)} with strides {out.stride()}; use a contiguous tensor.")
 
 
+def _check_blocks(op: str, blocks: object, numel: int, block_size: int, what: str) -> None:
+    """``blocks``: None, or a :class:`~lightning_zeropp.kernels.layout.Blocks` of ``numel`` elements (``what``
+    says whose) whose blocks are no longer than ``block_size``."""
+    if blocks is None:
+        return
+    if not isinstance(blocks, Blocks):
+        raise TypeError(f"{op}: `blocks` must be None or a layout.Blocks, got {type(blocks).__name__}.")
+    if blocks.numel != numel:
+        raise ValueError(
+            f"{op}: `blocks` covers {blocks.numel} elements, but {what} has {numel}; build the blocks for this row"
+            " (Blocks.of_segments of its segment lengths)."
+        )
+    if blocks.longest > block_size:
+        raise ValueError(
+            f"{op}: `blocks` has a block of {blocks.longest} elements, longer than `block_size={block_size}`; build"
+            " them with Blocks.of_segments(segments, block_size)."
+        )
+
+
+def _check_feedback(op: str, residual: object, shape: tuple[int, ...], device: torch.device, decay: object) -> None:
+    """``residual``: None, or a contiguous fp32 tensor of ``shape`` on ``device``; ``decay``: a finite float."""
+    if isinstance(decay, bool) or not isinstance(decay, numbers.Real) or not math.isfinite(decay):
+        raise ValueError(f"{op}: `decay={decay!r}` is not allowed; use a finite float (0.8, say).")
+    if residual is None:
+        return
+    _check_tensor(op, "residual", residual)
+    if residual.dtype != torch.float32 or tuple(residual.shape) != shape:
+        raise ValueError(
+            f"{op}: `residual` is {_describe(residual)}; use a float32 tensor of shape {shape} (one value per element"
+            " quantized)."
+        )
+    if residual.device != device or not residual.is_contiguous():
+        raise ValueError(f"{op}: `residual` is {_describe(residual)}; use a contiguous tensor on {device}.")
+
+
 def _check_rounding(op: str, stochastic: object, seed: object) -> None:
     _check_flag(op, "stochastic", stochastic)
     _check_seed(op, seed)
+
+
+def _extras(blocks: Blocks | None, residual: torch.Tensor | None, decay: float) -> dict:
+    """The optional arguments an implementation gets only when used (so a call without them is the original call)."""
+    extras = {}
+    if blocks is not None:
+        extras["blocks"] = blocks
+    if residual is not None:
+        extras["residual"], extras["decay"] = residual, float(decay)
+    return extras
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -190,6 +246,9 @@ def quantize(
     *,
     stochastic: bool = False,
     seed: int | None = None,
+    blocks: Blocks | None = None,
+    residual: torch.Tensor | None = None,
+    decay: float = 1.0,
     backend: Backend = "auto",
 ) -> torch.Tensor:
     """Block-quantizes ``x`` to a uint8 wire buffer (``layout`` describes the format).
@@ -201,6 +260,11 @@ def quantize(
         block_size: elements per fp32 scale (even for 4 bits).
         stochastic: round stochastically (unbiased) instead of to the nearest (half to even).
         seed: the noise's seed (a non-negative int below 2**63); None draws a fresh one.
+        blocks: parameter-aligned blocks of a row (:class:`~lightning_zeropp.kernels.layout.Blocks`, none longer
+            than ``block_size``) instead of uniform blocks of ``block_size``.
+        residual: error feedback: a float32 tensor shaped like ``x``; ``x + decay * residual`` is quantized, and
+            ``residual`` is overwritten with what that quantization lost.
+        decay: the factor the residual is carried over with.
         backend: ``"auto"``, ``"triton"`` or ``"torch"``.
     """
     op = "lightning_zeropp.kernels.quantize"
@@ -208,7 +272,11 @@ def quantize(
     _check_float_input(op, "x", x, (1, 2))
     check_format(bits, block_size, op=op)
     _check_rounding(op, stochastic, seed)
-    return _impl(op, backend, x.device).quantize(x, bits, block_size, stochastic=stochastic, seed=seed)
+    _check_blocks(op, blocks, x.shape[-1], block_size, "a row of `x`")
+    _check_feedback(op, residual, tuple(x.shape), x.device, decay)
+    return _impl(op, backend, x.device).quantize(
+        x, bits, block_size, stochastic=stochastic, seed=seed, **_extras(blocks, residual, decay)
+    )
 
 
 def dequantize(
@@ -219,6 +287,7 @@ def dequantize(
     dtype: torch.dtype,
     *,
     out: torch.Tensor | None = None,
+    blocks: Blocks | None = None,
     backend: Backend = "auto",
 ) -> torch.Tensor:
     """Inverse of :func:`quantize`.
@@ -230,18 +299,22 @@ def dequantize(
         dtype: the output dtype: fp32, bf16 or fp16.
         out: written instead of a new tensor: contiguous, ``dtype``, on ``buf``'s device, of the shape returned or
             (2-D ``buf``) its flat ``(rows * numel,)`` (FSDP's all-gather output is flat).
+        blocks: the blocks ``buf`` was quantized in (None: uniform).
         backend: ``"auto"``, ``"triton"`` or ``"torch"``.
     """
     op = "lightning_zeropp.kernels.dequantize"
     _check_backend_name(op, "backend", backend)
     _check_count(op, "numel", numel, 0)
     check_format(bits, block_size, op=op)
-    _check_wire(op, buf, (1, 2), "a 1-D row (wire,) or 2-D rows (rows, wire)", numel, bits, block_size)
+    _check_blocks(op, blocks, numel, block_size, "`numel`")
+    _check_wire(op, buf, (1, 2), "a 1-D row (wire,) or 2-D rows (rows, wire)", numel, bits, block_size, blocks)
     _check_dtype(op, "dtype", dtype)
     if out is not None:
         shapes = [(numel,)] if buf.dim() == 1 else [(buf.shape[0], numel), (buf.shape[0] * numel,)]
         _check_out(op, out, shapes, buf.device, dtype)
-    return _impl(op, backend, buf.device).dequantize(buf, numel, bits, block_size, dtype, out=out)
+    return _impl(op, backend, buf.device).dequantize(
+        buf, numel, bits, block_size, dtype, out=out, **_extras(blocks, None, 1.0)
+    )
 
 
 def swizzle_quantize(
@@ -255,6 +328,7 @@ def swizzle_quantize(
     *,
     stochastic: bool = False,
     seed: int | None = None,
+    blocks: Blocks | None = None,
     backend: Backend = "auto",
 ) -> torch.Tensor:
     """qgZ step 1, fused: piece ``stage`` of each of the W = N*K chunks of ``x``, in swizzled slot order, quantized.
@@ -265,6 +339,7 @@ def swizzle_quantize(
         stages, stage: the pipeline's piece count (>= 1) and this piece (``0 <= stage < stages``); see
             :func:`~lightning_zeropp.kernels.layout.stage_bounds`.
         bits, block_size, stochastic, seed, backend: as :func:`quantize`.
+        blocks: the parameter-aligned blocks of a whole chunk; the pieces are then ``blocks.stages(stages)``.
 
     Returns:
         ``(W, wire_size(piece))``: rows ``[l*K, (l+1)*K)`` are for local peer ``l``.
@@ -286,9 +361,11 @@ def swizzle_quantize(
         )
     check_format(bits, block_size, op=op)
     _check_rounding(op, stochastic, seed)
+    _check_blocks(op, blocks, x.numel() // W, block_size, "a chunk of `x`")
     return _impl(op, backend, x.device).swizzle_quantize(
-        x, ranks_per_node, num_nodes, stages, stage, bits, block_size, stochastic=stochastic, seed=seed
-    )
+        x, ranks_per_node, num_nodes, stages, stage, bits, block_size, stochastic=stochastic, seed=seed,
+        **_extras(blocks, None, 1.0),
+    )  # fmt: skip
 
 
 def dequantize_reduce_quantize(
@@ -300,6 +377,9 @@ def dequantize_reduce_quantize(
     *,
     stochastic: bool = False,
     seed: int | None = None,
+    blocks: Blocks | None = None,
+    residual: torch.Tensor | None = None,
+    decay: float = 1.0,
     backend: Backend = "auto",
 ) -> torch.Tensor:
     """qgZ step 3, fused: K pieces from each of N peers, dequantized, summed over the peers in fp32, re-quantized.
@@ -309,6 +389,8 @@ def dequantize_reduce_quantize(
         numel: elements per piece.
         in_bits, out_bits: the received and the returned bit width (8 or 4).
         block_size, stochastic, seed, backend: as :func:`quantize` (the rounding is the re-quantization's).
+        blocks: the pieces' blocks (both bit widths), as :func:`quantize`.
+        residual, decay: error feedback on the re-quantization, as :func:`quantize`; ``residual`` is ``(K, numel)``.
 
     Returns:
         ``(K, wire_size(numel, out_bits, block_size))``.
@@ -318,13 +400,17 @@ def dequantize_reduce_quantize(
     _check_count(op, "numel", numel, 0)
     check_format(in_bits, block_size, op=op, bits_name="in_bits")
     check_format(out_bits, block_size, op=op, bits_name="out_bits")
-    _check_wire(op, buf, (3,), "(N, K, wire): K pieces from each of N peers", numel, in_bits, block_size)
+    _check_blocks(op, blocks, numel, block_size, "`numel`")
+    _check_wire(op, buf, (3,), "(N, K, wire): K pieces from each of N peers", numel, in_bits, block_size, blocks)
     if buf.shape[0] == 0:
         raise ValueError(f"{op}: `buf` is {_describe(buf)}, pieces from no peer; use N >= 1 rows of pieces.")
     _check_rounding(op, stochastic, seed)
+    if buf.dim() == 3:
+        _check_feedback(op, residual, (buf.shape[1], numel), buf.device, decay)
     return _impl(op, backend, buf.device).dequantize_reduce_quantize(
-        buf, numel, in_bits, out_bits, block_size, stochastic=stochastic, seed=seed
-    )
+        buf, numel, in_bits, out_bits, block_size, stochastic=stochastic, seed=seed,
+        **_extras(blocks, residual, decay),
+    )  # fmt: skip
 
 
 def dequantize_reduce(
@@ -336,6 +422,7 @@ def dequantize_reduce(
     multiplier: float = 1.0,
     out: torch.Tensor | None = None,
     dtype: torch.dtype | None = None,
+    blocks: Blocks | None = None,
     backend: Backend = "auto",
 ) -> torch.Tensor:
     """qgZ step 5, fused: the fp32 sum of M dequantized rows times ``multiplier``, rounded once to the output dtype.
@@ -346,13 +433,15 @@ def dequantize_reduce(
         multiplier: a finite number the sum is scaled by (in fp32).
         out: written instead of a new tensor: ``(numel,)``, contiguous, fp32/bf16/fp16, on ``buf``'s device.
         dtype: the output dtype (fp32, bf16 or fp16; None: ``out``'s, or fp32); with ``out``, None or ``out.dtype``.
+        blocks: the blocks ``buf`` was quantized in (None: uniform).
         backend: ``"auto"``, ``"triton"`` or ``"torch"``.
     """
     op = "lightning_zeropp.kernels.dequantize_reduce"
     _check_backend_name(op, "backend", backend)
     _check_count(op, "numel", numel, 0)
     check_format(bits, block_size, op=op)
-    _check_wire(op, buf, (2,), "2-D rows (M, wire)", numel, bits, block_size)
+    _check_blocks(op, blocks, numel, block_size, "`numel`")
+    _check_wire(op, buf, (2,), "2-D rows (M, wire)", numel, bits, block_size, blocks)
     if buf.shape[0] == 0:
         raise ValueError(f"{op}: `buf` is {_describe(buf)}, no rows to sum; use M >= 1 rows.")
     if isinstance(multiplier, bool) or not isinstance(multiplier, numbers.Real) or not math.isfinite(multiplier):
@@ -361,13 +450,15 @@ def dequantize_reduce(
     if out is not None:
         _check_out(op, out, [(numel,)], buf.device, dtype)
     return _impl(op, backend, buf.device).dequantize_reduce(
-        buf, numel, bits, block_size, multiplier=float(multiplier), out=out, dtype=dtype
-    )
+        buf, numel, bits, block_size, multiplier=float(multiplier), out=out, dtype=dtype,
+        **_extras(blocks, None, 1.0),
+    )  # fmt: skip
 
 
 __all__ = [
     "QMAX",
     "Backend",
+    "Blocks",
     "check_backend",
     "dequantize",
     "dequantize_reduce",

@@ -83,3 +83,107 @@ def stage_bounds(chunk_numel: int, stages: int, stage: int, block_size: int) -> 
     piece = _round_up(-(-chunk_numel // stages), block_size)
     start = min(stage * piece, chunk_numel)
     return start, min(piece, chunk_numel - start)
+
+
+class Blocks:
+    """Quantization blocks of one row that never straddle a boundary between segments (parameters).
+
+    FSDP2 lays a unit's flat shard out as each parameter's padded shard, one after another; the same layout repeats in
+    every rank's chunk. :meth:`of_segments` cuts each segment into whole blocks of ``block_size`` plus one shorter tail
+    block, so a small parameter never shares a scale with a large neighbour (whose scale would round it to zero). The
+    row's element count and payload are unchanged; the scales grow by at most one per segment. Block ``b`` covers
+    elements ``[starts[b], starts[b + 1])``.
+
+    The payload: INT8 codes sit at their element's position, as in the uniform format. INT4 codes start every block on
+    a byte (``nibbles[b]``, always even, is the nibble where block ``b`` starts), so two blocks never share a byte: a
+    block of odd length leaves its last high nibble 0. The scales follow the payload as in the uniform format::
+
+        [ payload (numel bytes, or nibbles[-1] / 2) | pad to 16 | fp32 scale x count | pad to 16 ]
+
+    A ``Blocks`` is immutable; the kernels cache its device tables on it, so build one per layout and reuse it.
+    """
+
+    __slots__ = ("starts", "nibbles", "_cache")
+
+    def __init__(self, starts: tuple[int, ...]) -> None:
+        starts = tuple(int(s) for s in starts)
+        if not starts or starts[0] != 0 or any(b <= a for a, b in zip(starts, starts[1:])):
+            raise ValueError(f"Blocks: `starts` must begin at 0 and increase strictly, got {starts[:8]}...")
+        self.starts = starts
+        nibbles = [0]
+        for a, b in zip(starts, starts[1:]):
+            nibbles.append(nibbles[-1] + _round_up(b - a, 2))
+        self.nibbles = tuple(nibbles)
+        self._cache: dict = {}
+
+    @classmethod
+    def of_segments(cls, segments: list[int] | tuple[int, ...], block_size: int) -> Blocks:
+        """Whole blocks of ``block_size`` from the start of each segment, and a shorter tail where one is left."""
+        starts, offset = [0], 0
+        for length in segments:
+            if isinstance(length, bool) or not isinstance(length, int) or length < 0:
+                raise ValueError(f"Blocks.of_segments: segment lengths must be ints >= 0, got {length!r}.")
+            starts.extend(range(offset + block_size, offset + length, block_size))
+            offset += length
+            if length:
+                starts.append(offset)
+        return cls(tuple(starts))
+
+    @property
+    def numel(self) -> int:
+        return self.starts[-1]
+
+    @property
+    def count(self) -> int:
+        return len(self.starts) - 1
+
+    @property
+    def longest(self) -> int:
+        return max((b - a for a, b in zip(self.starts, self.starts[1:])), default=0)
+
+    def payload_bytes(self, bits: int) -> int:
+        return self.numel if bits == 8 else self.nibbles[-1] // 2
+
+    def scale_offset(self, bits: int) -> int:
+        return _round_up(self.payload_bytes(bits), ALIGN)
+
+    def wire_size(self, bits: int) -> int:
+        return _round_up(self.scale_offset(bits) + 4 * self.count, ALIGN)
+
+    def piece(self, first: int, last: int) -> Blocks:
+        """Blocks ``[first, last)`` as a row of their own (element offsets rebased to the first block's start)."""
+        base = self.starts[first]
+        return Blocks(tuple(s - base for s in self.starts[first : last + 1]))
+
+    def stages(self, stages: int) -> list[tuple[int, Blocks]]:
+        """The row cut into ``stages`` pipeline pieces at block boundaries: ``(element start, blocks)`` per piece,
+        each about ``numel / stages`` elements (a piece is empty when the row has fewer blocks than stages).
+
+        The parameter-aligned counterpart of :func:`stage_bounds`; cached, since qgZ asks for it on every call.
+        """
+        key = ("stages", stages)
+        if key not in self._cache:
+            target = -(-self.numel // stages)
+            bounds, b = [0], 0
+            for s in range(1, stages):
+                while b < self.count and self.starts[b] < s * target:
+                    b += 1
+                bounds.append(b)
+            bounds.append(self.count)
+            self._cache[key] = [(self.starts[f], self.piece(f, last)) for f, last in zip(bounds, bounds[1:])]
+        return self._cache[key]
+
+    def cached(self, key, make):
+        """A value derived from this layout (a device table), made once."""
+        if key not in self._cache:
+            self._cache[key] = make()
+        return self._cache[key]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Blocks) and other.starts == self.starts
+
+    def __hash__(self) -> int:
+        return hash(self.starts)
+
+    def __repr__(self) -> str:
+        return f"Blocks(numel={self.numel}, count={self.count}, longest={self.longest})"

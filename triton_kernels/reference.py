@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .layout import QMAX, num_blocks, payload_bytes, scale_offset, stage_bounds, swizzle_order, wire_size
+from .layout import QMAX, Blocks, num_blocks, payload_bytes, scale_offset, stage_bounds, swizzle_order, wire_size
 
 _FLT_MIN_NORMAL = torch.finfo(torch.float32).tiny
 
@@ -41,10 +41,10 @@ def _per_block(values: torch.Tensor, block_size: int) -> list[torch.Tensor]:
     return parts
 
 
-def quantize(
+def _quantize_uniform(
     x: torch.Tensor, bits: int, block_size: int, *, stochastic: bool = False, seed: int | None = None
 ) -> torch.Tensor:
-    """Block-quantizes ``x`` (1-D: one row; 2-D: each row on its own) into the wire format (see ``layout``)."""
+    """Block-quantizes ``x`` (1-D: one row; 2-D: each row on its own) into the uniform wire format (``layout``)."""
     rows, two_d = _as_rows(x)
     R, n = rows.shape
     nb, qmax = num_blocks(n, block_size), QMAX[bits]
@@ -107,17 +107,149 @@ def _dequantize_into(out: torch.Tensor, buf: torch.Tensor, numel: int, bits: int
 
 
 def _dequantize_f32(buf: torch.Tensor, numel: int, bits: int, block_size: int) -> torch.Tensor:
-    """(R, wire) -> (R, numel) float32."""
+    """(R, wire) -> (R, numel) float32, uniform blocks."""
     out = torch.empty(buf.shape[0], numel, dtype=torch.float32, device=buf.device)
     return _dequantize_into(out, buf, numel, bits, block_size)
 
 
+# ------------------------------------------------------------------------------------------------------------------
+# Parameter-aligned blocks (layout.Blocks): each block is placed in a slot of ``block_size`` of a padded row, zeros
+# after its end, and quantized there with the uniform code above. Zeros change no block's absmax, so every code and
+# scale is the one of the block alone; then the codes are moved to their compact places in the wire row.
+
+
+class _Padded:
+    """Where each element (and each INT4 payload byte) of a row laid out in ``blocks`` sits in the padded row."""
+
+    def __init__(self, blocks: Blocks, block_size: int, device: torch.device) -> None:
+        starts = torch.tensor(blocks.starts, dtype=torch.int64, device=device)
+        lengths = starts.diff()
+        count = blocks.count
+        block_of = torch.repeat_interleave(torch.arange(count, device=device), lengths)
+        self.width = count * block_size
+        self.elements = torch.arange(blocks.numel, device=device) - starts[block_of] + block_of * block_size
+        nbytes = (lengths + 1) // 2
+        first_byte = torch.tensor(blocks.nibbles[:-1], dtype=torch.int64, device=device) // 2
+        byte_block = torch.repeat_interleave(torch.arange(count, device=device), nbytes)
+        self.bytes = (
+            torch.arange(blocks.payload_bytes(4), device=device) - first_byte[byte_block] + byte_block * block_size // 2
+        )
+
+    @staticmethod
+    def of(blocks: Blocks, block_size: int, device: torch.device) -> _Padded:
+        return blocks.cached(("reference", block_size, device), lambda: _Padded(blocks, block_size, device))
+
+    def spread(self, rows: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``(R, numel)`` -> ``(R, width)``, zeros after each block's end."""
+        out = torch.zeros(rows.shape[0], self.width, dtype=dtype or rows.dtype, device=rows.device)
+        out[:, self.elements] = rows.to(out.dtype)
+        return out
+
+    def gather(self, padded: torch.Tensor) -> torch.Tensor:
+        return padded[:, self.elements]
+
+    def compact_wire(self, uniform: torch.Tensor, blocks: Blocks, bits: int) -> torch.Tensor:
+        """A uniform wire row of the padded row -> the wire row of ``blocks``."""
+        R, count = uniform.shape[0], blocks.count
+        pb, so = blocks.payload_bytes(bits), blocks.scale_offset(bits)
+        out = torch.zeros(R, blocks.wire_size(bits), dtype=torch.uint8, device=uniform.device)
+        out[:, :pb] = uniform[:, self.elements if bits == 8 else self.bytes]
+        uso = scale_offset(self.width, bits)
+        out[:, so : so + 4 * count] = uniform[:, uso : uso + 4 * count]
+        return out
+
+    def expand_wire(self, buf: torch.Tensor, blocks: Blocks, bits: int, block_size: int) -> torch.Tensor:
+        """The wire row of ``blocks`` -> the uniform wire row of the padded row (the inverse of compact_wire)."""
+        R, count = buf.shape[0], blocks.count
+        pb, so = blocks.payload_bytes(bits), blocks.scale_offset(bits)
+        out = torch.zeros(R, wire_size(self.width, bits, block_size), dtype=torch.uint8, device=buf.device)
+        out[:, self.elements if bits == 8 else self.bytes] = buf[:, :pb]
+        uso = scale_offset(self.width, bits)
+        out[:, uso : uso + 4 * count] = buf[:, so : so + 4 * count]
+        return out
+
+
+def _quantize_f32(
+    values: torch.Tensor, bits: int, block_size: int, blocks: Blocks | None, stochastic: bool, seed: int | None
+) -> torch.Tensor:
+    """``(R, numel)`` -> ``(R, wire)`` in the uniform format or the one of ``blocks``."""
+    if blocks is None:
+        return _quantize_uniform(values, bits, block_size, stochastic=stochastic, seed=seed)
+    padded = _Padded.of(blocks, block_size, values.device)
+    uniform = _quantize_uniform(padded.spread(values), bits, block_size, stochastic=stochastic, seed=seed)
+    return padded.compact_wire(uniform, blocks, bits)
+
+
+def _dequantize_rows(buf: torch.Tensor, numel: int, bits: int, block_size: int, blocks: Blocks | None) -> torch.Tensor:
+    """``(R, wire)`` -> ``(R, numel)`` float32."""
+    if blocks is None:
+        return _dequantize_f32(buf, numel, bits, block_size)
+    padded = _Padded.of(blocks, block_size, buf.device)
+    uniform = padded.expand_wire(buf, blocks, bits, block_size)
+    return padded.gather(_dequantize_f32(uniform, padded.width, bits, block_size))
+
+
+def _quantize_with_feedback(
+    values: torch.Tensor,
+    bits: int,
+    block_size: int,
+    blocks: Blocks | None,
+    stochastic: bool,
+    seed: int | None,
+    residual: torch.Tensor | None,
+    decay: float,
+) -> torch.Tensor:
+    """Quantizes fp32 ``(R, numel)`` rows; with ``residual`` (fp32, same shape) first adds ``decay * residual`` and
+    then leaves in ``residual`` what the quantization lost: ``v - dequantize(quantize(v))``."""
+    if residual is None:
+        return _quantize_f32(values, bits, block_size, blocks, stochastic, seed)
+    v = values + decay * residual
+    out = _quantize_f32(v, bits, block_size, blocks, stochastic, seed)
+    torch.sub(v, _dequantize_rows(out, v.shape[1], bits, block_size, blocks), out=residual)
+    return out
+
+
+def quantize(
+    x: torch.Tensor,
+    bits: int,
+    block_size: int,
+    *,
+    stochastic: bool = False,
+    seed: int | None = None,
+    blocks: Blocks | None = None,
+    residual: torch.Tensor | None = None,
+    decay: float = 1.0,
+) -> torch.Tensor:
+    """Block-quantizes ``x`` (1-D: one row; 2-D: each row on its own) into the wire format (see ``layout``), in
+    uniform blocks or in ``blocks``; with ``residual``, with error feedback (see :func:`_quantize_with_feedback`)."""
+    if blocks is None and residual is None:
+        return _quantize_uniform(x, bits, block_size, stochastic=stochastic, seed=seed)
+    rows, two_d = _as_rows(x)
+    values = rows.float() if residual is not None else rows
+    out = _quantize_with_feedback(values, bits, block_size, blocks, stochastic, seed, residual, decay)
+    return out if two_d else out.view(-1)
+
+
 def dequantize(
-    buf: torch.Tensor, numel: int, bits: int, block_size: int, dtype: torch.dtype, *, out: torch.Tensor | None = None
+    buf: torch.Tensor,
+    numel: int,
+    bits: int,
+    block_size: int,
+    dtype: torch.dtype,
+    *,
+    out: torch.Tensor | None = None,
+    blocks: Blocks | None = None,
 ) -> torch.Tensor:
     """Inverse of :func:`quantize`: a 1-D buffer gives ``(numel,)``, a 2-D one ``(rows, numel)``, in ``dtype``; with
     ``out`` (contiguous, ``(rows, numel)`` or flat), written there instead."""
     rows, two_d = _as_rows(buf)
+    if blocks is not None:
+        values = _dequantize_rows(rows, numel, bits, block_size, blocks)
+        if out is None:
+            target = values.to(dtype)
+            return target if two_d else target.view(-1)
+        out.view(rows.shape[0], numel).copy_(values)
+        return out
     if out is None:
         target = torch.empty(rows.shape[0], numel, dtype=dtype, device=buf.device)
         _dequantize_into(target, rows, numel, bits, block_size)
@@ -137,17 +269,24 @@ def swizzle_quantize(
     *,
     stochastic: bool = False,
     seed: int | None = None,
+    blocks: Blocks | None = None,
 ) -> torch.Tensor:
-    """qgZ step 1: piece ``stage`` of each of the W = N*K chunks of ``x``, in swizzled slot order, quantized.
+    """qgZ step 1: piece ``stage`` of each of the W = N*K chunks of ``x``, in swizzled slot order, quantized. With
+    ``blocks`` (the chunk's parameter-aligned blocks), the pieces are :meth:`Blocks.stages`'.
 
     Returns ``(W, wire_size(piece))``: rows ``[l*K, (l+1)*K)`` are for local peer ``l``.
     """
     W = ranks_per_node * num_nodes
     chunk = x.numel() // W
-    start, size = stage_bounds(chunk, stages, stage, block_size)
+    if blocks is None:
+        start, size = stage_bounds(chunk, stages, stage, block_size)
+        piece = None
+    else:
+        start, piece = blocks.stages(stages)[stage]
+        size = piece.numel
     order = torch.tensor(swizzle_order(ranks_per_node, num_nodes), device=x.device)
     pieces = x.view(W, chunk)[:, start : start + size].index_select(0, order)
-    return quantize(pieces, bits, block_size, stochastic=stochastic, seed=seed)
+    return quantize(pieces, bits, block_size, stochastic=stochastic, seed=seed, blocks=piece)
 
 
 def _sum_rows_f32(values: torch.Tensor) -> torch.Tensor:
@@ -167,12 +306,17 @@ def dequantize_reduce_quantize(
     *,
     stochastic: bool = False,
     seed: int | None = None,
+    blocks: Blocks | None = None,
+    residual: torch.Tensor | None = None,
+    decay: float = 1.0,
 ) -> torch.Tensor:
     """qgZ step 3: ``buf`` is ``(N, K, wire_in)``, K pieces from each of N peers; returns ``(K, wire_out)``, each
-    piece dequantized, summed over the N peers in fp32, and re-quantized."""
+    piece dequantized, summed over the N peers in fp32, and re-quantized (with ``residual``: error feedback)."""
     N, K, wire = buf.shape
-    values = _dequantize_f32(buf.reshape(N * K, wire), numel, in_bits, block_size).view(N, K, numel)
-    return quantize(_sum_rows_f32(values), out_bits, block_size, stochastic=stochastic, seed=seed)
+    values = _dequantize_rows(buf.reshape(N * K, wire), numel, in_bits, block_size, blocks).view(N, K, numel)
+    return _quantize_with_feedback(
+        _sum_rows_f32(values), out_bits, block_size, blocks, stochastic, seed, residual, decay
+    )
 
 
 def dequantize_reduce(
@@ -184,10 +328,11 @@ def dequantize_reduce(
     multiplier: float = 1.0,
     out: torch.Tensor | None = None,
     dtype: torch.dtype | None = None,
+    blocks: Blocks | None = None,
 ) -> torch.Tensor:
     """qgZ step 5: ``buf`` is ``(M, wire)``; returns the fp32 sum of the M dequantized rows times ``multiplier``,
     cast to ``out``'s dtype (written into ``out`` when given) or ``dtype``."""
-    total = _sum_rows_f32(_dequantize_f32(buf, numel, bits, block_size))
+    total = _sum_rows_f32(_dequantize_rows(buf, numel, bits, block_size, blocks))
     if multiplier != 1.0:
         total = total * multiplier
     if out is not None:

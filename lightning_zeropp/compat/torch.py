@@ -37,6 +37,7 @@ __all__ = [
     "checkpoint_in_place",
     "in_backward",
     "reduce_scatter_single",
+    "unit_parameters",
 ]
 
 
@@ -120,3 +121,28 @@ class ForwardHooks:
 
 _probe = nn.Module()
 require(all(isinstance(getattr(_probe, n, None), dict) for n in ForwardHooks._DICTS), "torch", "nn.Module's hooks")
+
+
+def unit_parameters(module: nn.Module) -> list[tuple[int, bool]]:
+    """Per parameter a sharded module (``fully_shard``) manages, in the order of its flat all-gather and
+    reduce-scatter buffers: the padded shard's element count (its length in every rank's chunk) and whether it
+    takes gradients. FSDP2 keeps this in its private parameter group."""
+    group = module._get_fsdp_state()._fsdp_param_group
+    if group is None:  # a module that manages no parameter of its own (all in sharded children)
+        return []
+    return [(p.padded_sharded_param_size.numel(), p.sharded_param.requires_grad) for p in group.fsdp_params]
+
+
+def _probe_unit_parameters() -> None:
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+    require(hasattr(FSDPModule, "_get_fsdp_state"), "torch", "reading a sharded module's parameter layout")
+    require(
+        "padded_sharded_param_size" in getattr(FSDPParam, "__annotations__", {}),
+        "torch",
+        "reading a sharded module's parameter layout (FSDPParam.padded_sharded_param_size)",
+    )
+
+
+_probe_unit_parameters()

@@ -115,6 +115,14 @@ def reference_training(
     return {f"net.{k}": v.detach().clone() for k, v in model.net.state_dict().items()}, losses
 
 
+class _FrozenMatricesLM(TinyLM):
+    """TinyLM training only its biases and norms (as the reference's ``freeze_matrices``)."""
+
+    def configure_model(self) -> None:
+        super().configure_model()
+        freeze_all_but_biases_and_norms(self)
+
+
 def train_worker(
     rank: int,
     world_size: int,
@@ -126,15 +134,16 @@ def train_worker(
     precision: str = "32-true",
     num_nodes: int = 1,
     probe_weights: bool = False,
+    freeze_matrices: bool = False,
 ) -> dict[str, Any]:
     """Trains TinyLM with ``ZeroPPStrategy(**strategy_kwargs)``; returns the full weights (rank 0), the losses, the
-    ledger and what :class:`WeightProbe` saw."""
+    ledger, what :class:`WeightProbe` saw, and the units whose quantization blocks could not follow parameters."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from lightning_zeropp import ZeroPPStrategy
 
     x, y = torch.load(data_path, weights_only=True)
-    model = TinyLM(init_path)
+    model = _FrozenMatricesLM(init_path) if freeze_matrices else TinyLM(init_path)
     strategy = ZeroPPStrategy(**strategy_kwargs)
     recorder = LossRecorder()
     probe = WeightProbe()
@@ -152,12 +161,15 @@ def train_worker(
     trainer.fit(model, DataLoader(local, batch_size=batch_size, shuffle=False))
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     ledger = {k: (t.intra_node_bytes, t.inter_node_bytes, t.calls) for k, t in strategy.comm_ledger.by_kind().items()}
+    comms = strategy._comms
+    unaligned = {unit.name: unit.unaligned for unit in comms.units if unit.unaligned} if comms is not None else {}
     return {
         "state": {k: v.float() for k, v in state.items()} if rank == 0 else None,
         "losses": recorder.losses,
         "ledger": ledger,
         "weights_compared": probe.compared,
         "weights_mismatched": probe.mismatched,
+        "unaligned_blocks": unaligned,
     }
 
 
