@@ -14,6 +14,9 @@ warm-up to the last step, divided by its steps. Configurations run interleaved (
 so a change in the machine's load hits all of them alike. Needs root.
 
     sudo python benchmarks/cluster.py [--rates 50 200 1000 unshaped] [--repeats 2] [--json benchmarks/cluster.json]
+
+With ``--json`` a figure of the table (step time and speedup per configuration and link rate) goes beside it
+(``--png``; again from the JSON alone: ``python benchmarks/plots.py cluster benchmarks/cluster.json out.png``).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ sys.path.insert(0, str(BENCH))
 
 from comm_volume import CONFIGS as ZEROPP_CONFIGS  # noqa: E402
 from netns import TwoNodeCluster, exit_on_signals, missing_requirements  # noqa: E402
+from plots import cluster_png, try_plot  # noqa: E402
 
 FSDP_BASELINE = "fsdp"  # Lightning's ModelParallelStrategy, fully_shard per block (benchmarks/fsdp_baseline.py)
 CONFIG_NAMES = (*ZEROPP_CONFIGS, FSDP_BASELINE)
@@ -235,6 +239,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--n-embd", type=int, default=MODEL["n_embd"], help="model width")
     parser.add_argument("--n-layer", type=int, default=MODEL["n_layer"], help="transformer blocks")
     parser.add_argument("--json", type=Path, default=None, help="write the rows here")
+    parser.add_argument("--png", type=Path, default=None, help="figure of the table; default: the JSON's path, .png")
     parser.add_argument("--keep-logs", type=Path, default=None, help="keep every run's configs, logs and probes here")
     args = parser.parse_args(argv)
     if "zero3" not in args.configs:
@@ -267,11 +272,14 @@ def main(argv: list[str] | None = None) -> None:
                 rows.append(dict(row, rate=rate, delay_ms=args.delay_ms))
     add_ratios(rows)
     print(table(rows))
+    meta = {"command": " ".join(["python", "benchmarks/cluster.py", *(argv or sys.argv[1:])]), "model": model,
+            "batch_size": args.batch_size, "steps": args.steps, "warmup": args.warmup}  # fmt: skip
     if args.json:
-        meta = {"command": " ".join(["python", "benchmarks/cluster.py", *(argv or sys.argv[1:])]), "model": model,
-                "batch_size": args.batch_size, "steps": args.steps, "warmup": args.warmup}  # fmt: skip
         args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
         print(f"wrote {args.json}")
+    png = args.png or (args.json.with_suffix(".png") if args.json else None)
+    if png and try_plot(cluster_png, {"meta": meta, "rows": rows}, png):
+        print(f"wrote {png}")
 
 
 if __name__ == "__main__":

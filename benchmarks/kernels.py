@@ -99,6 +99,22 @@ def cases(numel: int, device: str):
         recv.numel() + K * tk.wire_size(piece, 4, 128),
     )
     yield "dequantize_reduce int4", impls("dequantize_reduce", rail, piece, 4, 128, out=out), rail.numel() + piece * 2
+    # parameter-aligned blocks (a transformer layer's shard: odd parameter sizes) and error feedback
+    sizes = [numel // 3, 1, numel // 5, 3, numel // 7]
+    blocks = tk.Blocks.of_segments(sizes + [numel - sum(sizes)], 256)
+    qb = tk.quantize(x, 8, 256, blocks=blocks, backend="torch")
+    yield "quantize int8 param-blocks", impls("quantize", x, 8, 256, blocks=blocks), x.numel() * 2 + qb.numel()
+    yield (
+        "dequantize int8 param-blocks",
+        impls("dequantize", qb, numel, 8, 256, torch.bfloat16, blocks=blocks),
+        qb.numel() + numel * 2,
+    )
+    residual = torch.zeros(K, piece, device=device)
+    yield (
+        "dequantize_reduce_quantize 8->4 feedback",
+        impls("dequantize_reduce_quantize", recv, piece, 8, 4, 128, residual=residual, decay=0.9),
+        recv.numel() + K * tk.wire_size(piece, 4, 128) + 8 * residual.numel(),
+    )
 
 
 def copy_bandwidth(device: str, time_fn) -> float:
@@ -112,12 +128,15 @@ def copy_bandwidth(device: str, time_fn) -> float:
 def _static_name(c: dict) -> str:
     k, sig = c["constexprs"], c["signature"]
     rounding = "stochastic" if k.get("STOCHASTIC") == "True" else "nearest"
+    variant = (" param-blocks" if k.get("ALIGNED") == "True" else "") + (
+        " feedback" if k.get("FEEDBACK") == "True" else ""
+    )
     if c["kernel"] == "_quantize_kernel":
-        return f"quantize {sig['x_ptr'][1:]} -> int{k['BITS']} {rounding}"
+        return f"quantize {sig['x_ptr'][1:]} -> int{k['BITS']} {rounding}{variant}"
     if c["kernel"] == "_dequantize_kernel":
         what = "dequantize" if k["ROWS"] == "1" else f"dequantize_reduce M={k['ROWS']}"
-        return f"{what} int{k['BITS']} -> {sig['out_ptr'][1:]}"
-    return f"dequantize_reduce_quantize N={k['N']} int{k['IN_BITS']} -> int{k['OUT_BITS']} {rounding}"
+        return f"{what} int{k['BITS']} -> {sig['out_ptr'][1:]}{variant}"
+    return f"dequantize_reduce_quantize N={k['N']} int{k['IN_BITS']} -> int{k['OUT_BITS']} {rounding}{variant}"
 
 
 def static_table(archs: list[int], json_path: Path | None) -> None:

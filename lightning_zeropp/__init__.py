@@ -2,7 +2,7 @@
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from .callback import CommVolumeMonitor
+from .callback import CommVolumeMonitor, ZeroGradientMonitor
 from .config import ZeroPPConfig
 from .ledger import CommLedger
 from .strategy import ZeroPPStrategy
@@ -10,5 +10,5 @@ from .topology import Topology
 
 ZeroPPStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["CommLedger", "CommVolumeMonitor", "Topology", "ZeroPPConfig", "ZeroPPStrategy"]
+__all__ = ["CommLedger", "CommVolumeMonitor", "Topology", "ZeroPPConfig", "ZeroGradientMonitor", "ZeroPPStrategy"]
 __version__ = "0.1.0"

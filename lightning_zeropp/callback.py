@@ -1,10 +1,15 @@
-"""``CommVolumeMonitor``: logs how many bytes each optimizer step sent inside and across nodes."""
+"""``CommVolumeMonitor``: logs how many bytes each optimizer step sent inside and across nodes.
+``ZeroGradientMonitor``: finds parameters whose reduced gradient is exactly zero (parameters that do not train)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_info
+from torch.optim import Optimizer
 from typing_extensions import override
 
 _UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9}
@@ -73,3 +78,72 @@ class CommVolumeMonitor(Callback):
                 per_kind[f"comm/{kind}/inter_node_{self.unit}"] = traffic.inter_node_bytes / scale
                 per_kind[f"comm/{kind}/intra_node_{self.unit}"] = traffic.intra_node_bytes / scale
             pl_module.log_dict(per_kind, on_step=True, on_epoch=False, rank_zero_only=True)
+
+
+class ZeroGradientMonitor(Callback):
+    """Finds trained parameters whose gradient is exactly zero in every element, on all ranks, at an optimizer step.
+
+    Why: a parameter whose gradient arrives as exact zeros while its true gradient is not never trains, and nothing
+    else shows it; the loss only drifts a little. Quantized gradient communication can do this: when a small
+    parameter (a bias, a norm weight) shares a quantization block with a large one, the block's scale follows the
+    large values and the small gradients round to zero, every step. This callback makes that visible. A parameter
+    that is genuinely unused by the loss also shows up here (its gradient is exactly zero too), which is worth
+    knowing on its own.
+
+    Runs in ``on_before_optimizer_step`` (once per optimizer step, after gradient accumulation and reduction). Per
+    trained parameter (``requires_grad`` and a gradient) each rank checks its local part (``grad.to_local()`` for
+    the DTensor shards of FSDP2) for any non-zero element; one ``all_reduce(MAX)`` of a small tensor over the
+    default process group combines the ranks (none when ``torch.distributed`` is not initialized). Works with any
+    strategy.
+
+    Logs (rank 0, on step): ``zeropp/zero_gradient_parameters`` (parameters all-zero at this step) and
+    ``zeropp/starved_parameters`` (parameters all-zero at any step so far). ``monitor.starved`` is the set of
+    their names over the whole run; ``monitor.last_zero`` the names at the latest step.
+
+    Args:
+        verbose: at the end of training, print (rank 0) the names of the starved parameters.
+    """
+
+    def __init__(self, verbose: bool = True) -> None:
+        self.verbose = verbose
+        self.starved: set[str] = set()
+        self.last_zero: list[str] = []
+
+    @override
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Optimizer) -> None:
+        names, flags, device = [], [], None
+        for name, param in pl_module.named_parameters():
+            if not param.requires_grad:
+                continue
+            # 0: no gradient here; 1: a gradient, all zero here; 2: a gradient with a non-zero element here. The
+            # list holds every trained parameter, gradient or not, so it has the same length on every rank.
+            grad = param.grad
+            names.append(name)
+            if grad is None:
+                flags.append(torch.zeros((), dtype=torch.float32))
+                continue
+            local = grad.to_local() if hasattr(grad, "to_local") else grad
+            device = local.device
+            flags.append(1.0 + local.ne(0).any().float())
+        if not names:
+            return
+        device = device or pl_module.device
+        combined = torch.stack([f.to(device) for f in flags])
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(combined, op=dist.ReduceOp.MAX)
+        zero = [name for name, flag in zip(names, combined.tolist(), strict=True) if flag == 1.0]
+        self.last_zero = zero
+        self.starved.update(zero)
+        metrics = {
+            "zeropp/zero_gradient_parameters": float(len(zero)),
+            "zeropp/starved_parameters": float(len(self.starved)),
+        }
+        pl_module.log_dict(metrics, on_step=True, on_epoch=False, rank_zero_only=True)
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.verbose and self.starved:
+            rank_zero_info(
+                f"ZeroGradientMonitor: {len(self.starved)} parameter(s) had an all-zero gradient at some step:"
+                f" {', '.join(sorted(self.starved))}"
+            )

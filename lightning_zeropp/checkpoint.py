@@ -186,7 +186,7 @@ def save(
     path = Path(ranks.broadcast(filepath))
     checkpoint[RNG_KEY] = gather_rng_states(ranks.world_size)  # every rank's, so a resume continues each stream
     residuals = _split_residuals(comms_state) if comms_state is not None else {}
-    if comms_state is not None and state_dict_type == "full":
+    if "error_feedback" in (comms_state or {}) and state_dict_type == "full":
         comms_state["error_feedback"]["residuals"] = {u: r.cpu() for u, r in residuals.items()}
         residuals = {}
     if comms_state is not None:

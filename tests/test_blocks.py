@@ -213,3 +213,20 @@ def test_frozen_matrices_keep_blocks_aligned(data):
             assert torch.equal(state[n], init[n]), f"frozen {n} moved"
         else:
             assert relative_error(state[n] - init[n], ref[n] - init[n]) < 0.5, n
+
+
+def test_unit_falls_back_to_flat_blocks_with_one_warning_when_a_gradient_is_missing():
+    """FSDP2 leaves parameters without a gradient out of the reduce-scatter; when that is not just the frozen ones,
+    the sizes no longer match the unit's parameters and that buffer uses flat blocks, said once."""
+    from lightning_zeropp.blocks import UnitBlocks
+    from lightning_zeropp.config import ZeroPPConfig
+
+    unit = UnitBlocks(torch.nn.Linear(2, 2), "blocks.0", ZeroPPConfig())
+    unit._parameters = [(300, True), (3, True), (40, False), (7, True)]  # as FSDP2 reports them
+    assert unit.weights(350).starts[-1] == 350
+    assert unit.gradients(310).numel == 310  # the frozen parameter is not in the gradient buffer
+    with pytest.warns(UserWarning, match="cannot follow the parameters"):
+        assert unit.gradients(303) is None  # 7 elements missing: some parameter got no gradient
+    assert unit.unaligned == ["gradient reduction of 303"]
+    flat = UnitBlocks(torch.nn.Linear(2, 2), "", ZeroPPConfig(block_alignment="flat"))
+    assert flat.weights(10) is None and flat.gradients(10) is None and flat.name == "<root>"

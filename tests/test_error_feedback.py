@@ -3,6 +3,7 @@
 (Exact resume with residuals, sharded and full, is in test_checkpoint.py: ``test_resume_continues_exactly``.)
 """
 
+import copy
 import warnings
 
 import pytest
@@ -88,3 +89,28 @@ def test_residuals_dropped_with_one_warning_on_another_layout(tmp_path):
     assert "written by 4 ranks" in message and "dropped" in message
     assert loaded[1]["warnings"] == []  # rank zero warns for all
     assert all(r["steps"] == 3 for r in loaded)  # the step count (reset period) continues
+
+
+def test_residuals_reset_every_period_and_restore_as_saved():
+    from lightning_zeropp.feedback import ErrorFeedback
+
+    fb = ErrorFeedback(decay=0.8, reset=3)
+    stages = [(0, 4), (4, 2)]
+    first = fb.pieces("block", 2, 6, stages, torch.device("cpu"))
+    assert [tuple(p.shape) for p in first] == [(2, 4), (2, 2)]
+    for p in first:
+        p.fill_(1.0)
+    fb.steps = 2  # same period: kept
+    assert all(torch.all(p == 1) for p in fb.pieces("block", 2, 6, stages, torch.device("cpu")))
+    saved = copy.deepcopy({"steps": fb.steps, **fb.state_dict()})  # as written to a checkpoint
+    fb.steps = 3  # a new period: zeroed before use
+    assert all(torch.all(p == 0) for p in fb.pieces("block", 2, 6, stages, torch.device("cpu")))
+    restored = ErrorFeedback(decay=0.8, reset=3)
+    restored.load_state_dict(saved)
+    restored.steps = saved["steps"]
+    assert all(torch.all(p == 1) for p in restored.pieces("block", 2, 6, stages, torch.device("cpu")))
+    never = ErrorFeedback(decay=0.8, reset=0)
+    never.pieces("block", 1, 4, [(0, 4)], torch.device("cpu"))[0].fill_(2.0)
+    never.steps = 10_000
+    assert torch.all(never.pieces("block", 1, 4, [(0, 4)], torch.device("cpu"))[0] == 2)
+    assert never.nbytes == 16

@@ -10,11 +10,17 @@ import torch
 from lightning_zeropp import kernels as tk
 from lightning_zeropp.testing.kernels import (
     DTYPES,
+    SEGMENTS,
     SIZES,
+    check_aligned_quantize_dequantize,
+    check_feedback,
     check_quantize_dequantize,
     check_reduce,
+    check_reduce_aligned,
     check_rows,
     check_stochastic,
+    check_stochastic_feedback,
+    check_swizzle_aligned,
     check_swizzle_quantize,
 )
 
@@ -62,6 +68,49 @@ def test_stochastic_rounding(bits):
     check_stochastic(DEVICE, bits)
 
 
+# Parameter-aligned blocks: with block 128 (G = 32 blocks per tile: one tile), with block 512 (G = 8: a row of several
+# tiles, whose padding program 0 writes), a row that is one short segment, one segment of several blocks
+ALIGNED = [(SEGMENTS, 128), ((300, 3, 0, 1100, 5, 1, 257, 600), 512), ((5,), 128), ((1000,), 128), ((1, 2), 2)]
+
+
+@pytest.mark.parametrize(("segments", "block"), ALIGNED)
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [None, 3])
+def test_aligned_quantize_dequantize(segments, block, bits, dtype, rows):
+    check_aligned_quantize_dequantize(DEVICE, segments, block, bits, dtype, rows)
+
+
+@pytest.mark.parametrize(("N", "K", "stages"), [(2, 2, 2), (1, 3, 3), (3, 2, 1), (2, 2, 12)])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_aligned_swizzle_quantize(N, K, stages, bits):
+    check_swizzle_aligned(DEVICE, N, K, SEGMENTS, 128, stages, bits, torch.bfloat16 if bits == 4 else torch.float32)
+
+
+@pytest.mark.parametrize(("segments", "block"), [(None, 128), ALIGNED[0], ALIGNED[1]])
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("rows", [None, 2])
+def test_quantize_with_feedback(segments, block, bits, rows):
+    check_feedback(DEVICE, segments, block, bits, torch.bfloat16 if rows else torch.float32, rows)
+
+
+@pytest.mark.parametrize(("N", "K"), [(2, 2), (1, 3), (3, 2)])
+@pytest.mark.parametrize(("in_bits", "out_bits"), [(8, 4), (4, 8)])
+@pytest.mark.parametrize("feedback", [False, True])
+def test_aligned_reduce(N, K, in_bits, out_bits, feedback):
+    check_reduce_aligned(DEVICE, N, K, SEGMENTS, 128, in_bits, out_bits, feedback)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_reduce_with_feedback_uniform(bits):
+    check_reduce_aligned(DEVICE, 2, 2, None, 64, 8, bits, True)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_stochastic_rounding_aligned_with_feedback(bits):
+    check_stochastic_feedback(DEVICE, (37, 1, 64, 90), 64, bits)
+
+
 def test_empty():
     buf = tk.quantize(torch.empty(0), 8, 64, backend="triton")
     assert buf.numel() == 0 and tk.dequantize(buf, 0, 8, 64, torch.float32, backend="triton").numel() == 0
@@ -79,6 +128,9 @@ def test_kernels_write_every_wire_byte(monkeypatch):
     x = torch.randn(3 * 1001, dtype=torch.bfloat16)
     big = torch.randn(2 * 4096, dtype=torch.float16)
     received = tk.quantize(x.view(3, -1).float()[:, :999].contiguous(), 8, 32, backend="torch").view(3, 1, -1)
+    odd = tk.Blocks.of_segments([300, 3, 0, 128, 5, 1, 257, 306], 128)  # 1000 elements, INT4 payload 502 bytes
+    tiles = tk.Blocks.of_segments([1100, 5, 1, 257, 600, 1037], 512)  # 3000 elements, 11 blocks: 2 tiles of 8
+    aligned_received = tk.quantize(x[:2000].view(2, 1000), 8, 128, blocks=odd, backend="torch").view(2, 1, -1)
 
     def outputs(backend: str) -> dict:
         return {
@@ -89,6 +141,14 @@ def test_kernels_write_every_wire_byte(monkeypatch):
             "rows": tk.quantize(x.view(3, -1), 8, 32, backend=backend),
             "swizzle": tk.swizzle_quantize(x[:3000], 3, 2, 3, 2, 4, 32, backend=backend),
             "requantize": tk.dequantize_reduce_quantize(received, 999, 8, 4, 32, backend=backend),
+            # aligned blocks: program 0 of each row writes the payload and scale padding
+            "aligned int8": tk.quantize(x[:1000], 8, 128, blocks=odd, backend=backend),
+            "aligned int4 rows": tk.quantize(x[:2000].view(2, -1), 4, 128, blocks=odd, backend=backend),
+            "aligned several tiles": tk.quantize(x[:3000], 4, 512, blocks=tiles, backend=backend),
+            "aligned swizzle": tk.swizzle_quantize(x[:3000], 3, 1, 2, 1, 4, 128, blocks=odd, backend=backend),
+            "aligned requantize": tk.dequantize_reduce_quantize(
+                aligned_received, 1000, 8, 4, 128, blocks=odd, residual=torch.zeros(1, 1000), backend=backend
+            ),
         }
 
     want = outputs("torch")

@@ -25,6 +25,14 @@ def tile_shape(block_size: int) -> tuple[int, int]:
     return max(1, 2048 // half), half
 
 
+def aligned_tile_shape(block_size: int) -> tuple[int, int]:
+    """(G, HALF) of the aligned-blocks kernels: a quarter of :func:`tile_shape`'s blocks (about 1024 elements per
+    program). Their masked accesses at arbitrary starts each need their own address, and a full tile's worth per
+    thread would spill registers."""
+    G, half = tile_shape(block_size)
+    return max(1, G // 4), half
+
+
 def quantize_grid(numel: int, bits: int, block_size: int, G: int) -> int:
     """Programs along a row for a kernel that writes a wire row: enough to cover the data and to write the padding
     after the payload (up to the 16-byte aligned scale offset) and after the last scale (up to 4 scales)."""
@@ -55,3 +63,18 @@ def bf16_by_hand(out: torch.Tensor) -> bool:
 
 def stochastic_seed(seed: int | None) -> int:
     return int(torch.randint(0, 2**31 - 1, ()).item()) if seed is None else seed % (2**31 - 1)
+
+
+def block_table(blocks, device: torch.device, tile: int) -> torch.Tensor:
+    """The device table of aligned ``blocks`` (``layout.Blocks``) the kernels read: the blocks' first elements, then
+    their first INT4 payload bytes (``nibbles // 2``), ``count + 1`` entries each; int32 unless a tile's offsets
+    (``tile`` elements past a block's start) overflow it. Made once per (blocks, device, width) and cached on
+    ``blocks``."""
+    wide = needs_int64(blocks.numel + tile)
+    key = ("triton", torch.device(device), wide)
+
+    def make() -> torch.Tensor:
+        values = blocks.starts + tuple(nibble // 2 for nibble in blocks.nibbles)
+        return torch.tensor(values, dtype=torch.int64 if wide else torch.int32, device=device)
+
+    return blocks.cached(key, make)

@@ -267,6 +267,20 @@ def quantize_to_row(out_ptr, scale_ptr, row, pid, wire, so, nb4, xe, xo, seed, e
     ye, yo, scale = quantize_pairs(xe, xo, seed, counter0, QMAX, STOCHASTIC, G, HALF)
     payload, scales = wire_row(out_ptr, scale_ptr, row, wire, so)
     store_codes(payload, scales, ye, yo, scale, e, blk, t, so, nb4, BITS, MASKED, BS, G, HALF)
+    return ye, yo, scale
+
+
+@triton.jit
+def _output_values(out_ptr, v, BF16_BY_HAND: tl.constexpr):
+    """fp32 values in ``out_ptr``'s dtype (see :func:`store_values` for ``BF16_BY_HAND``)."""
+    if BF16_BY_HAND:
+        bits = v.to(tl.uint32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        rounded = tl.where(v != v, 0x7FC0, rounded)  # any NaN -> the canonical bf16 NaN, as torch
+        v = rounded.to(tl.uint16).to(tl.int16, bitcast=True)
+    else:
+        v = v.to(out_ptr.dtype.element_ty)
+    return v
 
 
 @triton.jit
@@ -277,17 +291,150 @@ def store_values(out_ptr, e, t, n, ve, vo, MASKED: tl.constexpr, BF16_BY_HAND: t
     ``BF16_BY_HAND`` (only under the interpreter, which truncates fp32 -> bf16 where the GPU and torch round):
     round to nearest even with integer arithmetic into the int16 view of the output, so all three agree.
     """
-    v = join_pairs(ve, vo, G, HALF)
-    if BF16_BY_HAND:
-        bits = v.to(tl.uint32, bitcast=True)
-        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-        rounded = tl.where(v != v, 0x7FC0, rounded)  # any NaN -> the canonical bf16 NaN, as torch
-        v = rounded.to(tl.uint16).to(tl.int16, bitcast=True)
-    else:
-        v = v.to(out_ptr.dtype.element_ty)
+    v = _output_values(out_ptr, join_pairs(ve, vo, G, HALF), BF16_BY_HAND)
     if MASKED:
         tl.store(out_ptr + e, v, mask=(t[None, :] < BS) & (e < n))
     elif BS == 2 * HALF:
         tl.store(out_ptr + e, v)
     else:
         tl.store(out_ptr + e, v, mask=t[None, :] < BS)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Error feedback: ``v = x + decay * residual`` is quantized, and ``residual`` becomes ``v - q * scale``
+
+
+@triton.jit
+def with_feedback(xe, xo, re, ro, decay):
+    """The values to quantize: ``x + decay * residual`` (the product rounded, then the sum: no FMA contraction)."""
+    return xe + decay * re, xo + decay * ro
+
+
+@triton.jit
+def lost_pairs(ve, vo, ye, yo, scale):
+    """What quantizing ``v`` lost: ``v - q * scale``, the exact value the receiver dequantizes subtracted.
+
+    ``ye``/``yo`` are :func:`quantize_pairs`' code words (the float ``1.5 * 2**23 + q``, bitcast): subtracting the
+    magic number from the float gives the code exactly."""
+    s = scale[:, None]
+    qe = ye.to(tl.float32, bitcast=True) - ROUND_MAGIC
+    qo = yo.to(tl.float32, bitcast=True) - ROUND_MAGIC
+    return ve - qe * s, vo - qo * s
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Parameter-aligned blocks (layout.Blocks). A device table holds the blocks' first elements (``nblk + 1`` entries,
+# the last is ``numel``) and then their first INT4 payload bytes (``nibbles // 2``, ``nblk + 1`` entries). Each of a
+# tile's G blocks is still one row of the ``[G, 2 * HALF]`` tile, at its own start: element ``t`` of block ``b`` is
+# row element ``starts[b] + t``, valid while ``t < length[b]``. Starts are arbitrary, so these accesses are masked
+# and, in general, not vectorized.
+
+
+@triton.jit
+def aligned_index(table_ptr, nblk, pid, G: tl.constexpr, HALF: tl.constexpr):
+    """Tile ``pid``'s block ids ``[G]``, which exist ``[G]``, their lengths ``[G]`` (0 past the last block), element
+    offsets ``[G, 2 * HALF]`` within the row, and which of those are the blocks' elements."""
+    blk = pid * G + tl.arange(0, G)
+    valid = blk < nblk
+    first = tl.load(table_ptr + blk, mask=valid, other=0)
+    length = tl.load(table_ptr + blk + 1, mask=valid, other=0) - first
+    t = tl.arange(0, 2 * HALF)
+    return blk, valid, length, first[:, None] + t[None, :], t[None, :] < length[:, None]
+
+
+@triton.jit
+def load_pairs_aligned(ptr, e, inside, G: tl.constexpr, HALF: tl.constexpr):
+    """A tile of aligned blocks of a float input as fp32 even / odd pairs (elements past a block's end are 0)."""
+    return split_pairs(tl.load(ptr + e, mask=inside, other=0.0).to(tl.float32), G, HALF)
+
+
+@triton.jit
+def _aligned_bytes(table_ptr, nblk, blk, valid, length, HALF: tl.constexpr):
+    """INT4 payload byte offsets ``[G, HALF]`` of a tile's aligned blocks and which of them hold codes."""
+    j = tl.arange(0, HALF)
+    byte0 = tl.load(table_ptr + nblk + 1 + blk, mask=valid, other=0)
+    return byte0[:, None] + j[None, :], j[None, :] < (length[:, None] + 1) // 2
+
+
+@triton.jit
+def store_codes_aligned(out_ptr, scale_ptr, table_ptr, nblk, ye, yo, scale, blk, valid, length, e, inside,
+                        BITS: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr):  # fmt: skip
+    """Writes a tile's codes of aligned blocks into a wire row (payload at byte 0) and its scales. An odd block's
+    last high nibble is the code of a masked (zero) element: 0."""
+    if BITS == 8:
+        q = join_pairs(ye, yo, G, HALF).to(tl.int8)
+        tl.store(out_ptr + e, q, mask=inside)  # payload
+    else:
+        eb, has = _aligned_bytes(table_ptr, nblk, blk, valid, length, HALF)
+        packed = ((ye & 0xF) | (yo << 4)).to(tl.int8)
+        tl.store(out_ptr + eb, packed, mask=has)  # payload
+    tl.store(scale_ptr + blk, scale, mask=valid)
+
+
+@triton.jit
+def store_padding_aligned(out_ptr, scale_ptr, table_ptr, nblk, n, so, BITS: tl.constexpr):
+    """Zeros in a wire row of aligned blocks where no block writes: after the payload up to ``so`` (fewer than 16
+    bytes) and after the last scale up to a multiple of 4 scales."""
+    if BITS == 8:
+        pb = n
+    else:
+        pb = tl.load(table_ptr + 2 * nblk + 1)
+    i = tl.arange(0, 16)
+    tl.store(out_ptr + pb + i, tl.zeros([16], tl.int8), mask=pb + i < so)
+    slot = nblk + tl.arange(0, 4)
+    tl.store(scale_ptr + slot, tl.zeros([4], tl.float32), mask=slot < (nblk + 3 & -4))
+
+
+@triton.jit
+def quantize_to_row_aligned(out_ptr, scale_ptr, table_ptr, nblk, row, pid, wire, so, n, xe, xo, seed, blk, valid,
+                            length, e, inside, BITS: tl.constexpr, QMAX: tl.constexpr, STOCHASTIC: tl.constexpr,
+                            G: tl.constexpr, HALF: tl.constexpr):  # fmt: skip
+    """:func:`quantize_to_row` for aligned blocks; program 0 of the row also writes the row's padding."""
+    counter0 = (row * tl.num_programs(0) + pid) * (G * HALF // 4)
+    ye, yo, scale = quantize_pairs(xe, xo, seed, counter0, QMAX, STOCHASTIC, G, HALF)
+    payload, scales = wire_row(out_ptr, scale_ptr, row, wire, so)
+    store_codes_aligned(payload, scales, table_ptr, nblk, ye, yo, scale, blk, valid, length, e, inside, BITS, G, HALF)
+    if pid == 0:
+        store_padding_aligned(payload, scales, table_ptr, nblk, n, so, BITS)
+    return ye, yo, scale
+
+
+@triton.jit
+def load_dequantized_aligned(buf_ptr, scale_ptr, table_ptr, nblk, blk, valid, length, e, inside, BITS: tl.constexpr,
+                             G: tl.constexpr, HALF: tl.constexpr):  # fmt: skip
+    """Reads a tile of aligned blocks of a wire row back to fp32 pairs ``q * scale`` (elements past a block's end:
+    code 0)."""
+    if BITS == 8:
+        q = tl.load(buf_ptr + e, mask=inside, other=0)  # payload
+        qe, qo = split_pairs(q.to(tl.float32), G, HALF)
+    else:
+        eb, has = _aligned_bytes(table_ptr, nblk, blk, valid, length, HALF)
+        byte = tl.load(buf_ptr + eb, mask=has, other=0).to(tl.int32)  # payload
+        qe = ((byte << 28) >> 28).to(tl.float32)
+        qo = (byte >> 4).to(tl.float32)
+    scale = tl.load(scale_ptr + blk, mask=valid, other=0.0)[:, None]
+    return qe * scale, qo * scale
+
+
+@triton.jit
+def sum_dequantized_aligned(buf_ptr, scale_ptr, table_ptr, nblk, row0, row_step, wire, so, blk, valid, length, e,
+                            inside, ROWS: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
+                            HALF: tl.constexpr):  # fmt: skip
+    """:func:`sum_dequantized` for aligned blocks."""
+    payload, scales = wire_row(buf_ptr, scale_ptr, row0, wire, so)
+    acc_e, acc_o = load_dequantized_aligned(payload, scales, table_ptr, nblk, blk, valid, length, e, inside, BITS, G,
+                                            HALF)  # fmt: skip
+    for i in tl.static_range(1, ROWS):
+        payload, scales = wire_row(buf_ptr, scale_ptr, row0 + i * row_step, wire, so)
+        ve, vo = load_dequantized_aligned(payload, scales, table_ptr, nblk, blk, valid, length, e, inside, BITS, G,
+                                          HALF)  # fmt: skip
+        acc_e += ve
+        acc_o += vo
+    return acc_e, acc_o
+
+
+@triton.jit
+def store_values_aligned(out_ptr, e, inside, ve, vo, BF16_BY_HAND: tl.constexpr, G: tl.constexpr,
+                         HALF: tl.constexpr):  # fmt: skip
+    """:func:`store_values` for a tile of aligned blocks."""
+    tl.store(out_ptr + e, _output_values(out_ptr, join_pairs(ve, vo, G, HALF), BF16_BY_HAND), mask=inside)

@@ -240,11 +240,14 @@ def _code_facts(cubin: bytes, with_paths: bool) -> dict:
 def strategy_launches() -> list[Launch]:
     """The launches the strategy makes, by kernel: every dtype, bit width and rounding at the default block sizes
     (qwZ 256, qgZ 128), qgZ's (N, K, stages) shapes (3 stages, sizes that are not multiples of 16), and another
-    block size (64) for both bit widths and roundings. Small CPU tensors: only the launch arguments matter."""
+    block size (64) for both bit widths and roundings; then the same with parameter-aligned blocks (``ALIGNED``: a
+    unit's odd parameter sizes) and with error feedback (``FEEDBACK``: qgZ's re-quantization, in the fused kernel and
+    as the quantize of a rank's own rows when it is alone on its node). Small CPU tensors: only the launch arguments
+    matter."""
     import torch
 
     from . import triton_ops as ops
-    from .layout import stage_bounds, wire_size
+    from .layout import Blocks, stage_bounds, wire_size
 
     float_dtypes = (torch.float32, torch.bfloat16, torch.float16)
     launches: list[Launch] = []
@@ -262,7 +265,7 @@ def strategy_launches() -> list[Launch]:
         packed = torch.zeros(4, wire_size(numel, bits, block), dtype=torch.uint8)
         record(f"qwZ dequantize {shape}", lambda: ops.dequantize(packed, numel, bits, block, dtype))
 
-    def qgz(dtype, in_bits, out_bits, block, stochastic, N, K, stages, chunk):
+    def qgz(dtype, in_bits, out_bits, block, stochastic, N, K, stages, chunk, feedback=False):
         g = torch.zeros(N * K * chunk, dtype=dtype)
         where = f"N={N} K={K} stages={stages} chunk={chunk}"
         for s in range(stages):
@@ -272,9 +275,10 @@ def strategy_launches() -> list[Launch]:
             )
         n = stage_bounds(chunk, stages, 0, block)[1]  # the first piece, as qgZ cuts it
         buf = torch.zeros(N, K, wire_size(n, in_bits, block), dtype=torch.uint8)
+        fb = {"residual": torch.zeros(K, n), "decay": 0.9} if feedback else {}
         record(
-            f"qgZ dequantize_reduce_quantize {where}",
-            lambda: ops.dequantize_reduce_quantize(buf, n, in_bits, out_bits, block, stochastic=stochastic),
+            f"qgZ dequantize_reduce_quantize {where}{' feedback' if feedback else ''}",
+            lambda: ops.dequantize_reduce_quantize(buf, n, in_bits, out_bits, block, stochastic=stochastic, **fb),
         )
         rows = torch.zeros(K, wire_size(n, out_bits, block), dtype=torch.uint8)
         out = torch.zeros(n, dtype=dtype)
@@ -284,7 +288,59 @@ def strategy_launches() -> list[Launch]:
         )
         if N == 2:  # the same rank with one rank per node: its own K pieces go to the rail as quantized rows
             pieces = g.view(N * K, chunk)[:K, :n]
-            record("qgZ quantize rows (N=1)", lambda: ops.quantize(pieces, out_bits, block, stochastic=stochastic))
+            record(
+                f"qgZ quantize rows (N=1){' feedback' if feedback else ''}",
+                lambda: ops.quantize(pieces, out_bits, block, stochastic=stochastic, **fb),
+            )
+
+    def qwz_aligned(dtype, bits, blocks):
+        x = torch.zeros(blocks.numel, dtype=dtype)
+        record("qwZ quantize aligned", lambda: ops.quantize(x, bits, 256, blocks=blocks))
+        packed = torch.zeros(4, blocks.wire_size(bits), dtype=torch.uint8)
+        out = torch.zeros(4 * blocks.numel, dtype=dtype)  # FSDP's flat all-gather output
+        record(
+            "qwZ dequantize aligned",
+            lambda: ops.dequantize(packed, blocks.numel, bits, 256, dtype, out=out, blocks=blocks),
+        )
+
+    def qgz_aligned(dtype, in_bits, out_bits, stochastic, N, K, stages, blocks, feedback):
+        chunk = blocks.numel
+        g = torch.zeros(N * K * chunk, dtype=dtype)
+        where = f"aligned N={N} K={K} stages={stages} chunk={chunk}"
+        for s in range(stages):
+            record(
+                f"qgZ swizzle_quantize {where}",
+                lambda s=s: ops.swizzle_quantize(
+                    g, N, K, stages, s, in_bits, 128, stochastic=stochastic, blocks=blocks
+                ),
+            )
+        for start, piece in blocks.stages(stages):
+            if piece.numel:
+                qgz_piece(dtype, in_bits, out_bits, stochastic, N, K, g, chunk, start, piece, feedback, where)
+
+    def qgz_piece(dtype, in_bits, out_bits, stochastic, N, K, g, chunk, start, piece, feedback, where):
+        n = piece.numel
+        buf = torch.zeros(N, K, piece.wire_size(in_bits), dtype=torch.uint8)
+        fb = {"residual": torch.zeros(K, n), "decay": 0.9} if feedback else {}
+        label = f"{where} start={start}{' feedback' if feedback else ''}"
+        record(
+            f"qgZ dequantize_reduce_quantize {label}",
+            lambda: ops.dequantize_reduce_quantize(
+                buf, n, in_bits, out_bits, 128, stochastic=stochastic, blocks=piece, **fb
+            ),
+        )
+        rows = torch.zeros(K, piece.wire_size(out_bits), dtype=torch.uint8)
+        out = torch.zeros(n, dtype=dtype)
+        record(
+            f"qgZ dequantize_reduce {label}",
+            lambda: ops.dequantize_reduce(rows, n, out_bits, 128, multiplier=1 / (N * K), out=out, blocks=piece),
+        )
+        if N == 2:  # one rank per node: the rank's own K pieces go to the rail as quantized rows
+            pieces = g.view(N * K, chunk)[:K, start : start + n]
+            record(
+                f"qgZ quantize rows (N=1) {label}",
+                lambda: ops.quantize(pieces, out_bits, 128, stochastic=stochastic, blocks=piece, **fb),
+            )
 
     shapes = ((2, 2, 2, 4096), (8, 4, 3, 4096), (4, 2, 3, 1000), (2, 4, 1, 4103))  # 1000, 4103: not 16-aligned
     for dtype in float_dtypes:
@@ -301,6 +357,27 @@ def strategy_launches() -> list[Launch]:
         qwz(torch.bfloat16, bits, 64, 4096 * 3, "aligned")
         for stochastic in (False, True):
             qgz(torch.bfloat16, bits, 4, 64, stochastic, *shapes[1])
+    # error feedback in uniform blocks (N=2: also the quantize of a lone rank's own rows)
+    for dtype in (torch.float32, torch.bfloat16):
+        for bits in (8, 4):
+            for stochastic in (False, True):
+                for N, K, stages, chunk in shapes[:3]:
+                    qgz(dtype, bits, 4, 128, stochastic, N, K, stages, chunk, feedback=True)
+        qgz(dtype, 8, 8, 128, False, *shapes[0], feedback=True)  # INT8 on both hops
+    # parameter-aligned blocks: a unit's shards of odd sizes (a 1-element bias, an empty one, tails of every length)
+    weights = Blocks.of_segments((4096, 1000, 3, 0, 1, 257, 640, 77), 256)
+    chunk_blocks = Blocks.of_segments((300, 3, 0, 1000, 5, 1, 257, 2048, 77), 128)
+    for dtype in float_dtypes:
+        for bits in (8, 4):
+            qwz_aligned(dtype, bits, weights)
+    for dtype in (torch.float32, torch.bfloat16):
+        for bits in (8, 4):
+            for stochastic in (False, True):
+                for N, K, stages, _ in shapes[:3]:
+                    for feedback in (False, True):
+                        qgz_aligned(dtype, bits, 4, stochastic, N, K, stages, chunk_blocks, feedback)
+        for feedback in (False, True):  # INT8 on both hops
+            qgz_aligned(dtype, 8, 8, False, *shapes[0][:3], chunk_blocks, feedback)
     return launches
 
 
@@ -384,11 +461,12 @@ def bytes_per_element(c: dict) -> float:
     once (payload, one fp32 scale per block; the wire's alignment padding is ignored)."""
     k, sig = c["constexprs"], c["signature"]
     bs = int(k["BS"])
+    feedback = 8 if k.get("FEEDBACK") == "True" else 0  # the fp32 residual, read and written
     if c["kernel"] == "_quantize_kernel":
-        return _elem_bytes(sig["x_ptr"]) + int(k["BITS"]) / 8 + 4 / bs
+        return _elem_bytes(sig["x_ptr"]) + int(k["BITS"]) / 8 + 4 / bs + feedback
     if c["kernel"] == "_dequantize_kernel":
         return int(k["ROWS"]) * (int(k["BITS"]) / 8 + 4 / bs) + _elem_bytes(sig["out_ptr"])
-    return int(k["N"]) * (int(k["IN_BITS"]) / 8 + 4 / bs) + int(k["OUT_BITS"]) / 8 + 4 / bs
+    return int(k["N"]) * (int(k["IN_BITS"]) / 8 + 4 / bs) + int(k["OUT_BITS"]) / 8 + 4 / bs + feedback
 
 
 def full_tile_instructions(c: dict) -> int:

@@ -3,6 +3,10 @@
 
 One kernel serves both: output row ``r`` is the fp32 sum of input rows ``r * ROWS .. r * ROWS + ROWS - 1`` (times the
 op's multiplier), rounded once into the output dtype. Plain dequantization is ROWS = 1.
+
+``ALIGNED`` compiles the variant for parameter-aligned blocks (``layout.Blocks``): each of a tile's G blocks reads
+its start and length from a device table (``_launch.block_table``), so its loads and stores are masked and, at
+arbitrary starts, not vectorized. Without it, the kernel is the uniform one, unchanged.
 """
 
 from __future__ import annotations
@@ -11,9 +15,19 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import LAUNCH_OPTIONS, bf16_by_hand, needs_int64, output_view, tile_shape
-from ._tiles import is_full_tile, padded_blocks, program_ids, store_values, sum_dequantized, tile_index
-from .layout import num_blocks, scale_offset, wire_size
+from ._launch import LAUNCH_OPTIONS, aligned_tile_shape, bf16_by_hand, block_table, needs_int64, output_view, tile_shape
+from ._tiles import (
+    aligned_index,
+    is_full_tile,
+    padded_blocks,
+    program_ids,
+    store_values,
+    store_values_aligned,
+    sum_dequantized,
+    sum_dequantized_aligned,
+    tile_index,
+)
+from .layout import Blocks, num_blocks, scale_offset, wire_size
 
 
 @triton.jit
@@ -30,11 +44,28 @@ def _dequantize_tile(pid, r, buf_ptr, scale_ptr, out_ptr, n, wire, so, multiplie
 
 
 @triton.jit
-def _dequantize_kernel(buf_ptr, scale_ptr, out_ptr, n, wire, so, multiplier, ROWS: tl.constexpr, BITS: tl.constexpr,
-                       BS: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr, SCALED: tl.constexpr,
-                       BF16_BY_HAND: tl.constexpr, IDX64: tl.constexpr):  # fmt: skip
+def _dequantize_aligned_tile(pid, r, buf_ptr, scale_ptr, out_ptr, n, wire, so, multiplier, table_ptr, nblk,
+                             ROWS: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr,
+                             SCALED: tl.constexpr, BF16_BY_HAND: tl.constexpr):  # fmt: skip
+    blk, valid, length, e, inside = aligned_index(table_ptr, nblk, pid, G, HALF)
+    ve, vo = sum_dequantized_aligned(buf_ptr, scale_ptr, table_ptr, nblk, r * ROWS, 1, wire, so, blk, valid, length,
+                                     e, inside, ROWS, BITS, G, HALF)  # fmt: skip
+    if SCALED:
+        ve *= multiplier
+        vo *= multiplier
+    store_values_aligned(out_ptr + r * n, e, inside, ve, vo, BF16_BY_HAND, G, HALF)
+
+
+@triton.jit
+def _dequantize_kernel(buf_ptr, scale_ptr, out_ptr, n, wire, so, multiplier, table_ptr, nblk, ROWS: tl.constexpr,
+                       BITS: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr,
+                       SCALED: tl.constexpr, BF16_BY_HAND: tl.constexpr, ALIGNED: tl.constexpr,
+                       IDX64: tl.constexpr):  # fmt: skip
     pid, r = program_ids(IDX64)
-    if is_full_tile(pid, n, BS, G):  # every tile but a row's last: no masks, vector loads and stores
+    if ALIGNED:  # parameter-aligned blocks: every access masked by its block's length
+        _dequantize_aligned_tile(pid, r, buf_ptr, scale_ptr, out_ptr, n, wire, so, multiplier, table_ptr, nblk, ROWS,
+                                 BITS, G, HALF, SCALED, BF16_BY_HAND)  # fmt: skip
+    elif is_full_tile(pid, n, BS, G):  # every tile but a row's last: no masks, vector loads and stores
         _dequantize_tile(pid, r, buf_ptr, scale_ptr, out_ptr, n, wire, so, multiplier, ROWS, BITS, BS, G, HALF,
                          SCALED, BF16_BY_HAND, False)  # fmt: skip
     else:
@@ -43,30 +74,45 @@ def _dequantize_kernel(buf_ptr, scale_ptr, out_ptr, n, wire, so, multiplier, ROW
 
 
 def _launch(rows: torch.Tensor, out: torch.Tensor, numel: int, bits: int, block_size: int, summed: int,
-            multiplier: float) -> None:  # fmt: skip
-    """Writes ``out`` (``rows.shape[0] // summed`` rows of ``numel``) from the wire ``rows``."""
+            multiplier: float, blocks: Blocks | None = None) -> None:  # fmt: skip
+    """Writes ``out`` (``rows.shape[0] // summed`` rows of ``numel``) from the wire ``rows`` (uniform blocks, or
+    ``blocks``)."""
+    wire = wire_size(numel, bits, block_size) if blocks is None else blocks.wire_size(bits)
     # the kernel indexes both buffers by these sizes: a mismatch would read or write outside them
-    assert rows.is_contiguous() and rows.shape[1] == wire_size(numel, bits, block_size)
+    assert rows.is_contiguous() and rows.shape[1] == wire
     assert out.is_contiguous() and out.numel() == rows.shape[0] // summed * numel
     if not numel or not rows.shape[0]:
         return
-    G, HALF = tile_shape(block_size)
-    grid = (triton.cdiv(num_blocks(numel, block_size), G), rows.shape[0] // summed)
+    G, HALF = tile_shape(block_size) if blocks is None else aligned_tile_shape(block_size)
+    tile = 2 * G * HALF
+    if blocks is None:
+        grid = (triton.cdiv(num_blocks(numel, block_size), G), rows.shape[0] // summed)
+        so, table, nblk = scale_offset(numel, bits), None, None  # constexpr None: the uniform kernel's signature
+    else:
+        grid = (triton.cdiv(blocks.count, G), rows.shape[0] // summed)
+        so, table, nblk = blocks.scale_offset(bits), block_table(blocks, rows.device, tile), blocks.count
     _dequantize_kernel[grid](
-        rows.view(torch.int8), rows.view(torch.float32), output_view(out), numel, rows.shape[1],
-        scale_offset(numel, bits), float(multiplier), ROWS=summed, BITS=bits, BS=block_size, G=G, HALF=HALF,
-        SCALED=multiplier != 1.0, BF16_BY_HAND=bf16_by_hand(out),
-        IDX64=needs_int64(rows.numel() + 2 * G * HALF, out.numel() + 2 * G * HALF), **LAUNCH_OPTIONS,
+        rows.view(torch.int8), rows.view(torch.float32), output_view(out), numel, rows.shape[1], so,
+        float(multiplier), table, nblk, ROWS=summed, BITS=bits, BS=block_size, G=G, HALF=HALF,
+        SCALED=multiplier != 1.0, BF16_BY_HAND=bf16_by_hand(out), ALIGNED=blocks is not None,
+        IDX64=needs_int64(rows.numel() + tile, out.numel() + tile), **LAUNCH_OPTIONS,
     )  # fmt: skip
 
 
 def dequantize(
-    buf: torch.Tensor, numel: int, bits: int, block_size: int, dtype: torch.dtype, *, out: torch.Tensor | None = None
+    buf: torch.Tensor,
+    numel: int,
+    bits: int,
+    block_size: int,
+    dtype: torch.dtype,
+    *,
+    out: torch.Tensor | None = None,
+    blocks: Blocks | None = None,
 ) -> torch.Tensor:
     rows = (buf if buf.dim() == 2 else buf.view(1, -1)).contiguous()
     if out is None:
         out = torch.empty(buf.shape[:-1] + (numel,), dtype=dtype, device=buf.device)
-    _launch(rows, out, numel, bits, block_size, 1, 1.0)
+    _launch(rows, out, numel, bits, block_size, 1, 1.0, blocks)
     return out
 
 
@@ -79,8 +125,9 @@ def dequantize_reduce(
     multiplier: float = 1.0,
     out: torch.Tensor | None = None,
     dtype: torch.dtype | None = None,
+    blocks: Blocks | None = None,
 ) -> torch.Tensor:
     if out is None:
         out = torch.empty(numel, dtype=dtype or torch.float32, device=buf.device)
-    _launch(buf.contiguous(), out, numel, bits, block_size, buf.shape[0], multiplier)
+    _launch(buf.contiguous(), out, numel, bits, block_size, buf.shape[0], multiplier, blocks)
     return out

@@ -5,6 +5,12 @@ One kernel serves both: output row ``r`` reads input row ``layout.swizzle_source
 row of ``chunk`` elements). Plain quantization of R rows is N = 1, K = R (row r reads row r); qgZ's step 1 is the
 swizzle (slot ``l*K + k`` <- chunk ``k*N + l``) over piece ``start`` of each chunk, so no reordered copy is ever
 written.
+
+``ALIGNED`` compiles the variant for parameter-aligned blocks (``layout.Blocks``): each of a tile's G blocks reads
+its start and length from a device table (``_launch.block_table``), so its accesses are masked and, at arbitrary
+starts, not vectorized; program 0 of a row writes the row's padding. ``FEEDBACK`` (plain quantization only) adds
+error feedback: ``x + decay * residual`` is quantized and ``residual`` overwritten with ``v - q * scale``. Without
+either, the kernel is the uniform one, unchanged.
 """
 
 from __future__ import annotations
@@ -13,56 +19,114 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import LAUNCH_OPTIONS, needs_int64, quantize_grid, stochastic_seed, tile_shape, unit_stride
+from ._launch import (
+    LAUNCH_OPTIONS,
+    aligned_tile_shape,
+    block_table,
+    needs_int64,
+    quantize_grid,
+    stochastic_seed,
+    tile_shape,
+    unit_stride,
+)
 from ._tiles import (
+    aligned_index,
     is_full_tile,
+    join_pairs,
     load_pairs,
+    load_pairs_aligned,
+    lost_pairs,
     padded_blocks,
     program_ids,
     quantize_to_row,
+    quantize_to_row_aligned,
+    store_values,
     swizzle_source,
     tile_index,
+    with_feedback,
 )
-from .layout import QMAX, scale_offset, stage_bounds, wire_size
+from .layout import QMAX, Blocks, scale_offset, stage_bounds, wire_size
 
 
 @triton.jit
-def _quantize_tile(pid, row, x_ptr, out_ptr, scale_ptr, n, chunk, start, N, K, wire, so, seed, BITS: tl.constexpr,
-                   QMAX: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr,
-                   STOCHASTIC: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+def _quantize_tile(pid, row, x_ptr, out_ptr, scale_ptr, n, chunk, start, N, K, wire, so, seed, res_ptr, decay,
+                   BITS: tl.constexpr, QMAX: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr,
+                   STOCHASTIC: tl.constexpr, FEEDBACK: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
     blk, e, t = tile_index(pid, BS, G, HALF)
     xe, xo = load_pairs(x_ptr + swizzle_source(row, N, K) * chunk + start, e, t, n, MASKED, BS, G, HALF)
-    quantize_to_row(out_ptr, scale_ptr, row, pid, wire, so, padded_blocks(n, BS), xe, xo, seed, e, blk, t, BITS, QMAX,
-                    STOCHASTIC, MASKED, BS, G, HALF)  # fmt: skip
+    if FEEDBACK:  # plain quantization: row r of the residual is row r's
+        re, ro = load_pairs(res_ptr + row * n, e, t, n, MASKED, BS, G, HALF)
+        xe, xo = with_feedback(xe, xo, re, ro, decay)
+    ye, yo, scale = quantize_to_row(out_ptr, scale_ptr, row, pid, wire, so, padded_blocks(n, BS), xe, xo, seed, e,
+                                    blk, t, BITS, QMAX, STOCHASTIC, MASKED, BS, G, HALF)  # fmt: skip
+    if FEEDBACK:
+        re, ro = lost_pairs(xe, xo, ye, yo, scale)
+        store_values(res_ptr + row * n, e, t, n, re, ro, MASKED, False, BS, G, HALF)
+
+
+@triton.jit
+def _quantize_aligned_tile(pid, row, x_ptr, out_ptr, scale_ptr, n, chunk, start, N, K, wire, so, seed, res_ptr, decay,
+                           table_ptr, nblk, BITS: tl.constexpr, QMAX: tl.constexpr, G: tl.constexpr,
+                           HALF: tl.constexpr, STOCHASTIC: tl.constexpr, FEEDBACK: tl.constexpr):  # fmt: skip
+    blk, valid, length, e, inside = aligned_index(table_ptr, nblk, pid, G, HALF)
+    xe, xo = load_pairs_aligned(x_ptr + swizzle_source(row, N, K) * chunk + start, e, inside, G, HALF)
+    if FEEDBACK:
+        re, ro = load_pairs_aligned(res_ptr + row * n, e, inside, G, HALF)
+        xe, xo = with_feedback(xe, xo, re, ro, decay)
+    ye, yo, scale = quantize_to_row_aligned(out_ptr, scale_ptr, table_ptr, nblk, row, pid, wire, so, n, xe, xo, seed,
+                                            blk, valid, length, e, inside, BITS, QMAX, STOCHASTIC, G,
+                                            HALF)  # fmt: skip
+    if FEEDBACK:
+        re, ro = lost_pairs(xe, xo, ye, yo, scale)
+        tl.store(res_ptr + row * n + e, join_pairs(re, ro, G, HALF), mask=inside)
 
 
 @triton.jit(do_not_specialize=["seed"])  # a fresh random seed per call must not recompile
-def _quantize_kernel(x_ptr, out_ptr, scale_ptr, n, chunk, start, N, K, wire, so, seed, BITS: tl.constexpr,
-                     QMAX: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr,
-                     STOCHASTIC: tl.constexpr, IDX64: tl.constexpr):  # fmt: skip
+def _quantize_kernel(x_ptr, out_ptr, scale_ptr, n, chunk, start, N, K, wire, so, seed, res_ptr, decay, table_ptr,
+                     nblk, BITS: tl.constexpr, QMAX: tl.constexpr, BS: tl.constexpr, G: tl.constexpr,
+                     HALF: tl.constexpr, STOCHASTIC: tl.constexpr, FEEDBACK: tl.constexpr, ALIGNED: tl.constexpr,
+                     IDX64: tl.constexpr):  # fmt: skip
     pid, row = program_ids(IDX64)
-    if is_full_tile(pid, n, BS, G):  # every tile but a row's last: no masks, vector loads and stores
-        _quantize_tile(pid, row, x_ptr, out_ptr, scale_ptr, n, chunk, start, N, K, wire, so, seed, BITS, QMAX, BS, G,
-                       HALF, STOCHASTIC, False)  # fmt: skip
+    if ALIGNED:  # parameter-aligned blocks: every access masked by its block's length
+        _quantize_aligned_tile(pid, row, x_ptr, out_ptr, scale_ptr, n, chunk, start, N, K, wire, so, seed, res_ptr,
+                               decay, table_ptr, nblk, BITS, QMAX, G, HALF, STOCHASTIC, FEEDBACK)  # fmt: skip
+    elif is_full_tile(pid, n, BS, G):  # every tile but a row's last: no masks, vector loads and stores
+        _quantize_tile(pid, row, x_ptr, out_ptr, scale_ptr, n, chunk, start, N, K, wire, so, seed, res_ptr, decay,
+                       BITS, QMAX, BS, G, HALF, STOCHASTIC, FEEDBACK, False)  # fmt: skip
     else:
-        _quantize_tile(pid, row, x_ptr, out_ptr, scale_ptr, n, chunk, start, N, K, wire, so, seed, BITS, QMAX, BS, G,
-                       HALF, STOCHASTIC, True)  # fmt: skip
+        _quantize_tile(pid, row, x_ptr, out_ptr, scale_ptr, n, chunk, start, N, K, wire, so, seed, res_ptr, decay,
+                       BITS, QMAX, BS, G, HALF, STOCHASTIC, FEEDBACK, True)  # fmt: skip
 
 
 def _launch(src: torch.Tensor, rows: int, n: int, chunk: int, start: int, N: int, K: int, bits: int,
-            block_size: int, stochastic: bool, seed: int | None) -> torch.Tensor:  # fmt: skip
+            block_size: int, stochastic: bool, seed: int | None, blocks: Blocks | None = None,
+            residual: torch.Tensor | None = None, decay: float = 1.0) -> torch.Tensor:  # fmt: skip
     """Quantizes ``rows`` rows of ``n`` elements (row r from ``src`` as the kernel docstring says) into a fresh
-    ``(rows, wire)`` buffer; the kernel writes every byte of it, padding included."""
-    wire = wire_size(n, bits, block_size)
+    ``(rows, wire)`` buffer, in uniform blocks or in ``blocks``; with ``residual`` (contiguous ``(rows, n)`` fp32,
+    only for N = 1), with error feedback. The kernel writes every byte of the buffer, padding included."""
+    if blocks is None:
+        wire, so = wire_size(n, bits, block_size), scale_offset(n, bits)
+    else:
+        wire, so = blocks.wire_size(bits), blocks.scale_offset(bits)
     out = torch.empty(rows, wire, dtype=torch.uint8, device=src.device)
     if n and rows:
-        G, HALF = tile_shape(block_size)
-        grid = (quantize_grid(n, bits, block_size, G), rows)
+        G, HALF = tile_shape(block_size) if blocks is None else aligned_tile_shape(block_size)
+        tile = 2 * G * HALF
+        if blocks is None:
+            grid = (quantize_grid(n, bits, block_size, G), rows)
+            table = nblk = None  # constexpr None: the uniform kernel's signature is unchanged
+        else:
+            grid = (triton.cdiv(blocks.count, G), rows)
+            table, nblk = block_table(blocks, src.device, tile), blocks.count
+        if residual is not None:
+            assert N == 1 and residual.is_contiguous() and residual.numel() == rows * n  # the kernel writes it
         _quantize_kernel[grid](
-            src, out.view(torch.int8), out.view(torch.float32), n, chunk, start, N, K, wire, scale_offset(n, bits),
-            stochastic_seed(seed) if stochastic else 0, BITS=bits, QMAX=QMAX[bits], BS=block_size, G=G, HALF=HALF,
-            STOCHASTIC=stochastic, IDX64=needs_int64(src.numel() + 2 * G * HALF, out.numel() + 2 * G * HALF,
-                                                     grid[0] * grid[1] * G * HALF),
+            src, out.view(torch.int8), out.view(torch.float32), n, chunk, start, N, K, wire, so,
+            stochastic_seed(seed) if stochastic else 0, residual, None if residual is None else float(decay), table,
+            nblk, BITS=bits, QMAX=QMAX[bits], BS=block_size, G=G, HALF=HALF, STOCHASTIC=stochastic,
+            FEEDBACK=residual is not None, ALIGNED=blocks is not None,
+            IDX64=needs_int64(src.numel() + tile, out.numel() + tile, grid[0] * grid[1] * G * HALF,
+                              0 if residual is None else residual.numel() + tile),
             maxnreg=128,  # ptxas otherwise caps some INT4 variants at 80 registers and spills two
             **LAUNCH_OPTIONS,
         )  # fmt: skip
@@ -70,12 +134,20 @@ def _launch(src: torch.Tensor, rows: int, n: int, chunk: int, start: int, N: int
 
 
 def quantize(
-    x: torch.Tensor, bits: int, block_size: int, *, stochastic: bool = False, seed: int | None = None
+    x: torch.Tensor,
+    bits: int,
+    block_size: int,
+    *,
+    stochastic: bool = False,
+    seed: int | None = None,
+    blocks: Blocks | None = None,
+    residual: torch.Tensor | None = None,
+    decay: float = 1.0,
 ) -> torch.Tensor:
     x = unit_stride(x)
     rows = x if x.dim() == 2 else x.view(1, -1)
     R, n = rows.shape
-    out = _launch(rows, R, n, rows.stride(0), 0, 1, R, bits, block_size, stochastic, seed)
+    out = _launch(rows, R, n, rows.stride(0), 0, 1, R, bits, block_size, stochastic, seed, blocks, residual, decay)
     return out if x.dim() == 2 else out.view(-1)
 
 
@@ -90,9 +162,15 @@ def swizzle_quantize(
     *,
     stochastic: bool = False,
     seed: int | None = None,
+    blocks: Blocks | None = None,
 ) -> torch.Tensor:
     x = unit_stride(x)
     W = ranks_per_node * num_nodes
     chunk = x.numel() // W
-    start, n = stage_bounds(chunk, stages, stage, block_size)
-    return _launch(x, W, n, chunk, start, ranks_per_node, num_nodes, bits, block_size, stochastic, seed)
+    if blocks is None:
+        start, n = stage_bounds(chunk, stages, stage, block_size)
+        piece = None
+    else:
+        start, piece = blocks.stages(stages)[stage]
+        n = piece.numel
+    return _launch(x, W, n, chunk, start, ranks_per_node, num_nodes, bits, block_size, stochastic, seed, piece)

@@ -119,41 +119,48 @@ def _dequantize_f32(buf: torch.Tensor, numel: int, bits: int, block_size: int) -
 
 
 class _Padded:
-    """Where each element (and each INT4 payload byte) of a row laid out in ``blocks`` sits in the padded row."""
+    """Where the elements (and INT4 payload bytes) of a row laid out in ``blocks`` sit in the padded row: as runs of
+    consecutive blocks that are contiguous in both layouts (a run ends after each short block, i.e. at each segment
+    end), so moving between the two is one slice copy per run, about one per parameter."""
 
-    def __init__(self, blocks: Blocks, block_size: int, device: torch.device) -> None:
-        starts = torch.tensor(blocks.starts, dtype=torch.int64, device=device)
-        lengths = starts.diff()
-        count = blocks.count
-        block_of = torch.repeat_interleave(torch.arange(count, device=device), lengths)
-        self.width = count * block_size
-        self.elements = torch.arange(blocks.numel, device=device) - starts[block_of] + block_of * block_size
-        nbytes = (lengths + 1) // 2
-        first_byte = torch.tensor(blocks.nibbles[:-1], dtype=torch.int64, device=device) // 2
-        byte_block = torch.repeat_interleave(torch.arange(count, device=device), nbytes)
-        self.bytes = (
-            torch.arange(blocks.payload_bytes(4), device=device) - first_byte[byte_block] + byte_block * block_size // 2
-        )
+    def __init__(self, blocks: Blocks, block_size: int) -> None:
+        self.width = blocks.count * block_size
+        self.element_runs: list[tuple[int, int, int]] = []  # (compact start, padded start, length)
+        self.byte_runs: list[tuple[int, int, int]] = []
+        first = 0
+        for b in range(blocks.count):
+            length = blocks.starts[b + 1] - blocks.starts[b]
+            if length < block_size or b + 1 == blocks.count:
+                self._add_run(blocks, block_size, first, b + 1)
+                first = b + 1
+
+    def _add_run(self, blocks: Blocks, block_size: int, first: int, last: int) -> None:
+        start, end = blocks.starts[first], blocks.starts[last]
+        self.element_runs.append((start, first * block_size, end - start))
+        byte_start, byte_end = blocks.nibbles[first] // 2, blocks.nibbles[last] // 2
+        self.byte_runs.append((byte_start, first * block_size // 2, byte_end - byte_start))
 
     @staticmethod
-    def of(blocks: Blocks, block_size: int, device: torch.device) -> _Padded:
-        return blocks.cached(("reference", block_size, device), lambda: _Padded(blocks, block_size, device))
+    def of(blocks: Blocks, block_size: int) -> _Padded:
+        return blocks.cached(("reference", block_size), lambda: _Padded(blocks, block_size))
 
     def spread(self, rows: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """``(R, numel)`` -> ``(R, width)``, zeros after each block's end."""
         out = torch.zeros(rows.shape[0], self.width, dtype=dtype or rows.dtype, device=rows.device)
-        out[:, self.elements] = rows.to(out.dtype)
+        for compact, padded, n in self.element_runs:
+            out[:, padded : padded + n] = rows[:, compact : compact + n]
         return out
 
-    def gather(self, padded: torch.Tensor) -> torch.Tensor:
-        return padded[:, self.elements]
+    def gather(self, padded_rows: torch.Tensor) -> torch.Tensor:
+        return torch.cat([padded_rows[:, p : p + n] for _, p, n in self.element_runs], dim=1)
 
     def compact_wire(self, uniform: torch.Tensor, blocks: Blocks, bits: int) -> torch.Tensor:
         """A uniform wire row of the padded row -> the wire row of ``blocks``."""
         R, count = uniform.shape[0], blocks.count
-        pb, so = blocks.payload_bytes(bits), blocks.scale_offset(bits)
+        so = blocks.scale_offset(bits)
         out = torch.zeros(R, blocks.wire_size(bits), dtype=torch.uint8, device=uniform.device)
-        out[:, :pb] = uniform[:, self.elements if bits == 8 else self.bytes]
+        for compact, padded, n in self.element_runs if bits == 8 else self.byte_runs:
+            out[:, compact : compact + n] = uniform[:, padded : padded + n]
         uso = scale_offset(self.width, bits)
         out[:, so : so + 4 * count] = uniform[:, uso : uso + 4 * count]
         return out
@@ -161,9 +168,10 @@ class _Padded:
     def expand_wire(self, buf: torch.Tensor, blocks: Blocks, bits: int, block_size: int) -> torch.Tensor:
         """The wire row of ``blocks`` -> the uniform wire row of the padded row (the inverse of compact_wire)."""
         R, count = buf.shape[0], blocks.count
-        pb, so = blocks.payload_bytes(bits), blocks.scale_offset(bits)
+        so = blocks.scale_offset(bits)
         out = torch.zeros(R, wire_size(self.width, bits, block_size), dtype=torch.uint8, device=buf.device)
-        out[:, self.elements if bits == 8 else self.bytes] = buf[:, :pb]
+        for compact, padded, n in self.element_runs if bits == 8 else self.byte_runs:
+            out[:, padded : padded + n] = buf[:, compact : compact + n]
         uso = scale_offset(self.width, bits)
         out[:, uso : uso + 4 * count] = buf[:, so : so + 4 * count]
         return out
@@ -175,7 +183,7 @@ def _quantize_f32(
     """``(R, numel)`` -> ``(R, wire)`` in the uniform format or the one of ``blocks``."""
     if blocks is None:
         return _quantize_uniform(values, bits, block_size, stochastic=stochastic, seed=seed)
-    padded = _Padded.of(blocks, block_size, values.device)
+    padded = _Padded.of(blocks, block_size)
     uniform = _quantize_uniform(padded.spread(values), bits, block_size, stochastic=stochastic, seed=seed)
     return padded.compact_wire(uniform, blocks, bits)
 
@@ -184,7 +192,7 @@ def _dequantize_rows(buf: torch.Tensor, numel: int, bits: int, block_size: int, 
     """``(R, wire)`` -> ``(R, numel)`` float32."""
     if blocks is None:
         return _dequantize_f32(buf, numel, bits, block_size)
-    padded = _Padded.of(blocks, block_size, buf.device)
+    padded = _Padded.of(blocks, block_size)
     uniform = padded.expand_wire(buf, blocks, bits, block_size)
     return padded.gather(_dequantize_f32(uniform, padded.width, bits, block_size))
 
@@ -226,6 +234,8 @@ def quantize(
         return _quantize_uniform(x, bits, block_size, stochastic=stochastic, seed=seed)
     rows, two_d = _as_rows(x)
     values = rows.float() if residual is not None else rows
+    if residual is not None and not two_d:
+        residual = residual.view(1, -1)  # written through the view: the caller's tensor keeps its shape
     out = _quantize_with_feedback(values, bits, block_size, blocks, stochastic, seed, residual, decay)
     return out if two_d else out.view(-1)
 

@@ -1,6 +1,13 @@
 """qgZ's step 3 in Triton: K pieces from each of N peers -> dequantize, sum over N in fp32, re-quantize (to another
 bit width if asked). Each input is read once and each output written once; bit-identical to
-``reference.dequantize_reduce_quantize``."""
+``reference.dequantize_reduce_quantize``.
+
+``ALIGNED`` compiles the variant for parameter-aligned blocks (``layout.Blocks``, the same blocks in and out): each of
+a tile's G blocks reads its start and length from a device table, so its accesses are masked and, at arbitrary
+starts, not vectorized. ``FEEDBACK`` adds error feedback to the re-quantization: ``sum + decay * residual[k]`` is
+quantized and ``residual[k]`` overwritten with ``v - q * scale``. Without either, the kernel is the uniform one,
+unchanged.
+"""
 
 from __future__ import annotations
 
@@ -8,36 +15,92 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import LAUNCH_OPTIONS, needs_int64, quantize_grid, stochastic_seed, tile_shape
-from ._tiles import is_full_tile, padded_blocks, program_ids, quantize_to_row, sum_dequantized, tile_index
-from .layout import QMAX, scale_offset, wire_size
+from ._launch import (
+    LAUNCH_OPTIONS,
+    aligned_tile_shape,
+    block_table,
+    needs_int64,
+    quantize_grid,
+    stochastic_seed,
+    tile_shape,
+)
+from ._tiles import (
+    aligned_index,
+    is_full_tile,
+    join_pairs,
+    load_pairs,
+    load_pairs_aligned,
+    lost_pairs,
+    padded_blocks,
+    program_ids,
+    quantize_to_row,
+    quantize_to_row_aligned,
+    store_values,
+    sum_dequantized,
+    sum_dequantized_aligned,
+    tile_index,
+    with_feedback,
+)
+from .layout import QMAX, Blocks, scale_offset, wire_size
 
 
 @triton.jit
 def _requantize_tile(pid, k, buf_ptr, in_scale_ptr, out_ptr, out_scale_ptr, n, K, in_wire, in_so, out_wire, out_so,
-                     seed, N: tl.constexpr, IN_BITS: tl.constexpr, OUT_BITS: tl.constexpr, QMAX: tl.constexpr,
-                     BS: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr, STOCHASTIC: tl.constexpr,
-                     MASKED: tl.constexpr):  # fmt: skip
+                     seed, res_ptr, decay, N: tl.constexpr, IN_BITS: tl.constexpr, OUT_BITS: tl.constexpr,
+                     QMAX: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr,
+                     STOCHASTIC: tl.constexpr, FEEDBACK: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
     blk, e, t = tile_index(pid, BS, G, HALF)
     nb4 = padded_blocks(n, BS)
     xe, xo = sum_dequantized(buf_ptr, in_scale_ptr, k, K, in_wire, e, blk, t, n, in_so, nb4, N, IN_BITS, MASKED, BS,
                              G, HALF)  # fmt: skip
-    quantize_to_row(out_ptr, out_scale_ptr, k, pid, out_wire, out_so, nb4, xe, xo, seed, e, blk, t, OUT_BITS, QMAX,
-                    STOCHASTIC, MASKED, BS, G, HALF)  # fmt: skip
+    if FEEDBACK:
+        re, ro = load_pairs(res_ptr + k * n, e, t, n, MASKED, BS, G, HALF)
+        xe, xo = with_feedback(xe, xo, re, ro, decay)
+    ye, yo, scale = quantize_to_row(out_ptr, out_scale_ptr, k, pid, out_wire, out_so, nb4, xe, xo, seed, e, blk, t,
+                                    OUT_BITS, QMAX, STOCHASTIC, MASKED, BS, G, HALF)  # fmt: skip
+    if FEEDBACK:
+        re, ro = lost_pairs(xe, xo, ye, yo, scale)
+        store_values(res_ptr + k * n, e, t, n, re, ro, MASKED, False, BS, G, HALF)
+
+
+@triton.jit
+def _requantize_aligned_tile(pid, k, buf_ptr, in_scale_ptr, out_ptr, out_scale_ptr, n, K, in_wire, in_so, out_wire,
+                             out_so, seed, res_ptr, decay, table_ptr, nblk, N: tl.constexpr, IN_BITS: tl.constexpr,
+                             OUT_BITS: tl.constexpr, QMAX: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr,
+                             STOCHASTIC: tl.constexpr, FEEDBACK: tl.constexpr):  # fmt: skip
+    blk, valid, length, e, inside = aligned_index(table_ptr, nblk, pid, G, HALF)
+    xe, xo = sum_dequantized_aligned(buf_ptr, in_scale_ptr, table_ptr, nblk, k, K, in_wire, in_so, blk, valid, length,
+                                     e, inside, N, IN_BITS, G, HALF)  # fmt: skip
+    if FEEDBACK:
+        re, ro = load_pairs_aligned(res_ptr + k * n, e, inside, G, HALF)
+        xe, xo = with_feedback(xe, xo, re, ro, decay)
+    ye, yo, scale = quantize_to_row_aligned(out_ptr, out_scale_ptr, table_ptr, nblk, k, pid, out_wire, out_so, n, xe,
+                                            xo, seed, blk, valid, length, e, inside, OUT_BITS, QMAX, STOCHASTIC, G,
+                                            HALF)  # fmt: skip
+    if FEEDBACK:
+        re, ro = lost_pairs(xe, xo, ye, yo, scale)
+        tl.store(res_ptr + k * n + e, join_pairs(re, ro, G, HALF), mask=inside)
 
 
 @triton.jit(do_not_specialize=["seed"])  # a fresh random seed per call must not recompile
 def _requantize_kernel(buf_ptr, in_scale_ptr, out_ptr, out_scale_ptr, n, K, in_wire, in_so, out_wire, out_so, seed,
-                       N: tl.constexpr, IN_BITS: tl.constexpr, OUT_BITS: tl.constexpr, QMAX: tl.constexpr,
-                       BS: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr, STOCHASTIC: tl.constexpr,
+                       res_ptr, decay, table_ptr, nblk, N: tl.constexpr, IN_BITS: tl.constexpr,
+                       OUT_BITS: tl.constexpr, QMAX: tl.constexpr, BS: tl.constexpr, G: tl.constexpr,
+                       HALF: tl.constexpr, STOCHASTIC: tl.constexpr, FEEDBACK: tl.constexpr, ALIGNED: tl.constexpr,
                        IDX64: tl.constexpr):  # fmt: skip
     pid, k = program_ids(IDX64)
-    if is_full_tile(pid, n, BS, G):  # every tile but a row's last: no masks, vector loads and stores
+    if ALIGNED:  # parameter-aligned blocks: every access masked by its block's length
+        _requantize_aligned_tile(pid, k, buf_ptr, in_scale_ptr, out_ptr, out_scale_ptr, n, K, in_wire, in_so,
+                                 out_wire, out_so, seed, res_ptr, decay, table_ptr, nblk, N, IN_BITS, OUT_BITS, QMAX,
+                                 G, HALF, STOCHASTIC, FEEDBACK)  # fmt: skip
+    elif is_full_tile(pid, n, BS, G):  # every tile but a row's last: no masks, vector loads and stores
         _requantize_tile(pid, k, buf_ptr, in_scale_ptr, out_ptr, out_scale_ptr, n, K, in_wire, in_so, out_wire,
-                         out_so, seed, N, IN_BITS, OUT_BITS, QMAX, BS, G, HALF, STOCHASTIC, False)  # fmt: skip
+                         out_so, seed, res_ptr, decay, N, IN_BITS, OUT_BITS, QMAX, BS, G, HALF, STOCHASTIC, FEEDBACK,
+                         False)  # fmt: skip
     else:
         _requantize_tile(pid, k, buf_ptr, in_scale_ptr, out_ptr, out_scale_ptr, n, K, in_wire, in_so, out_wire,
-                         out_so, seed, N, IN_BITS, OUT_BITS, QMAX, BS, G, HALF, STOCHASTIC, True)  # fmt: skip
+                         out_so, seed, res_ptr, decay, N, IN_BITS, OUT_BITS, QMAX, BS, G, HALF, STOCHASTIC, FEEDBACK,
+                         True)  # fmt: skip
 
 
 def dequantize_reduce_quantize(
@@ -49,21 +112,40 @@ def dequantize_reduce_quantize(
     *,
     stochastic: bool = False,
     seed: int | None = None,
+    blocks: Blocks | None = None,
+    residual: torch.Tensor | None = None,
+    decay: float = 1.0,
 ) -> torch.Tensor:
     N, K, in_wire = buf.shape
-    assert N >= 1 and in_wire == wire_size(numel, in_bits, block_size)  # the kernel reads N rows of this size
+    if blocks is None:
+        in_so, out_so = scale_offset(numel, in_bits), scale_offset(numel, out_bits)
+        expected, out_wire = wire_size(numel, in_bits, block_size), wire_size(numel, out_bits, block_size)
+    else:
+        in_so, out_so = blocks.scale_offset(in_bits), blocks.scale_offset(out_bits)
+        expected, out_wire = blocks.wire_size(in_bits), blocks.wire_size(out_bits)
+    assert N >= 1 and in_wire == expected  # the kernel reads N rows of this size
+    if residual is not None:  # the kernel writes K rows of numel
+        assert residual.is_contiguous() and residual.numel() == K * numel
     buf = buf.contiguous()
-    out_wire = wire_size(numel, out_bits, block_size)
     out = torch.empty(K, out_wire, dtype=torch.uint8, device=buf.device)
     if numel and K:
-        G, HALF = tile_shape(block_size)
-        grid = (quantize_grid(numel, out_bits, block_size, G), K)
+        G, HALF = tile_shape(block_size) if blocks is None else aligned_tile_shape(block_size)
+        tile = 2 * G * HALF
+        if blocks is None:
+            grid = (quantize_grid(numel, out_bits, block_size, G), K)
+            table = nblk = None  # constexpr None: the uniform kernel's signature is unchanged
+        else:
+            grid = (triton.cdiv(blocks.count, G), K)
+            table, nblk = block_table(blocks, buf.device, tile), blocks.count
         _requantize_kernel[grid](
             buf.view(torch.int8), buf.view(torch.float32), out.view(torch.int8), out.view(torch.float32), numel, K,
-            in_wire, scale_offset(numel, in_bits), out_wire, scale_offset(numel, out_bits),
-            stochastic_seed(seed) if stochastic else 0, N=N, IN_BITS=in_bits, OUT_BITS=out_bits, QMAX=QMAX[out_bits],
-            BS=block_size, G=G, HALF=HALF, STOCHASTIC=stochastic,
-            IDX64=needs_int64(buf.numel() + 2 * G * HALF, out.numel() + 2 * G * HALF, grid[0] * K * G * HALF),
+            in_wire, in_so, out_wire, out_so, stochastic_seed(seed) if stochastic else 0, residual,
+            None if residual is None else float(decay), table, nblk, N=N, IN_BITS=in_bits, OUT_BITS=out_bits,
+            QMAX=QMAX[out_bits], BS=block_size, G=G, HALF=HALF, STOCHASTIC=stochastic, FEEDBACK=residual is not None,
+            ALIGNED=blocks is not None,
+            num_warps=4 if blocks is None else 8,  # aligned: N rows of scalar loads in flight; 4 warps need a stack
+            IDX64=needs_int64(buf.numel() + tile, out.numel() + tile, grid[0] * K * G * HALF,
+                              0 if residual is None else residual.numel() + tile),
             **LAUNCH_OPTIONS,
         )  # fmt: skip
     return out

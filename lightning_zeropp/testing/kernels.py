@@ -87,3 +87,135 @@ def check_stochastic(device: str, bits: int) -> None:
     a = tk.quantize(x, bits, block, stochastic=True, seed=5, backend="triton")
     assert _same(a, tk.quantize(x, bits, block, stochastic=True, seed=5, backend="triton"))  # reproducible
     assert not _same(a, tk.quantize(x, bits, block, stochastic=True, seed=6, backend="triton"))
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Parameter-aligned blocks (``tk.Blocks``) and error feedback (``residual``, ``decay``)
+
+# With block 128: a segment of several blocks and a tail, a 3-element one, an empty one, exactly one block, a single
+# element, one block and one element
+SEGMENTS = (300, 3, 0, 128, 5, 1, 257)
+
+
+def _blocks(segments, block: int) -> tk.Blocks | None:
+    return None if segments is None else tk.Blocks.of_segments(list(segments), block)
+
+
+def _residual(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * torch.logspace(-3, 1, shape[-1])
+
+
+def check_aligned_quantize_dequantize(
+    device: str, segments, block: int, bits: int, dtype: torch.dtype, rows: int | None = None
+) -> None:
+    """quantize and dequantize (fresh, into a 2-D and into a flat ``out``) in ``Blocks.of_segments(segments)``."""
+    blocks = _blocks(segments, block)
+    n = blocks.numel
+    x = _inputs((rows or 1) * n, dtype, seed=n + bits + block)
+    x = x if rows is None else x.view(rows, n)
+    want = tk.quantize(x, bits, block, blocks=blocks, backend="torch")
+    got = tk.quantize(x.to(device), bits, block, blocks=blocks, backend="triton")
+    where = f"{segments=} {block=} {bits=} {dtype} {rows=}"
+    assert torch.equal(want, got.cpu()), f"quantize {where}: {(want != got.cpu()).nonzero()[:8].tolist()}"
+    for out_dtype in (torch.float32, torch.bfloat16):
+        a = tk.dequantize(want, n, bits, block, out_dtype, blocks=blocks, backend="torch")
+        b = tk.dequantize(want.to(device), n, bits, block, out_dtype, blocks=blocks, backend="triton")
+        assert _same(a, b), f"dequantize {where} -> {out_dtype}"
+        if rows is not None:
+            for shape in ((rows, n), (rows * n,)):
+                out = torch.full(shape, 7.0, dtype=out_dtype, device=device)
+                c = tk.dequantize(want.to(device), n, bits, block, out_dtype, out=out, blocks=blocks, backend="triton")
+                assert c is out and _same(a.reshape(shape), out), f"dequantize {where} into {shape} {out_dtype}"
+
+
+def check_feedback(
+    device: str, segments, block: int, bits: int, dtype: torch.dtype, rows: int | None = None, decay: float = 0.9
+) -> None:
+    """quantize with error feedback (in uniform blocks when ``segments`` is None): wire buffer and residual."""
+    blocks = _blocks(segments, block)
+    n = blocks.numel if blocks is not None else 301
+    shape = (n,) if rows is None else (rows, n)
+    x = _inputs((rows or 1) * n, dtype, seed=n + bits).view(shape)
+    residual = _residual(shape, seed=n)
+    r_want, r_got = residual.clone(), residual.clone().to(device)
+    want = tk.quantize(x, bits, block, blocks=blocks, residual=r_want, decay=decay, backend="torch")
+    got = tk.quantize(x.to(device), bits, block, blocks=blocks, residual=r_got, decay=decay, backend="triton")
+    where = f"{segments=} {block=} {bits=} {dtype} {rows=}"
+    assert torch.equal(want, got.cpu()), f"quantize with feedback {where}: {(want != got.cpu()).nonzero()[:8]}"
+    assert r_got.shape == shape and r_want.shape == shape, f"residual {where}: reshaped"
+    assert _same(r_want, r_got), f"residual {where}: {(r_want != r_got.cpu()).nonzero()[:8].tolist()}"
+
+
+def check_swizzle_aligned(device: str, N: int, K: int, segments, block: int, stages: int, bits: int, dtype) -> None:
+    blocks = _blocks(segments, block)
+    x = _inputs(N * K * blocks.numel, dtype, seed=blocks.numel + N + K)
+    for s in range(stages):
+        want = tk.swizzle_quantize(x, N, K, stages, s, bits, block, blocks=blocks, backend="torch")
+        got = tk.swizzle_quantize(x.to(device), N, K, stages, s, bits, block, blocks=blocks, backend="triton")
+        assert torch.equal(want, got.cpu()), f"swizzle_quantize {N=} {K=} {segments=} {stages=} stage {s} {bits=}"
+
+
+def check_reduce_aligned(
+    device: str, N: int, K: int, segments, block: int, in_bits: int, out_bits: int, feedback: bool
+) -> None:
+    """dequantize_reduce_quantize (with or without error feedback) and dequantize_reduce in ``segments``' blocks (in
+    uniform blocks when None)."""
+    blocks = _blocks(segments, block)
+    n = blocks.numel if blocks is not None else 301
+    values = _inputs(N * K * n, torch.float32, seed=n + K).view(N * K, n)
+    buf = tk.quantize(values, in_bits, block, blocks=blocks, backend="torch").view(N, K, -1)
+    where = f"{N=} {K=} {segments=} {in_bits}->{out_bits}"
+    r_want = _residual((K, n), seed=N) if feedback else None
+    r_got = r_want.clone().to(device) if feedback else None
+    fb = {"residual": r_want, "decay": 0.75} if feedback else {}
+    want = tk.dequantize_reduce_quantize(buf, n, in_bits, out_bits, block, blocks=blocks, backend="torch", **fb)
+    fb = {"residual": r_got, "decay": 0.75} if feedback else {}
+    got = tk.dequantize_reduce_quantize(
+        buf.to(device), n, in_bits, out_bits, block, blocks=blocks, backend="triton", **fb
+    )
+    assert torch.equal(want, got.cpu()), f"dequantize_reduce_quantize {where}: {(want != got.cpu()).nonzero()[:8]}"
+    if feedback:
+        assert _same(r_want, r_got), f"dequantize_reduce_quantize residual {where}"
+    for dtype, multiplier in ((torch.float32, 1.0), (torch.bfloat16, 1 / 3)):
+        a = tk.dequantize_reduce(
+            buf[:, 0], n, in_bits, block, multiplier=multiplier, dtype=dtype, blocks=blocks, backend="torch"
+        )
+        out = torch.full((n,), 7.0, dtype=dtype, device=device)
+        b = tk.dequantize_reduce(
+            buf[:, 0].to(device), n, in_bits, block, multiplier=multiplier, out=out, blocks=blocks, backend="triton"
+        )
+        assert b is out and _same(a, b), f"dequantize_reduce {where} {dtype} x{multiplier}"
+
+
+def _steps(buf: torch.Tensor, blocks: tk.Blocks, bits: int) -> torch.Tensor:
+    """``(R, wire)`` in ``blocks`` -> each element's quantization step (its block's scale), ``(R, numel)``."""
+    so = blocks.scale_offset(bits)
+    scales = buf[:, so : so + 4 * blocks.count].contiguous().view(torch.float32)
+    lengths = torch.tensor(blocks.starts).diff()
+    return scales.repeat_interleave(lengths, dim=1)
+
+
+def check_stochastic_feedback(device: str, segments, block: int, bits: int, trials: int = 32) -> None:
+    """Stochastic rounding in aligned blocks with error feedback: every code within one step of ``v`` (the step of
+    its block), the residual exactly ``v - dequantized``, unbiased over seeds, reproducible for a seed."""
+    blocks = _blocks(segments, block)
+    n = blocks.numel
+    assert n < 300
+    x = torch.stack([_inputs(n, torch.float32, seed=n + i) for i in range(2)])  # below 300 elements: no NaN or Inf
+    residual = _residual((2, n), seed=3)
+    v = x + 0.5 * residual
+    samples = []
+    for seed in range(trials):
+        r = residual.clone().to(device)
+        buf = tk.quantize(x.to(device), bits, block, stochastic=True, seed=seed, blocks=blocks, residual=r,
+                          decay=0.5, backend="triton").cpu()  # fmt: skip
+        deq = tk.dequantize(buf, n, bits, block, torch.float32, blocks=blocks, backend="torch")
+        assert torch.equal(r.cpu(), v - deq), f"residual is not v - dequantized ({seed=})"
+        step = _steps(buf, blocks, bits)
+        assert torch.all((deq - v).abs() <= step * (1 + 1e-6)), f"a code more than one step from v ({seed=})"
+        samples.append(deq)
+    step = _steps(tk.quantize(v, bits, block, blocks=blocks, backend="torch"), blocks, bits)  # nearest's scales
+    assert torch.all((torch.stack(samples).mean(0) - v).abs() <= 6 * step / (2 * trials**0.5) + 1e-30), "biased"
+    a = tk.quantize(x.to(device), bits, block, stochastic=True, seed=5, blocks=blocks, backend="triton")
+    b = tk.quantize(x.to(device), bits, block, stochastic=True, seed=5, blocks=blocks, backend="triton")
+    assert torch.equal(a, b), "not reproducible"
