@@ -31,7 +31,7 @@ class UnitBlocks:
         self.module = module
         self.name = name or "<root>"
         self.config = config
-        self._parameters: list[tuple[int, bool]] | None = None
+        self._layout: list[tuple[int, bool]] | None = None
         self._blocks: dict[tuple[int, int], tk.Blocks | None] = {}
         self.unaligned: list[str] = []  # the buffers that fell back to flat blocks (what, elements per rank)
         self._warned = False
@@ -41,9 +41,9 @@ class UnitBlocks:
         return self.config.block_alignment == "parameter"
 
     def _segments(self) -> list[tuple[int, bool]]:
-        if self._parameters is None:
-            self._parameters = unit_parameters(self.module)
-        return self._parameters
+        if self._layout is None:
+            self._layout = unit_parameters(self.module)
+        return self._layout
 
     def weights(self, chunk: int) -> tk.Blocks | None:
         """Blocks for a weight all-gather chunk of ``chunk`` elements; None: flat blocks."""

@@ -222,7 +222,7 @@ def test_unit_falls_back_to_flat_blocks_with_one_warning_when_a_gradient_is_miss
     from lightning_zeropp.config import ZeroPPConfig
 
     unit = UnitBlocks(torch.nn.Linear(2, 2), "blocks.0", ZeroPPConfig())
-    unit._parameters = [(300, True), (3, True), (40, False), (7, True)]  # as FSDP2 reports them
+    unit._layout = [(300, True), (3, True), (40, False), (7, True)]  # as FSDP2 reports them
     assert unit.weights(350).starts[-1] == 350
     assert unit.gradients(310).numel == 310  # the frozen parameter is not in the gradient buffer
     with pytest.warns(UserWarning, match="cannot follow the parameters"):
