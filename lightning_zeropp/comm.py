@@ -40,7 +40,8 @@ class ZeroPPComms:
 
     def __init__(self, config: ZeroPPConfig, groups: ProcessGroups, ledger: CommLedger) -> None:
         self.config = config
-        self.groups = groups
+        self._groups: ProcessGroups | None = groups
+        self._timeout = groups.timeout
         self.ledger = ledger
         self.topology = groups.topology
         self.use_qgz = config.quantize_gradients and self.topology.num_nodes > 1
@@ -57,6 +58,20 @@ class ZeroPPComms:
         )
         self.units: list[UnitBlocks] = []  # the model's sharded units, set by fsdp_hooks.install
         self._warned_raw_bytes = False
+
+    @property
+    def groups(self) -> ProcessGroups:
+        """The job's groups; rebuilt on first use after :meth:`release_groups` (collective, as every call needing
+        them is: a sharded model used after ``Trainer.fit`` returned, or the next run of the same strategy)."""
+        if self._groups is None:
+            self._groups = ProcessGroups.build(self.topology, self._timeout)
+        return self._groups
+
+    def release_groups(self) -> None:
+        """Destroys the groups (the strategy's teardown): a process that runs many Trainers keeps at most one set."""
+        if self._groups is not None:
+            self._groups.destroy()
+            self._groups = None
 
     # ----------------------------------------------------------------- all-gather
     def all_gather(

@@ -20,13 +20,27 @@ GradientRounding = Literal["nearest", "stochastic"]
 BlockAlignment = Literal["parameter", "flat"]
 ModuleSelection = set[type[nn.Module]] | list[str] | None
 
+# Types for the numeric arguments, so that LightningCLI (jsonargparse) refuses a bad YAML value at parse time in one
+# line naming the key. Constructed in Python they are plain ints and floats, checked by ZeroPPConfig with its own
+# messages; without jsonargparse (an optional extra) they are int and float.
+_MIN_BLOCK_SIZE = 8  # a block's scale is one fp32 (4 bytes): smaller blocks make the scales outweigh the payload
+_MAX_BLOCK_SIZE = 1 << 16
+try:
+    from jsonargparse.typing import NonNegativeInt, PositiveInt, restricted_number_type
+except ImportError:  # pragma: no cover - jsonargparse is installed with the cli and test extras
+    BlockSize = NonNegativeInt = PositiveInt = int
+    Decay = float
+else:
+    BlockSize = restricted_number_type(
+        "BlockSize", int, [(">=", _MIN_BLOCK_SIZE), ("<=", _MAX_BLOCK_SIZE)], docstring="elements per fp32 scale"
+    )
+    Decay = restricted_number_type("Decay", float, [(">", 0), ("<=", 1)], docstring="a float in (0, 1]")
+PositiveIntOrAuto = PositiveInt | Literal["auto"]
+
 _KERNEL_BACKENDS = get_args(KernelBackend)
 _STATE_DICT_TYPES = ("sharded", "full")
 _GRADIENT_ROUNDINGS = ("nearest", "stochastic")
 _BLOCK_ALIGNMENTS = ("parameter", "flat")
-# A block's scale is one fp32 (4 bytes): blocks smaller than this make the scales outweigh the payload.
-_MIN_BLOCK_SIZE = 8
-_MAX_BLOCK_SIZE = 1 << 16
 
 
 def _fail(name: str, value: object, allowed: str) -> ValueError:
@@ -159,6 +173,10 @@ class ZeroPPConfig:
         _check_size_or_auto("ranks_per_node", self.ranks_per_node)
         if self.kernel_backend not in _KERNEL_BACKENDS:
             raise _fail("kernel_backend", self.kernel_backend, f"choose one of {_KERNEL_BACKENDS}")
+        for name in _NUMBERS:  # the CLI's restricted types (int and float subclasses) become plain numbers
+            value = getattr(self, name)
+            if not isinstance(value, (str, bool)):
+                object.__setattr__(self, name, (float if isinstance(value, float) else int)(value))
 
     def resolve(self, world_size: int, local_world_size: int) -> tuple[int, int]:
         """Returns ``(ranks_per_node, hpz_partition_size)`` for a job of ``world_size`` ranks launched
@@ -180,6 +198,12 @@ class ZeroPPConfig:
                 f" (1 turns hpZ off, {ranks_per_node} keeps it inside a node)",
             )
         return ranks_per_node, hpz
+
+
+_NUMBERS = (
+    "weight_bits", "gradient_bits", "intra_node_gradient_bits", "weight_block_size", "gradient_block_size",
+    "error_feedback_decay", "error_feedback_reset", "pipeline_stages", "hpz_partition_size", "ranks_per_node",
+)  # fmt: skip
 
 
 def _divisors(n: int) -> list[int]:

@@ -12,7 +12,14 @@ import dataclasses
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    FullyShardedDataParallel,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 
 from . import fsdp_hooks
 from .comm import ZeroPPComms
@@ -125,3 +132,15 @@ def apply_zeropp(
     sharded = [*targets, model]
     fsdp_hooks.install(model, comms)
     return sharded
+
+
+def refuse_fsdp1(model: nn.Module) -> None:
+    """Raises TypeError if ``model`` holds modules wrapped by FSDP1 (``FullyShardedDataParallel``): each rank's flat
+    shard would be taken for a whole parameter and sharded again, and every rank would train something different."""
+    wrapped = [name or "<root>" for name, m in model.named_modules() if isinstance(m, FullyShardedDataParallel)]
+    if wrapped:
+        raise TypeError(
+            f"ZeroPPStrategy: the model holds modules already wrapped with FSDP1's FullyShardedDataParallel"
+            f" ({', '.join(wrapped[:4])}{', ...' if len(wrapped) > 4 else ''}). ZeroPPStrategy shards the plain"
+            " model itself (on FSDP2): pass the unwrapped model, and choose the units with `auto_wrap_policy`."
+        )

@@ -2,8 +2,9 @@
 
 Used by the tests and the benchmarks: ``run_local_ranks(fn, world_size, ...)`` starts one process per rank
 (multiprocessing "spawn"), sets the variables a launcher would (MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK,
-NODE_RANK), runs ``fn(rank, world_size, *args)`` and returns every rank's return value. A rank that raises fails
-the call with its traceback; ranks that hang are killed after ``timeout`` seconds, so nothing hangs.
+LOCAL_WORLD_SIZE, NODE_RANK), runs ``fn(rank, world_size, *args)`` and returns every rank's return value. A rank
+that raises fails the call with its traceback, one that dies without a result with the end of its stderr; ranks
+that hang are killed after ``timeout`` seconds, so nothing hangs.
 """
 
 from __future__ import annotations
@@ -45,10 +46,16 @@ def _entry(
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank % ranks_per_machine),
+        LOCAL_WORLD_SIZE=str(ranks_per_machine),
         NODE_RANK=str(rank // ranks_per_machine),
         **env,
     )
     sys.path[:0] = sys_path
+    # This rank's stderr goes to a file: if the process dies without a result (a crash in native code, os._exit,
+    # the kernel's OOM killer), its last lines are reported with the exit code.
+    err = os.open(Path(out) / f"rank{rank}.stderr", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(err, 2)
+    sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
     import torch
 
     torch.set_num_threads(1)
@@ -67,6 +74,12 @@ def _failed(out: str, rank: int, proc) -> bool:
     if path.exists():
         return pickle.loads(path.read_bytes())[0] == "error"
     return not proc.is_alive() and proc.exitcode not in (None, 0)
+
+
+def _tail(out: str, rank: int, lines: int = 25) -> str:
+    path = Path(out) / f"rank{rank}.stderr"
+    text = path.read_text(errors="replace").rstrip() if path.exists() else ""
+    return "\n".join(["    " + line for line in text.splitlines()[-lines:]]) or "    (nothing)"
 
 
 def run_local_ranks(
@@ -106,7 +119,8 @@ def run_local_ranks(
         for r in range(world_size):
             path = Path(out) / f"rank{r}.pkl"
             if not path.exists():
-                errors.append(f"rank {r}: no result (exit code {procs[r].exitcode})")
+                died = "killed after the others finished" if r in hung else f"exit code {procs[r].exitcode}"
+                errors.append(f"rank {r}: no result ({died}); its stderr ended with:\n{_tail(out, r)}")
                 results.append(None)
                 continue
             status, value = pickle.loads(path.read_bytes())

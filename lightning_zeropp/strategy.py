@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation, rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import nn
@@ -30,15 +31,20 @@ from .compat.lightning import (
 )
 from .compat.torch import ForwardHooks
 from .config import (
+    BlockSize,
+    Decay,
     KernelBackend,
     ModuleSelection,
+    NonNegativeInt,
+    PositiveInt,
+    PositiveIntOrAuto,
     StateDictType,
     ZeroPPConfig,
     check_strategy_arguments,
 )
 from .ledger import CommLedger
-from .sharding import apply_zeropp
-from .topology import ProcessGroups, Topology
+from .sharding import apply_zeropp, refuse_fsdp1
+from .topology import ProcessGroups, Topology, check_launch
 
 SUPPORTED_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-true")
 _SHARDED_MARK = "_zeropp_sharding_layout"
@@ -113,7 +119,8 @@ class ZeroPPStrategy(ModelParallelBase):
         state_dict_type: ``"sharded"``: a checkpoint folder written by every rank; ``"full"``: one file.
         kernel_backend: ``"auto"`` (Triton on CUDA, pure torch elsewhere), ``"triton"`` or ``"torch"``.
         process_group_backend: ``"nccl"``, ``"gloo"``, ...; default: chosen for the device.
-        timeout: timeout of collectives.
+        timeout: how long any collective waits for a peer: Lightning's default group and every group of the
+            strategy's own (world, node, rail, hpZ) get it, so a frozen rank ends the job on the others after it.
         wrap_modules: deprecated spelling of ``auto_wrap_policy``.
         activation_checkpointing: deprecated spelling of ``activation_checkpointing_policy``.
     """
@@ -124,19 +131,19 @@ class ZeroPPStrategy(ModelParallelBase):
         self,
         quantize_weights: bool = True,
         weight_bits: Literal[8, 4] = 8,
-        hpz_partition_size: int | Literal["auto"] = "auto",
+        hpz_partition_size: PositiveIntOrAuto = "auto",
         quantize_gradients: bool = True,
         gradient_bits: Literal[4, 8] = 4,
         intra_node_gradient_bits: Literal[4, 8] = 8,
-        weight_block_size: int = 256,
-        gradient_block_size: int = 128,
+        weight_block_size: BlockSize = 256,
+        gradient_block_size: BlockSize = 128,
         gradient_rounding: Literal["nearest", "stochastic"] = "nearest",
         block_alignment: Literal["parameter", "flat"] = "parameter",
         gradient_error_feedback: bool = False,
-        error_feedback_decay: float = 0.8,
-        error_feedback_reset: int = 1024,
-        pipeline_stages: int = 2,
-        ranks_per_node: int | Literal["auto"] = "auto",
+        error_feedback_decay: Decay = 0.8,
+        error_feedback_reset: NonNegativeInt = 1024,
+        pipeline_stages: PositiveInt = 2,
+        ranks_per_node: PositiveIntOrAuto = "auto",
         auto_wrap_policy: ModuleSelection = None,
         activation_checkpointing_policy: ModuleSelection = None,
         cpu_offload: bool = False,
@@ -186,8 +193,8 @@ class ZeroPPStrategy(ModelParallelBase):
         self._activation_checkpointing_policy = activation_checkpointing_policy
         self._cpu_offload = cpu_offload
         self._state_dict_type = state_dict_type
+        self._collective_timeout = timeout
         self._topology: Topology | None = None
-        self._groups: ProcessGroups | None = None
         self._ledger: CommLedger | None = None
         self._comms: ZeroPPComms | None = None
         self._steps: _StepRedirection | None = None
@@ -226,10 +233,14 @@ class ZeroPPStrategy(ModelParallelBase):
     # ------------------------------------------------------------------ setup
     @override
     def setup_environment(self) -> None:
+        assert self.cluster_environment is not None
+        env = self.cluster_environment
+        said = {k: v for k, v in os.environ.items() if isinstance(env, SLURMEnvironment) or not k.startswith("SLURM_")}
+        check_launch(self.num_nodes, self.num_processes, env.local_rank(), env.node_rank(), said)
         self.setup_distributed()
         ranks_per_node, hpz_size = self.zeropp_config.resolve(self.world_size, self.num_processes)
         topology = Topology(self.world_size, ranks_per_node, self.global_rank, hpz_size)
-        if topology != self._topology:  # fit, then validate with the same Trainer: keep mesh, groups and ledger
+        if topology != self._topology:  # fit, then validate with the same Trainer: keep mesh, ledger and state
             if topology.hpz_crosses_nodes:
                 rank_zero_warn(
                     f"ZeroPPStrategy: hpz_partition_size={hpz_size} does not divide ranks_per_node={ranks_per_node},"
@@ -238,9 +249,13 @@ class ZeroPPStrategy(ModelParallelBase):
                 )
             self._mesh = init_device_mesh(self.root_device.type, (self.world_size,), mesh_dim_names=("data_parallel",))
             self._topology = topology
-            self._groups = ProcessGroups.build(topology)
+            if self._comms is not None:
+                self._comms.release_groups()
             self._ledger = CommLedger(topology)
-            self._comms = ZeroPPComms(self.zeropp_config, self._groups, self._ledger)
+            groups = ProcessGroups.build(topology, self._collective_timeout)
+            self._comms = ZeroPPComms(self.zeropp_config, groups, self._ledger)
+        assert self._comms is not None
+        self._comms.groups  # noqa: B018  (rebuilt here if the last run's teardown released them)
         self.set_device_mesh(self._mesh)
 
     @override
@@ -255,9 +270,18 @@ class ZeroPPStrategy(ModelParallelBase):
         self.base_setup(trainer)  # converts the precision, calls shard_model, then sets up the optimizers
 
     @override
+    def teardown(self) -> None:
+        """Lightning's teardown, then the strategy's own process groups are destroyed (the next run, or a call of the
+        sharded model after ``fit`` returned, builds them again): repeated runs in one process keep one set."""
+        super().teardown()
+        if self._comms is not None:
+            self._comms.release_groups()
+
+    @override
     def shard_model(self, model: nn.Module) -> nn.Module:
         """Shards the model in place (dtype already converted: the shards hold the converted values)."""
         assert self._comms is not None and self._topology is not None
+        refuse_fsdp1(model)
         layout = self._sharding_layout(str(self.precision_plugin.precision))
         if getattr(model, _SHARDED_MARK, None) is not None:
             hooks = self._adopt_sharded_model(model, layout)
@@ -278,7 +302,7 @@ class ZeroPPStrategy(ModelParallelBase):
 
             hooks = ForwardHooks(model)
             hooks.record(shard_and_enter)
-            setattr(model, _SHARDED_MARK, (layout, hooks))
+            setattr(model, _SHARDED_MARK, (layout, hooks, self._comms))
             materialize_distributed_module(model, self.root_device)
         self._steps = _StepRedirection(hooks)
         self.barrier()
@@ -299,7 +323,7 @@ class ZeroPPStrategy(ModelParallelBase):
     def _adopt_sharded_model(self, model: nn.Module, layout: dict[str, Any]) -> ForwardHooks:
         """A model sharded by an earlier ZeroPPStrategy (an earlier Trainer): route its collectives through ours."""
         assert self._comms is not None
-        sharded_as, hooks = getattr(model, _SHARDED_MARK)
+        sharded_as, hooks, earlier = getattr(model, _SHARDED_MARK)
         differences = [f"{k}: {sharded_as[k]!r} then, {v!r} now" for k, v in layout.items() if sharded_as[k] != v]
         if differences:
             raise ValueError(
@@ -308,7 +332,10 @@ class ZeroPPStrategy(ModelParallelBase):
                 + "). Build a fresh model and load a checkpoint instead: sharded checkpoints load on any world size"
                 " and settings."
             )
+        if earlier is not self._comms:  # the earlier strategy's groups (rebuilt if the model was called after its run)
+            earlier.release_groups()
         fsdp_hooks.install(model, self._comms)
+        setattr(model, _SHARDED_MARK, (layout, hooks, self._comms))
         self._reshard()
         return hooks
 

@@ -16,6 +16,7 @@ them by their rank list.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -93,24 +94,35 @@ class ProcessGroups:
     intra_node: dist.ProcessGroup
     inter_node: dist.ProcessGroup
     hpz: dist.ProcessGroup | None
+    timeout: timedelta | None = None
     _by_ranks: dict[tuple[int, ...], str] = field(default_factory=dict)
 
     @classmethod
-    def build(cls, topology: Topology) -> ProcessGroups:
-        """Creates every group (with the default group's backend); all ranks must call this in the same order."""
+    def build(cls, topology: Topology, timeout: timedelta | None = None) -> ProcessGroups:
+        """Creates every group (with the default group's backend); all ranks must call this in the same order.
+
+        ``timeout``: how long a collective on these groups waits for a peer before it raises (torch's default, 30
+        minutes for gloo and NCCL, when None). Every group gets it: a frozen rank must end the job on the others.
+        """
         world_ranks = list(range(topology.world_size))
-        world = dist.new_group(world_ranks)
-        intra = _own_group([topology.intra_node_ranks(n) for n in range(topology.num_nodes)], topology.rank)
-        inter = _own_group([topology.rail_ranks(lr) for lr in range(topology.ranks_per_node)], topology.rank)
+        world = dist.new_group(world_ranks, timeout=timeout)
+        intra = _own_group([topology.intra_node_ranks(n) for n in range(topology.num_nodes)], topology.rank, timeout)
+        inter = _own_group([topology.rail_ranks(lr) for lr in range(topology.ranks_per_node)], topology.rank, timeout)
         hpz = None
         if 1 < topology.hpz_partition_size < topology.world_size:
             R = topology.hpz_partition_size
-            hpz = _own_group([list(range(s, s + R)) for s in range(0, topology.world_size, R)], topology.rank)
-        groups = cls(topology, world, intra, inter, hpz)
+            hpz = _own_group([list(range(s, s + R)) for s in range(0, topology.world_size, R)], topology.rank, timeout)
+        groups = cls(topology, world, intra, inter, hpz, timeout)
         groups._by_ranks[tuple(world_ranks)] = "world"
         if hpz is not None:
             groups._by_ranks[tuple(topology.hpz_ranks())] = "hpz"
         return groups
+
+    def destroy(self) -> None:
+        """Releases this rank's groups (with NCCL: their communicators). The object is unusable afterwards."""
+        for group in {id(g): g for g in (self.world, self.intra_node, self.inter_node, self.hpz) if g}.values():
+            dist.destroy_process_group(group)
+        self._by_ranks.clear()
 
     def role_of(self, group: dist.ProcessGroup) -> str:
         """ "world" or "hpz" for a group FSDP passes to a collective (matched by its ranks), else raises."""
@@ -139,12 +151,59 @@ class ProcessGroups:
         raise KeyError(role)
 
 
-def _own_group(partition: list[list[int]], rank: int) -> dist.ProcessGroup:
+def _own_group(partition: list[list[int]], rank: int, timeout: timedelta | None) -> dist.ProcessGroup:
     """Creates every group of a partition of the ranks (collective) and returns the one holding ``rank``."""
     own = None
     for ranks in partition:
-        group = dist.new_group(ranks)
+        group = dist.new_group(ranks, timeout=timeout)
         if rank in ranks:
             own = group
     assert own is not None
     return own
+
+
+def check_launch(num_nodes: int, devices: int, local_rank: int, node_rank: int, env: dict[str, str]) -> None:
+    """Refuses a process whose launcher (torchrun, SLURM, a script's variables) describes another job than the
+    Trainer's ``num_nodes`` x ``devices``, before any process group exists: otherwise some ranks train alone as a
+    separate job while the others fail deep inside the backend, or Lightning indexes a device that is not there.
+
+    ``local_rank`` / ``node_rank``: what the cluster environment says of this process; ``env``: the launcher's
+    variables (``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``SLURM_NTASKS``, ``SLURM_NTASKS_PER_NODE``) where set.
+    """
+    world = _int_var(env, "WORLD_SIZE") or _int_var(env, "SLURM_NTASKS")
+    per_node = _int_var(env, "LOCAL_WORLD_SIZE") or _slurm_tasks_per_node(env)
+    wrong = []
+    if world is not None and world != num_nodes * devices:
+        wrong.append(f"{world} ranks in all")
+    if per_node is not None and per_node != devices:
+        wrong.append(f"{per_node} per node")
+    if local_rank >= devices:
+        wrong.append(f"this process has local rank {local_rank}")
+    if node_rank >= num_nodes:
+        wrong.append(f"this process is on node {node_rank}")
+    if not wrong:
+        return
+    said = {k: env[k] for k in _LAUNCH_VARIABLES if k in env}
+    said.update(LOCAL_RANK=str(local_rank), NODE_RANK=str(node_rank))
+    hint = ""
+    if world is not None and per_node and world % per_node == 0:
+        hint = f" Set Trainer(num_nodes={world // per_node}, devices={per_node}), or launch {num_nodes} x {devices}."
+    raise RuntimeError(
+        f"ZeroPPStrategy: the launcher and the Trainer describe different jobs: the Trainer has num_nodes={num_nodes},"
+        f" devices={devices} ({num_nodes * devices} ranks, {devices} per node), the launcher says "
+        + ", ".join(wrong)
+        + f" ({', '.join(f'{k}={v}' for k, v in said.items())}).{hint or ' Make them agree.'}"
+    )
+
+
+_LAUNCH_VARIABLES = ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "RANK", "SLURM_NTASKS", "SLURM_NTASKS_PER_NODE")
+
+
+def _int_var(env: dict[str, str], name: str) -> int | None:
+    value = env.get(name)
+    return int(value) if value is not None and value.strip().isdigit() else None
+
+
+def _slurm_tasks_per_node(env: dict[str, str]) -> int | None:
+    """``SLURM_NTASKS_PER_NODE`` when it is one number ("4"; not a per-node list such as "4(x2),3")."""
+    return _int_var(env, "SLURM_NTASKS_PER_NODE")

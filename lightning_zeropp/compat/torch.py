@@ -36,6 +36,7 @@ __all__ = [
     "all_gather_single",
     "checkpoint_in_place",
     "in_backward",
+    "live_process_groups",
     "reduce_scatter_single",
     "unit_parameters",
 ]
@@ -146,3 +147,10 @@ def _probe_unit_parameters() -> None:
 
 
 _probe_unit_parameters()
+
+
+def live_process_groups() -> int:
+    """The process groups this process holds now (the default group included): a leak shows as a growing count."""
+    from torch.distributed import distributed_c10d
+
+    return len(distributed_c10d._world.pg_map) if dist.is_initialized() else 0
