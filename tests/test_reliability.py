@@ -4,72 +4,37 @@ refused before anything trains, and repeated runs in one process keep one set of
 from __future__ import annotations
 
 import json
-import os
-import signal
-import time
-from datetime import timedelta
-from pathlib import Path
 
 import pytest
 import torch
-from lightning.pytorch import Callback
-from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_zeropp import ZeroPPStrategy
 from lightning_zeropp.compat.torch import live_process_groups
 from lightning_zeropp.testing.distributed import lightning_trainer, spawn
+from lightning_zeropp.testing.faults import fault_worker, launch_worker, loader
 from lightning_zeropp.testing.models import TinyLM, make_batches
 from lightning_zeropp.topology import check_launch
 
 pytestmark = pytest.mark.multiprocess
 
 
-def _loader(n: int = 16) -> DataLoader:
-    return DataLoader(TensorDataset(*make_batches(n)), batch_size=2)
-
-
 # ----------------------------------------------------------------------------------------------- a frozen rank
-class _FreezeRank(Callback):
-    """At the third step, ``rank`` stops itself (SIGSTOP: a hung data loader or device looks like this to its peers);
-    every rank notes when that step started."""
-
-    def __init__(self, rank: int, out: str) -> None:
-        self.rank, self.out = rank, out
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if trainer.global_step == 2:
-            Path(self.out, f"freeze{trainer.global_rank}").write_text(str(time.time()))
-            if trainer.global_rank == self.rank:
-                os.kill(os.getpid(), signal.SIGSTOP)
-
-
-def _frozen_worker(rank: int, world: int, out: str, timeout_s: int) -> None:
-    torch.manual_seed(0)
-    strategy = ZeroPPStrategy(ranks_per_node=2, timeout=timedelta(seconds=timeout_s))  # qwZ, hpZ, qgZ all on
-    trainer = lightning_trainer(world, strategy, num_nodes=2, max_steps=8, callbacks=[_FreezeRank(world - 1, out)])
-    try:
-        trainer.fit(TinyLM(), _loader())
-    except BaseException as err:
-        frozen_at = float(Path(out, f"freeze{world - 1}").read_text())
-        report = {"after_freeze_s": time.time() - frozen_at, "error": f"{type(err).__name__}: {err}"}
-        Path(out, f"survivor{rank}.json").write_text(json.dumps(report))
-        raise
-    Path(out, f"survivor{rank}.json").write_text(json.dumps({"error": None}))
-
-
-def test_a_frozen_rank_ends_the_job_within_the_timeout(tmp_path):
-    """Every survivor raises within ``timeout`` + 30 s of a peer freezing, with an error that names the wait; the
-    frozen process is killed by the harness. Without ``timeout=`` on the strategy's own groups they waited 30 min."""
+@pytest.mark.parametrize("fault", ["freeze", "die"])
+def test_a_frozen_or_dead_rank_ends_the_job(tmp_path, fault):
+    """Every survivor raises within ``timeout`` + 30 s of a peer freezing (SIGSTOP) or dying, at 2 nodes x 2 with
+    qwZ, hpZ and qgZ on; the frozen process is killed by the harness. Without ``timeout=`` on the strategy's own
+    groups the survivors of a freeze waited torch's default 30 minutes."""
     timeout_s = 20
     with pytest.raises(AssertionError, match="rank 3: no result") as failed:
-        spawn(_frozen_worker, 4, str(tmp_path), timeout_s, ranks_per_machine=2, timeout=240)
+        spawn(fault_worker, 4, str(tmp_path), fault, timeout_s, 2, ranks_per_machine=2, timeout=240)
     reports = {r: json.loads((tmp_path / f"survivor{r}.json").read_text()) for r in range(3)}
-    print({r: (round(v["after_freeze_s"], 1), v["error"][:120]) for r, v in reports.items()})
+    print({r: (round(v["after_fault_s"], 1), v["error"][:120]) for r, v in reports.items()})
     for rank, report in reports.items():
-        assert report["error"] is not None, f"rank {rank} finished training with a frozen peer"
-        assert report["after_freeze_s"] < timeout_s + 30, (rank, report)
-        assert "Timed out" in report["error"] or "timeout" in report["error"].lower(), (rank, report["error"][:500])
-    assert "killed" in str(failed.value)
+        assert report["error"] is not None, f"rank {rank} finished training without its peer"
+        assert report["after_fault_s"] < timeout_s + 30, (rank, report)
+        if fault == "freeze":
+            assert "Timed out waiting 20000ms" in report["error"], (rank, report["error"][:500])
+    assert ("killed" in str(failed.value)) == (fault == "freeze")
 
 
 # ----------------------------------------------------------------------------------------------- launch mismatches
@@ -97,21 +62,12 @@ def test_matching_launches_pass(env, num_nodes, devices, local_rank, node_rank):
     check_launch(num_nodes, devices, local_rank, node_rank, env)
 
 
-def _mismatch_worker(rank: int, world: int, num_nodes: int, devices: int) -> str:
-    trainer = lightning_trainer(num_nodes * devices, ZeroPPStrategy(), num_nodes=num_nodes, max_steps=1)
-    try:
-        trainer.fit(TinyLM(), _loader(4))
-    except RuntimeError as err:
-        return str(err)
-    return "trained"
-
-
 @pytest.mark.parametrize(("ranks_per_machine", "num_nodes", "devices"), [(2, 1, 2), (4, 2, 2)])
 def test_launch_mismatch_is_refused_on_every_rank(ranks_per_machine, num_nodes, devices):
     """The environment says 2 x 2 and the Trainer 1 x 2 (half the ranks would train alone), or the environment 1 x 4
     and the Trainer 2 x 2 (Lightning would index a device that is not there): every rank refuses, none hangs."""
-    errors = spawn(_mismatch_worker, 4, num_nodes, devices, ranks_per_machine=ranks_per_machine, timeout=120)
-    for rank, error in enumerate(errors):
+    results = spawn(launch_worker, 4, num_nodes, devices, ranks_per_machine=ranks_per_machine, timeout=120)
+    for rank, error in enumerate(r["error"] for r in results):
         assert error.startswith("ZeroPPStrategy: the launcher and the Trainer describe different jobs"), (rank, error)
         assert f"num_nodes={num_nodes}, devices={devices}" in error.splitlines()[0]
 
@@ -127,7 +83,7 @@ def _fsdp1_worker(rank: int, world: int) -> str:
     before = [p.detach().clone() for p in model.parameters()]
     trainer = lightning_trainer(world, ZeroPPStrategy(ranks_per_node=1), max_steps=2)
     try:
-        trainer.fit(model, _loader(8))
+        trainer.fit(model, loader(8))
     except TypeError as err:
         assert all(torch.equal(a, b.detach()) for a, b in zip(before, model.parameters())), "trained before refusing"
         return str(err)
@@ -143,17 +99,17 @@ def _groups_worker(rank: int, world: int) -> list[tuple[str, int]]:
     counts = [("start", live_process_groups())]
     model = TinyLM()
     trainer = lightning_trainer(world, ZeroPPStrategy(ranks_per_node=2), max_steps=1)
-    trainer.fit(model, _loader(8))
+    trainer.fit(model, loader(8))
     counts.append(("fit", live_process_groups()))
-    trainer.validate(model, _loader(4), verbose=False)
+    trainer.validate(model, loader(4), verbose=False)
     counts.append(("validate", live_process_groups()))
     trainer = lightning_trainer(world, ZeroPPStrategy(ranks_per_node=2), max_steps=2)
-    trainer.fit(model, _loader(8))  # a new Trainer and strategy on the same model
+    trainer.fit(model, loader(8))  # a new Trainer and strategy on the same model
     counts.append(("new trainer", live_process_groups()))
     model(make_batches(2)[0])  # the sharded model used after fit returned: groups rebuilt for the call
     counts.append(("call after fit", live_process_groups()))
     trainer = lightning_trainer(world, ZeroPPStrategy(ranks_per_node=2), max_steps=1)
-    trainer.fit(model, _loader(8))
+    trainer.fit(model, loader(8))
     counts.append(("third trainer", live_process_groups()))
     return counts
 
