@@ -2,8 +2,14 @@
 
 The strategy's ``save_checkpoint`` / ``load_checkpoint`` call :func:`save` and :func:`load`; this module holds the rest.
 
-- Saving writes to a hidden temporary name next to the target and renames it into place only when every rank has
-  finished, so a killed rank or a full disk leaves the previous checkpoint at that path untouched.
+- Saving writes to a hidden temporary name next to the target (``.<name>.partial-*``) and swaps it into place only
+  when every rank has finished, so a killed rank or a full disk leaves the previous checkpoint at that path intact.
+  The swap is one ``renameat2(RENAME_EXCHANGE)`` where the filesystem has it; elsewhere the previous checkpoint is
+  moved aside (``.<name>.old-*``) first, and a process killed between the two renames leaves the path empty for a
+  moment: :func:`recover`, run before every save and load, puts the newest complete checkpoint back and removes
+  temporaries it can prove incomplete or superseded. The path holds a checkpoint at every point a process can die.
+- Only a checkpoint is ever replaced: a file Lightning wrote or a folder with the checkpoint metadata (or an empty
+  folder). A save onto anything else (a folder of notes, another file) is refused and deletes nothing.
 - Loading first compares the checkpoint's tensors (names and global shapes) with the model's and refuses a mismatch
   with the list of differences, instead of an opaque error from deep inside ``torch.distributed.checkpoint``.
 - A sharded checkpoint (a folder written by every rank) loads on any world size: tensors are stored with their global
@@ -12,10 +18,14 @@ The strategy's ``save_checkpoint`` / ``load_checkpoint`` call :func:`save` and :
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
+import pickletools
 import random
 import shutil
 import uuid
+import zipfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -52,25 +62,149 @@ def temporary_name(path: Path) -> Path:
     return path.with_name(f".{path.name}.partial-{uuid.uuid4().hex[:8]}")
 
 
+def _aside_name(path: Path) -> Path:
+    return path.with_name(f".{path.name}.old-{uuid.uuid4().hex[:8]}")
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _load_renameat2() -> Callable[..., int] | None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        function = libc.renameat2
+    except (OSError, AttributeError):  # not Linux, or a libc older than glibc 2.28
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    function.restype = ctypes.c_int
+    return function
+
+
+_renameat2 = _load_renameat2()
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Swaps the two existing names ``a`` and ``b`` (files or folders) in one atomic step. False where the system or
+    filesystem has no exchange rename; raises other errors."""
+    if _renameat2 is None:
+        return False
+    if _renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, os.strerror(code), str(b))
+
+
 def replace_atomically(tmp: Path, path: Path) -> None:
-    """Moves a completely written ``tmp`` (file or folder) onto ``path``, replacing what was there."""
-    if path.is_dir() and not path.is_symlink():
-        old = path.with_name(f".{path.name}.old-{uuid.uuid4().hex[:8]}")
-        os.replace(path, old)  # a folder cannot be replaced in one step: move it aside first
-        try:
-            os.replace(tmp, path)
-        except BaseException:
-            os.replace(old, path)  # put the previous checkpoint back where it was
-            raise
-        shutil.rmtree(old, ignore_errors=True)
-    else:
+    """Moves a completely written ``tmp`` (file or folder) onto ``path``, replacing what was there; at every moment
+    ``path`` holds either the previous or the new content, or (two-rename fallback only) :func:`recover` can put one
+    back."""
+    if not os.path.lexists(path) or (path.is_file() and tmp.is_file()) or path.is_symlink():
+        os.replace(tmp, path)  # one atomic step
+        return
+    if exchange(tmp, path):
+        remove(tmp)  # now the previous checkpoint
+        return
+    old = _aside_name(path)
+    os.replace(path, old)  # a folder cannot be replaced in one step without the exchange: move it aside first
+    try:
         os.replace(tmp, path)
+    except BaseException:
+        os.replace(old, path)  # put the previous checkpoint back where it was
+        raise
+    remove(old)
+
+
+# ----------------------------------------------------------------------------------------------- what is a checkpoint
+def is_checkpoint_file(path: Path) -> bool:
+    """Whether ``path`` is a Lightning checkpoint file (torch's zip format holding ``state_dict`` and Lightning's
+    version key), found by reading the pickle's strings, never by unpickling it."""
+    try:
+        if not path.is_file() or not zipfile.is_zipfile(path):
+            return False
+        with zipfile.ZipFile(path) as archive:
+            name = next((n for n in archive.namelist() if n.endswith("/data.pkl") or n == "data.pkl"), None)
+            if name is None:
+                return False
+            strings = {arg for _, arg, _ in pickletools.genops(archive.read(name)) if isinstance(arg, str)}
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError):
+        return False
+    return "state_dict" in strings and "pytorch-lightning_version" in strings
+
+
+def is_checkpoint_folder(path: Path) -> bool:
+    """Whether ``path`` is a complete sharded checkpoint: DCP's index and Lightning's metadata (written last)."""
+    return path.is_dir() and (path / METADATA_FILENAME).is_file() and (path / ".metadata").is_file()
+
+
+def is_checkpoint(path: Path) -> bool:
+    return is_checkpoint_folder(path) if path.is_dir() else is_checkpoint_file(path)
+
+
+def check_replaceable(path: Path, state_dict_type: str) -> None:
+    """Raises unless a save of ``state_dict_type`` may replace what is at ``path``: nothing, a symlink, an empty
+    folder, or a checkpoint (either format: switching ``state_dict_type`` replaces the other format's checkpoint)."""
+    if not os.path.lexists(path) or path.is_symlink() or is_checkpoint(path):
+        return
+    if path.is_dir():
+        if not any(path.iterdir()):
+            return
+        error = IsADirectoryError if state_dict_type == "full" else FileExistsError
+        raise error(
+            f"ZeroPPStrategy: cannot save the checkpoint to {path}: it is a folder that holds other files and is not a"
+            " checkpoint, and a save never deletes files it did not write. Choose another path, or move that folder."
+        )
+    raise FileExistsError(
+        f"ZeroPPStrategy: cannot save the checkpoint to {path}: a file that is not a Lightning checkpoint is there,"
+        " and a save never deletes files it did not write. Choose another path, or move that file."
+    )
+
+
+def _temporaries(path: Path) -> list[Path]:
+    """This path's hidden siblings a save leaves when it is killed: ``.<name>.partial-*`` and ``.<name>.old-*``."""
+    if not path.parent.is_dir():
+        return []
+    found = [
+        p
+        for p in path.parent.iterdir()
+        if p.name.startswith(f".{path.name}.partial-") or p.name.startswith(f".{path.name}.old-")
+    ]
+    return sorted(found, key=lambda p: p.lstat().st_mtime_ns, reverse=True)
+
+
+def recover(path: Path) -> list[str]:
+    """Repairs what a save killed mid-way left at ``path``: if the path is missing, the newest complete temporary
+    (a finished ``.partial``, else an ``.old``) is renamed back onto it; then temporaries that are incomplete, or
+    complete but superseded by a checkpoint at the path, are removed. Returns what was done (empty: nothing)."""
+    done = []
+    temporaries = _temporaries(path)
+    if not os.path.lexists(path):
+        complete = [p for p in temporaries if is_checkpoint(p)]
+        chosen = next((p for p in complete if ".partial-" in p.name), complete[0] if complete else None)
+        if chosen is not None:
+            os.replace(chosen, path)
+            done.append(f"restored {path.name} from {chosen.name}")
+            temporaries.remove(chosen)
+    if is_checkpoint(path) or not temporaries:
+        for leftover in temporaries:
+            remove(leftover)
+            done.append(f"removed {leftover.name}")
+    else:  # no checkpoint at the path: remove only what is provably incomplete
+        for leftover in temporaries:
+            if not is_checkpoint(leftover):
+                remove(leftover)
+                done.append(f"removed {leftover.name}")
+    if done:
+        rank_zero_warn(f"ZeroPPStrategy: an earlier save to {path} was interrupted; " + "; ".join(done) + ".")
+    return done
 
 
 def remove(path: Path) -> None:
-    if path.is_dir():
+    if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
-    elif path.exists():
+    elif os.path.lexists(path):
         path.unlink()
 
 
@@ -115,8 +249,58 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- validation
-def _checkpoint_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    """Names and global shapes of the model tensors stored in a checkpoint (sharded folder or full file)."""
+def flat_keys(state: Any, prefix: str = "") -> set[str]:
+    """The dotted keys ``torch.distributed.checkpoint`` stores a nested state under: mappings by key, lists that hold
+    containers by index (``param_groups.0.lr``); anything else is one value."""
+    if isinstance(state, Mapping):
+        return set().union(*(flat_keys(v, f"{prefix}{k}.") for k, v in state.items())) if state else set()
+    if isinstance(state, (list, tuple)) and any(isinstance(v, (Mapping, list, tuple)) for v in state):
+        return set().union(*(flat_keys(v, f"{prefix}{i}.") for i, v in enumerate(state)))
+    return {prefix[:-1]}
+
+
+def optimizer_keys(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]) -> list[set[str]]:
+    """The keys each optimizer's state is loaded from (what Lightning's load asks ``torch.distributed.checkpoint``
+    for): its state (created as by a first step if it has none yet) and its param groups' settings."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    return [flat_keys(get_optimizer_state_dict(model, optimizer)) for optimizer in optimizers]
+
+
+def _check_shard_files(path: Path, metadata: Any) -> None:
+    """Every file the index of a sharded checkpoint points into exists and is long enough."""
+    needed: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        file = path / name
+        if not file.is_file():
+            raise CheckpointMismatchError(
+                f"ZeroPPStrategy: the checkpoint {path} is damaged: shard file {name} is missing."
+            )
+        if file.stat().st_size < size:
+            raise CheckpointMismatchError(
+                f"ZeroPPStrategy: the checkpoint {path} is damaged: shard file {name} is truncated"
+                f" ({file.stat().st_size} bytes; its index needs {size}). Copy the checkpoint again or use another one."
+            )
+
+
+def _by_state_name(keys: set[str]) -> set[str]:
+    """Optimizer keys with the parameter left out (``state.*.exp_avg``): a full file's state may be keyed by parameter
+    index (an ordinary or consolidated checkpoint) where the job's is keyed by name; the load maps one to the other."""
+    out = set()
+    for key in keys:
+        parts = key.split(".")
+        if parts[0] == "state" and len(parts) > 2:
+            out.add(f"state.*.{parts[-1]}")
+        elif not (parts[0] == "param_groups" and parts[-1] == "params"):
+            out.add(key)
+    return out
+
+
+def _stored(path: Path) -> tuple[dict[str, tuple[int, ...]], list[set[str]]]:
+    """Names and global shapes of the model tensors stored in a checkpoint (sharded folder or full file), and each
+    optimizer's state keys (for a full file, by state name only: see :func:`_by_state_name`)."""
     if path.is_dir():
         if not (path / METADATA_FILENAME).is_file():
             raise CheckpointMismatchError(
@@ -130,24 +314,74 @@ def _checkpoint_shapes(path: Path) -> dict[str, tuple[int, ...]]:
             metadata = FileSystemReader(str(path)).read_metadata()
         except Exception as err:
             raise CheckpointMismatchError(f"ZeroPPStrategy: cannot read the checkpoint index of {path}: {err}") from err
+        _check_shard_files(path, metadata)
         prefix = f"{MODEL_KEY}."
-        return {
+        shapes = {
             key[len(prefix) :]: tuple(meta.size)
             for key, meta in metadata.state_dict_metadata.items()
             if key.startswith(prefix) and hasattr(meta, "size")
         }
+        optimizers: dict[int, set[str]] = {}
+        for key in metadata.state_dict_metadata:
+            head, _, rest = key.partition(".")
+            if head.startswith("optimizer_") and head[len("optimizer_") :].isdigit():
+                optimizers.setdefault(int(head[len("optimizer_") :]), set()).add(rest)
+        return shapes, [optimizers.get(i, set()) for i in range(len(optimizers))]
     try:
         checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=False)
     except Exception as err:
         raise CheckpointMismatchError(f"ZeroPPStrategy: {path} is not a readable checkpoint file: {err}") from err
     if not isinstance(checkpoint, Mapping) or MODEL_KEY not in checkpoint:
         raise CheckpointMismatchError(f"ZeroPPStrategy: {path} holds no '{MODEL_KEY}': not a Lightning checkpoint.")
-    return {k: tuple(v.shape) for k, v in checkpoint[MODEL_KEY].items() if isinstance(v, torch.Tensor)}
+    shapes = {k: tuple(v.shape) for k, v in checkpoint[MODEL_KEY].items() if isinstance(v, torch.Tensor)}
+    return shapes, [_by_state_name(flat_keys(state)) for state in checkpoint.get("optimizer_states", [])]
 
 
-def check_compatible(path: Path, model_shapes: Mapping[str, tuple[int, ...]], strict: bool) -> None:
-    """Raises :class:`CheckpointMismatchError` listing missing, unexpected and differently shaped tensors."""
-    stored = _checkpoint_shapes(path)
+def _listed(title: str, items: list[str]) -> str:
+    shown = ", ".join(items[:4]) + (f", ... ({len(items)} in all)" if len(items) > 4 else "")
+    return f"{title}: {shown}"
+
+
+def _check_optimizers(path: Path, stored: list[set[str]], expected: list[set[str]], names: list[str]) -> None:
+    if expected and not stored:
+        raise CheckpointMismatchError(
+            f"ZeroPPStrategy: the checkpoint {path} holds no optimizer state (saved with weights_only=True?), and this"
+            f" run resumes {len(expected)} optimizer(s). Resume from a full training checkpoint, or load only the"
+            " weights into the model before fit."
+        )
+    if len(stored) != len(expected):
+        raise CheckpointMismatchError(
+            f"ZeroPPStrategy: the checkpoint {path} holds the state of {len(stored)} optimizer(s); this run has"
+            f" {len(expected)} ({', '.join(names)}). Configure the optimizers the checkpoint was saved with."
+        )
+    for i, (have, want) in enumerate(zip(stored, expected)):
+        state_first = lambda key: (not key.startswith("state."), key)  # noqa: E731
+        missing, unexpected = sorted(want - have, key=state_first), sorted(have - want, key=state_first)
+        if not missing and not unexpected:
+            continue
+        groups = {k.split(".")[1] for k in have if k.startswith("param_groups.")}
+        wanted_groups = {k.split(".")[1] for k in want if k.startswith("param_groups.")}
+        problems = [_listed(t, x) for t, x in (("missing", missing), ("unexpected", unexpected)) if x]
+        if len(groups) != len(wanted_groups):
+            problems.append(f"param groups: {len(groups)} in the checkpoint, {len(wanted_groups)} here")
+        raise CheckpointMismatchError(
+            f"ZeroPPStrategy: optimizer {i}'s state in the checkpoint {path} does not fit this run's {names[i]}; "
+            + "; ".join(problems)
+            + ". It was likely saved with another optimizer (e.g. SGD vs AdamW) or other param groups: resume with"
+            " the optimizer it was saved with, or start the new optimizer from its weights (consolidate it with"
+            " `python -m lightning_zeropp.consolidate`, load the `state_dict` into the model, then fit)."
+        )
+
+
+def check_compatible(
+    path: Path,
+    model_shapes: Mapping[str, tuple[int, ...]],
+    strict: bool,
+    optimizers: list[tuple[str, set[str]]] | None = None,
+) -> None:
+    """Raises :class:`CheckpointMismatchError` listing missing, unexpected and differently shaped tensors; then, for
+    ``optimizers`` (name and expected keys of each optimizer this run restores), missing and unexpected state."""
+    stored, stored_optimizers = _stored(path)
     missing = sorted(set(model_shapes) - set(stored)) if strict else []
     unexpected = sorted(set(stored) - set(model_shapes)) if strict else []
     reshaped = sorted(
@@ -164,6 +398,9 @@ def check_compatible(path: Path, model_shapes: Mapping[str, tuple[int, ...]], st
         raise CheckpointMismatchError(
             f"ZeroPPStrategy: the checkpoint {path} does not fit this model; " + "; ".join(problems) + "."
         )
+    if optimizers:
+        expected = [keys if path.is_dir() else _by_state_name(keys) for _, keys in optimizers]
+        _check_optimizers(path, stored_optimizers, expected, [name for name, _ in optimizers])
 
 
 # ----------------------------------------------------------------------------------------------- save and load
@@ -184,6 +421,12 @@ def save(
     :meth:`ZeroPPComms.state_dict`; its residuals are written by each rank into a sharded checkpoint, or gathered
     into the one file."""
     path = Path(ranks.broadcast(filepath))
+
+    def prepare() -> None:  # before anything is written: repair an interrupted save, refuse to replace a non-checkpoint
+        recover(path)
+        check_replaceable(path, state_dict_type)
+
+    agree_or_raise(_attempt(prepare) if ranks.is_global_zero else None)
     checkpoint[RNG_KEY] = gather_rng_states(ranks.world_size)  # every rank's, so a resume continues each stream
     residuals = _split_residuals(comms_state) if comms_state is not None else {}
     if "error_feedback" in (comms_state or {}) and state_dict_type == "full":
@@ -208,8 +451,9 @@ def save(
     except CheckpointException as err:  # a BaseException: it would slip past `except Exception` in user code
         if ranks.is_global_zero:
             remove(tmp)
-        failures = "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, e in sorted(err.failures.items()))
-        raise RuntimeError(f"ZeroPPStrategy: saving the checkpoint {path} failed ({failures}). {_UNTOUCHED}") from err
+        raise RuntimeError(
+            f"ZeroPPStrategy: saving the checkpoint {path} failed ({describe_failures(err)}). {_UNTOUCHED}"
+        ) from err
 
     def finish() -> None:
         try:
@@ -221,6 +465,21 @@ def save(
 
     error = _attempt(finish) if ranks.is_global_zero else None
     agree_or_raise(error, f"ZeroPPStrategy: saving the checkpoint {path}", after=_UNTOUCHED)
+
+
+def describe_failures(err: BaseException) -> str:
+    """``"rank r: Type: message; ..."`` for a ``CheckpointException`` of torch.distributed.checkpoint, whose failures
+    are per rank an exception or, in newer torch, an ``(exception, stack)`` pair; the error itself otherwise."""
+    failures = getattr(err, "failures", None)
+    if not isinstance(failures, Mapping) or not failures:
+        return f"{type(err).__name__}: {err}"
+    parts = []
+    for rank, failure in sorted(failures.items()):
+        if isinstance(failure, tuple) and failure and isinstance(failure[0], BaseException):
+            failure = failure[0]
+        failure = getattr(failure, "exc", failure)  # older torch: a WrappedException holding .exc and .formatted
+        parts.append(f"rank {rank}: {type(failure).__name__}: {failure}")
+    return "; ".join(parts)
 
 
 def _attempt(write: Callable[[], None]) -> Exception | None:
@@ -238,16 +497,22 @@ def load(
     strict: bool,
     read: Callable[[Path], dict[str, Any]],
     restore: Callable[[Any, Path], None] | None = None,
+    optimizers: list[tuple[str, set[str]]] | None = None,
 ) -> dict[str, Any]:
-    """Checks the checkpoint against the model on every rank (each reads the files itself: they may not share a
-    filesystem) and only then runs the collective ``read(path)``; restores this rank's random state. Returns what
-    ``read`` returned, without the random states and the collectives' state (handed to ``restore(state, path)``)."""
+    """Repairs an interrupted save at the path (:func:`recover`), checks the checkpoint against the model and the
+    ``optimizers`` (name and expected state keys of each) on every rank (each reads the files itself: they may not
+    share a filesystem), and only then runs the collective ``read(path)``; restores this rank's random state.
+    Returns what ``read`` returned, without the random states and the collectives' state (handed to
+    ``restore(state, path)``)."""
     path = Path(ranks.broadcast(filepath))
+    agree_or_raise(_attempt(lambda: recover(path)) if ranks.is_global_zero else None)
     problem: Exception | None = None
     try:
+        if not os.path.lexists(path):  # a filesystem of this node's own: repair its copy too
+            recover(path)
         if not path.exists():
             raise FileNotFoundError(f"ZeroPPStrategy: checkpoint {path} does not exist.")
-        check_compatible(path, model_shapes, strict)
+        check_compatible(path, model_shapes, strict, optimizers)
     except (FileNotFoundError, CheckpointMismatchError) as err:
         problem = err
     agree_or_raise(problem)
@@ -257,8 +522,10 @@ def load(
         loaded = read(path)
     except CheckpointMismatchError:
         raise
-    except (Exception, CheckpointException) as err:  # a truncated shard, an unreadable file: name them
-        raise CheckpointMismatchError(f"ZeroPPStrategy: loading the checkpoint {path} failed: {err}") from err
+    except (Exception, CheckpointException) as err:  # an unreadable shard: the cause first, per rank
+        raise CheckpointMismatchError(
+            f"ZeroPPStrategy: loading the checkpoint {path} failed: {describe_failures(err)}"
+        ) from err
     restore_rng_states(loaded.pop(RNG_KEY, None), ranks.world_size, ranks.global_rank)
     if restore is not None:
         restore(loaded.pop(COMMS_KEY, None), path)

@@ -402,9 +402,13 @@ class ZeroPPStrategy(ModelParallelBase):
             if self._comms is not None:
                 ckpt.restore_comms(self._comms, states, path, path.is_dir(), self.world_size, self.global_rank)
 
+        optimizers = [
+            (type(o).__name__, keys)
+            for o, keys in zip(self.optimizers, ckpt.optimizer_keys(self.model, self.optimizers))
+        ]
         loaded = ckpt.load(
             self, checkpoint_path, shapes, self.lightning_module.strict_loading, lambda p: read(p, weights_only),
-            restore,
+            restore, optimizers,
         )  # fmt: skip
         self._reshard()
         return loaded

@@ -1,0 +1,107 @@
+"""Checkpoint errors a person reads in one line: the cause first, before any traceback.
+
+Resuming with another optimizer than the checkpoint's names the missing and unexpected state and the likely cause;
+a truncated or missing shard file is named; a failing save of ``torch.distributed.checkpoint`` is unpacked per
+rank into ``Type: message`` (torch gives ``(exception, stack)`` pairs).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+
+from lightning_zeropp import ZeroPPStrategy
+from lightning_zeropp import checkpoint as ckpt
+from lightning_zeropp.testing.distributed import lightning_trainer, spawn
+from lightning_zeropp.testing.models import TinyLM, make_batches
+
+
+def test_dcp_failures_read_as_type_and_message():
+    import traceback
+
+    stack = traceback.extract_stack()
+    err = CheckpointException("save", {0: (OSError(28, "No space left on device"), stack), 1: ValueError("bad")})
+    text = ckpt.describe_failures(err)
+    assert text == "rank 0: OSError: [Errno 28] No space left on device; rank 1: ValueError: bad", text
+    assert ckpt.describe_failures(RuntimeError("plain")) == "RuntimeError: plain"
+
+
+def test_full_file_optimizer_state_keyed_by_index_fits(tmp_path):
+    """An ordinary (or consolidated) checkpoint keys optimizer state by parameter index, the job by name: the same
+    optimizer fits; another one does not."""
+    model = torch.nn.Linear(3, 2)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(1, 3)).sum().backward()
+    sgd.step()
+    path = tmp_path / "plain.ckpt"
+    torch.save({"state_dict": model.state_dict(), "optimizer_states": [sgd.state_dict()]}, path)
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    ckpt.check_compatible(path, shapes, True, [("SGD", ckpt.optimizer_keys(model, [sgd])[0])])
+    model.zero_grad(set_to_none=True)  # as on resume: a fresh optimizer's state is then made as by a first step
+    adamw = torch.optim.AdamW(model.parameters())
+    with pytest.raises(ckpt.CheckpointMismatchError) as refused:
+        ckpt.check_compatible(path, shapes, True, [("AdamW", ckpt.optimizer_keys(model, [adamw])[0])])
+    first = str(refused.value).splitlines()[0]
+    assert "optimizer 0's state" in first and "AdamW" in first and "exp_avg" in first and "momentum_buffer" in first
+
+
+class AdamLM(TinyLM):
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+class TwoGroupLM(TinyLM):
+    def configure_optimizers(self):
+        decay = [p for n, p in self.named_parameters() if p.ndim >= 2]
+        other = [p for n, p in self.named_parameters() if p.ndim < 2]
+        return torch.optim.SGD([{"params": decay}, {"params": other, "weight_decay": 0.0}], lr=0.1, momentum=0.9)
+
+
+def _worker(rank: int, world: int, tmp: str) -> dict:
+    tmp = Path(tmp)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*make_batches(8)), batch_size=2)
+    report = {}
+    for kind in ("sharded", "full"):
+        path = tmp / f"{kind}.ckpt"
+        trainer = lightning_trainer(world, ZeroPPStrategy(ranks_per_node=1, state_dict_type=kind), max_steps=1)
+        trainer.fit(TinyLM(), loader)  # SGD with momentum
+        trainer.save_checkpoint(path)
+        for name, cls in (("adamw", AdamLM), ("groups", TwoGroupLM)):
+            trainer = lightning_trainer(world, ZeroPPStrategy(ranks_per_node=1, state_dict_type=kind), max_steps=2)
+            try:
+                trainer.fit(cls(), loader, ckpt_path=path)
+                report[f"{kind}_{name}"] = "resumed"
+            except Exception as err:
+                report[f"{kind}_{name}"] = f"{type(err).__name__}: {err}"
+    damaged = tmp / "damaged.ckpt"
+    if rank == 0:
+        shutil.copytree(tmp / "sharded.ckpt", damaged)
+        shard = sorted(damaged.glob("*.distcp"))[-1]
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    torch.distributed.barrier()  # the group of the runs above: rank 0 has damaged the copy
+    trainer = lightning_trainer(world, ZeroPPStrategy(ranks_per_node=1), max_steps=2)
+    try:
+        trainer.fit(TinyLM(), loader, ckpt_path=damaged)
+        report["truncated"] = "resumed"
+    except Exception as err:
+        report["truncated"] = f"{type(err).__name__}: {err}"
+    return report
+
+
+@pytest.mark.multiprocess
+def test_resume_errors_name_the_cause_first(tmp_path):
+    for rank, report in enumerate(spawn(_worker, 2, str(tmp_path), timeout=300)):
+        for kind in ("sharded", "full"):
+            first = report[f"{kind}_adamw"].splitlines()[0]
+            assert first.startswith("CheckpointMismatchError: ZeroPPStrategy: optimizer 0's state"), (rank, first)
+            assert "AdamW" in first and "missing" in first and "exp_avg" in first and "another optimizer" in first
+            assert "unexpected" in first and "momentum_buffer" in first, first
+            assert len(report[f"{kind}_adamw"]) < 1200, len(report[f"{kind}_adamw"])
+            first = report[f"{kind}_groups"].splitlines()[0]
+            assert "param groups: 1 in the checkpoint, 2 here" in first, (rank, first)
+        first = report["truncated"].splitlines()[0]
+        assert "CheckpointMismatchError" in first and ".distcp is truncated" in first, (rank, first)
