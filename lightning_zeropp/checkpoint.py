@@ -4,28 +4,28 @@ The strategy's ``save_checkpoint`` / ``load_checkpoint`` call :func:`save` and :
 
 - Saving writes to a hidden temporary name next to the target (``.<name>.partial-*``) and swaps it into place only
   when every rank has finished, so a killed rank or a full disk leaves the previous checkpoint at that path intact.
-  The swap is one ``renameat2(RENAME_EXCHANGE)`` where the filesystem has it; elsewhere the previous checkpoint is
-  moved aside (``.<name>.old-*``) first, and a process killed between the two renames leaves the path empty for a
-  moment: :func:`recover`, run before every save and load, puts the newest complete checkpoint back and removes
-  temporaries it can prove incomplete or superseded. The path holds a checkpoint at every point a process can die.
-- Only a checkpoint is ever replaced: a file Lightning wrote or a folder with the checkpoint metadata (or an empty
-  folder). A save onto anything else (a folder of notes, another file) is refused and deletes nothing.
-- Loading first compares the checkpoint's tensors (names and global shapes) with the model's and refuses a mismatch
-  with the list of differences, instead of an opaque error from deep inside ``torch.distributed.checkpoint``.
+  A sharded folder is complete once its metadata file is there (written last, under its name in one rename); a file
+  once it is a whole zip archive. The swap is one ``renameat2(RENAME_EXCHANGE)`` where the filesystem has it;
+  elsewhere the previous checkpoint is moved aside (``.<name>.old-*``) first, and a process killed between the two
+  renames leaves the path empty: :func:`recover`, run before every save and load, puts the newest complete
+  checkpoint back (a finished ``.partial``, else the ``.old``) and removes temporaries it can prove incomplete or
+  superseded. Whenever a process dies, the next save or load finds the previous or the new checkpoint, whole. The
+  file handling is :mod:`lightning_zeropp.checkpoint_files`.
+- Only a checkpoint is ever replaced: a file Lightning wrote, a folder with Lightning's checkpoint metadata, an empty
+  file, or (sharded) an empty folder. A save onto anything else (a folder of notes, another file) is refused on every
+  rank before anything is written, and deletes nothing.
+- Loading first compares the checkpoint with the job: tensor names and global shapes, each optimizer's state keys
+  and param groups, and (sharded) that every shard file the index points into is there and long enough. A mismatch
+  is refused with what differs and the likely cause on the first line, instead of an opaque error from deep inside
+  ``torch.distributed.checkpoint``; its own failures are unpacked per rank into ``Type: message``.
 - A sharded checkpoint (a folder written by every rank) loads on any world size: tensors are stored with their global
   shapes and re-sliced for the loading job's shards.
 """
 
 from __future__ import annotations
 
-import ctypes
-import errno
 import os
-import pickletools
 import random
-import shutil
-import uuid
-import zipfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from .checkpoint_files import check_replaceable, recover, remove, replace_atomically, save_full, temporary_name
 from .collectives import agree_or_raise
 from .compat.lightning import METADATA_FILENAME
 
@@ -56,168 +57,6 @@ class Ranks(Protocol):
 
 class CheckpointMismatchError(ValueError):
     """The checkpoint does not fit the model, or cannot be read; the message lists what is wrong."""
-
-
-def temporary_name(path: Path) -> Path:
-    return path.with_name(f".{path.name}.partial-{uuid.uuid4().hex[:8]}")
-
-
-def _aside_name(path: Path) -> Path:
-    return path.with_name(f".{path.name}.old-{uuid.uuid4().hex[:8]}")
-
-
-_RENAME_EXCHANGE = 2
-_AT_FDCWD = -100
-
-
-def _load_renameat2() -> Callable[..., int] | None:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        function = libc.renameat2
-    except (OSError, AttributeError):  # not Linux, or a libc older than glibc 2.28
-        return None
-    function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    function.restype = ctypes.c_int
-    return function
-
-
-_renameat2 = _load_renameat2()
-
-
-def exchange(a: Path, b: Path) -> bool:
-    """Swaps the two existing names ``a`` and ``b`` (files or folders) in one atomic step. False where the system or
-    filesystem has no exchange rename; raises other errors."""
-    if _renameat2 is None:
-        return False
-    if _renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
-        return True
-    code = ctypes.get_errno()
-    if code in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
-        return False
-    raise OSError(code, os.strerror(code), str(b))
-
-
-def replace_atomically(tmp: Path, path: Path) -> None:
-    """Moves a completely written ``tmp`` (file or folder) onto ``path``, replacing what was there; at every moment
-    ``path`` holds either the previous or the new content, or (two-rename fallback only) :func:`recover` can put one
-    back."""
-    if not os.path.lexists(path) or (path.is_file() and tmp.is_file()) or path.is_symlink():
-        os.replace(tmp, path)  # one atomic step
-        return
-    if exchange(tmp, path):
-        remove(tmp)  # now the previous checkpoint
-        return
-    old = _aside_name(path)
-    os.replace(path, old)  # a folder cannot be replaced in one step without the exchange: move it aside first
-    try:
-        os.replace(tmp, path)
-    except BaseException:
-        os.replace(old, path)  # put the previous checkpoint back where it was
-        raise
-    remove(old)
-
-
-# ----------------------------------------------------------------------------------------------- what is a checkpoint
-def is_checkpoint_file(path: Path) -> bool:
-    """Whether ``path`` is a Lightning checkpoint file (torch's zip format holding ``state_dict`` and Lightning's
-    version key), found by reading the pickle's strings, never by unpickling it."""
-    try:
-        if not path.is_file() or not zipfile.is_zipfile(path):
-            return False
-        with zipfile.ZipFile(path) as archive:
-            name = next((n for n in archive.namelist() if n.endswith("/data.pkl") or n == "data.pkl"), None)
-            if name is None:
-                return False
-            strings = {arg for _, arg, _ in pickletools.genops(archive.read(name)) if isinstance(arg, str)}
-    except (OSError, ValueError, zipfile.BadZipFile, EOFError):
-        return False
-    return "state_dict" in strings and "pytorch-lightning_version" in strings
-
-
-def is_checkpoint_folder(path: Path) -> bool:
-    """Whether ``path`` is a complete sharded checkpoint: DCP's index and Lightning's metadata (written last)."""
-    return path.is_dir() and (path / METADATA_FILENAME).is_file() and (path / ".metadata").is_file()
-
-
-def is_checkpoint(path: Path) -> bool:
-    return is_checkpoint_folder(path) if path.is_dir() else is_checkpoint_file(path)
-
-
-def check_replaceable(path: Path, state_dict_type: str) -> None:
-    """Raises unless a save of ``state_dict_type`` may replace what is at ``path``: nothing, a symlink, an empty
-    folder, or a checkpoint (either format: switching ``state_dict_type`` replaces the other format's checkpoint)."""
-    if not os.path.lexists(path) or path.is_symlink() or is_checkpoint(path):
-        return
-    if path.is_dir():
-        if not any(path.iterdir()):
-            return
-        error = IsADirectoryError if state_dict_type == "full" else FileExistsError
-        raise error(
-            f"ZeroPPStrategy: cannot save the checkpoint to {path}: it is a folder that holds other files and is not a"
-            " checkpoint, and a save never deletes files it did not write. Choose another path, or move that folder."
-        )
-    raise FileExistsError(
-        f"ZeroPPStrategy: cannot save the checkpoint to {path}: a file that is not a Lightning checkpoint is there,"
-        " and a save never deletes files it did not write. Choose another path, or move that file."
-    )
-
-
-def _temporaries(path: Path) -> list[Path]:
-    """This path's hidden siblings a save leaves when it is killed: ``.<name>.partial-*`` and ``.<name>.old-*``."""
-    if not path.parent.is_dir():
-        return []
-    found = [
-        p
-        for p in path.parent.iterdir()
-        if p.name.startswith(f".{path.name}.partial-") or p.name.startswith(f".{path.name}.old-")
-    ]
-    return sorted(found, key=lambda p: p.lstat().st_mtime_ns, reverse=True)
-
-
-def recover(path: Path) -> list[str]:
-    """Repairs what a save killed mid-way left at ``path``: if the path is missing, the newest complete temporary
-    (a finished ``.partial``, else an ``.old``) is renamed back onto it; then temporaries that are incomplete, or
-    complete but superseded by a checkpoint at the path, are removed. Returns what was done (empty: nothing)."""
-    done = []
-    temporaries = _temporaries(path)
-    if not os.path.lexists(path):
-        complete = [p for p in temporaries if is_checkpoint(p)]
-        chosen = next((p for p in complete if ".partial-" in p.name), complete[0] if complete else None)
-        if chosen is not None:
-            os.replace(chosen, path)
-            done.append(f"restored {path.name} from {chosen.name}")
-            temporaries.remove(chosen)
-    if is_checkpoint(path) or not temporaries:
-        for leftover in temporaries:
-            remove(leftover)
-            done.append(f"removed {leftover.name}")
-    else:  # no checkpoint at the path: remove only what is provably incomplete
-        for leftover in temporaries:
-            if not is_checkpoint(leftover):
-                remove(leftover)
-                done.append(f"removed {leftover.name}")
-    if done:
-        rank_zero_warn(f"ZeroPPStrategy: an earlier save to {path} was interrupted; " + "; ".join(done) + ".")
-    return done
-
-
-def remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    elif os.path.lexists(path):
-        path.unlink()
-
-
-def save_full(checkpoint: dict[str, Any], path: Path, save: Callable[[dict[str, Any], Path], None]) -> None:
-    """One-file checkpoint (called on rank 0 only): written next to ``path``, then renamed onto it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temporary_name(path)
-    try:
-        save(checkpoint, tmp)
-        replace_atomically(tmp, path)
-    except BaseException:
-        remove(tmp)
-        raise
 
 
 # ----------------------------------------------------------------------------------------------- random state
@@ -342,7 +181,13 @@ def _listed(title: str, items: list[str]) -> str:
     return f"{title}: {shown}"
 
 
-def _check_optimizers(path: Path, stored: list[set[str]], expected: list[set[str]], names: list[str]) -> None:
+def _groups(keys: set[str]) -> int:
+    return len({k.split(".")[1] for k in keys if k.startswith("param_groups.")})
+
+
+def _check_optimizers(
+    path: Path, stored: list[set[str]], expected: list[set[str]], names: list[str], sharded: bool
+) -> None:
     if expected and not stored:
         raise CheckpointMismatchError(
             f"ZeroPPStrategy: the checkpoint {path} holds no optimizer state (saved with weights_only=True?), and this"
@@ -355,22 +200,24 @@ def _check_optimizers(path: Path, stored: list[set[str]], expected: list[set[str
             f" {len(expected)} ({', '.join(names)}). Configure the optimizers the checkpoint was saved with."
         )
     for i, (have, want) in enumerate(zip(stored, expected)):
+        state = lambda keys: {k for k in keys if k.startswith("state.")}  # noqa: E731
+        # a sharded load asks torch.distributed.checkpoint for every key (settings too) and fails on a missing one;
+        # a full file's param groups are loaded as saved (torch fills in settings newer than the file)
+        required = want if sharded else state(want)
         state_first = lambda key: (not key.startswith("state."), key)  # noqa: E731
-        missing, unexpected = sorted(want - have, key=state_first), sorted(have - want, key=state_first)
-        if not missing and not unexpected:
-            continue
-        groups = {k.split(".")[1] for k in have if k.startswith("param_groups.")}
-        wanted_groups = {k.split(".")[1] for k in want if k.startswith("param_groups.")}
+        missing = sorted(required - have, key=state_first)
+        unexpected = sorted(state(have) - state(want), key=state_first)
         problems = [_listed(t, x) for t, x in (("missing", missing), ("unexpected", unexpected)) if x]
-        if len(groups) != len(wanted_groups):
-            problems.append(f"param groups: {len(groups)} in the checkpoint, {len(wanted_groups)} here")
-        raise CheckpointMismatchError(
-            f"ZeroPPStrategy: optimizer {i}'s state in the checkpoint {path} does not fit this run's {names[i]}; "
-            + "; ".join(problems)
-            + ". It was likely saved with another optimizer (e.g. SGD vs AdamW) or other param groups: resume with"
-            " the optimizer it was saved with, or start the new optimizer from its weights (consolidate it with"
-            " `python -m lightning_zeropp.consolidate`, load the `state_dict` into the model, then fit)."
-        )
+        if _groups(have) != _groups(want):
+            problems.append(f"param groups: {_groups(have)} in the checkpoint, {_groups(want)} here")
+        if problems:
+            raise CheckpointMismatchError(
+                f"ZeroPPStrategy: optimizer {i}'s state in the checkpoint {path} does not fit this run's {names[i]}; "
+                + "; ".join(problems)
+                + ". It was likely saved with another optimizer (e.g. SGD vs AdamW) or other param groups: resume with"
+                " the optimizer it was saved with, or start the new optimizer from its weights (consolidate it with"
+                " `python -m lightning_zeropp.consolidate`, load the `state_dict` into the model, then fit)."
+            )
 
 
 def check_compatible(
@@ -400,7 +247,7 @@ def check_compatible(
         )
     if optimizers:
         expected = [keys if path.is_dir() else _by_state_name(keys) for _, keys in optimizers]
-        _check_optimizers(path, stored_optimizers, expected, [name for name, _ in optimizers])
+        _check_optimizers(path, stored_optimizers, expected, [name for name, _ in optimizers], path.is_dir())
 
 
 # ----------------------------------------------------------------------------------------------- save and load
@@ -457,7 +304,10 @@ def save(
 
     def finish() -> None:
         try:
-            torch.save(checkpoint, tmp / METADATA_FILENAME)  # last: a folder without it is incomplete
+            # last, and under its name in one step: a folder without it is incomplete, one with it is whole
+            written = tmp / f"{METADATA_FILENAME}.partial"
+            torch.save(checkpoint, written)
+            os.replace(written, tmp / METADATA_FILENAME)
             replace_atomically(tmp, path)
         except BaseException:
             remove(tmp)
@@ -469,17 +319,21 @@ def save(
 
 def describe_failures(err: BaseException) -> str:
     """``"rank r: Type: message; ..."`` for a ``CheckpointException`` of torch.distributed.checkpoint, whose failures
-    are per rank an exception or, in newer torch, an ``(exception, stack)`` pair; the error itself otherwise."""
+    are per rank an exception or, in newer torch, an ``(exception, stack)`` pair; ranks that failed alike are named
+    together (``ranks 0, 1: ...``). The error itself for any other exception."""
     failures = getattr(err, "failures", None)
     if not isinstance(failures, Mapping) or not failures:
         return f"{type(err).__name__}: {err}"
-    parts = []
+    ranks_by_text: dict[str, list[int]] = {}
     for rank, failure in sorted(failures.items()):
         if isinstance(failure, tuple) and failure and isinstance(failure[0], BaseException):
             failure = failure[0]
         failure = getattr(failure, "exc", failure)  # older torch: a WrappedException holding .exc and .formatted
-        parts.append(f"rank {rank}: {type(failure).__name__}: {failure}")
-    return "; ".join(parts)
+        ranks_by_text.setdefault(f"{type(failure).__name__}: {failure}", []).append(rank)
+    return "; ".join(
+        f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {text}"
+        for text, ranks in ranks_by_text.items()
+    )
 
 
 def _attempt(write: Callable[[], None]) -> Exception | None:

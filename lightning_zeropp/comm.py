@@ -41,7 +41,7 @@ class ZeroPPComms:
     def __init__(self, config: ZeroPPConfig, groups: ProcessGroups, ledger: CommLedger) -> None:
         self.config = config
         self._groups: ProcessGroups | None = groups
-        self._timeout = groups.timeout
+        self._group_timeout = groups.timeout
         self.ledger = ledger
         self.topology = groups.topology
         self.use_qgz = config.quantize_gradients and self.topology.num_nodes > 1
@@ -64,7 +64,7 @@ class ZeroPPComms:
         """The job's groups; rebuilt on first use after :meth:`release_groups` (collective, as every call needing
         them is: a sharded model used after ``Trainer.fit`` returned, or the next run of the same strategy)."""
         if self._groups is None:
-            self._groups = ProcessGroups.build(self.topology, self._timeout)
+            self._groups = ProcessGroups.build(self.topology, self._group_timeout)
         return self._groups
 
     def release_groups(self) -> None:

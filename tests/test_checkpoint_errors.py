@@ -12,12 +12,22 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 from lightning_zeropp import ZeroPPStrategy
 from lightning_zeropp import checkpoint as ckpt
 from lightning_zeropp.testing.distributed import lightning_trainer, spawn
 from lightning_zeropp.testing.models import TinyLM, make_batches
+
+
+class OneRank:
+    world_size = 1
+    global_rank = 0
+    is_global_zero = True
+
+    def broadcast(self, obj, src=0):
+        return obj
 
 
 def test_dcp_failures_read_as_type_and_message():
@@ -27,7 +37,51 @@ def test_dcp_failures_read_as_type_and_message():
     err = CheckpointException("save", {0: (OSError(28, "No space left on device"), stack), 1: ValueError("bad")})
     text = ckpt.describe_failures(err)
     assert text == "rank 0: OSError: [Errno 28] No space left on device; rank 1: ValueError: bad", text
+    alike = CheckpointException("load", {r: (RuntimeError("Missing key in checkpoint: x"), stack) for r in range(4)})
+    assert ckpt.describe_failures(alike) == "ranks 0, 1, 2, 3: RuntimeError: Missing key in checkpoint: x"
     assert ckpt.describe_failures(RuntimeError("plain")) == "RuntimeError: plain"
+
+
+def test_a_full_disk_during_a_sharded_save_reads_as_the_cause(tmp_path, monkeypatch):
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", full_disk)
+    checkpoint = {"state_dict": {"w": torch.ones(3)}, "pytorch-lightning_version": "2.6.0"}
+    with pytest.warns(UserWarning), pytest.raises(RuntimeError) as failed:  # DCP warns: no process group
+        ckpt.save(OneRank(), checkpoint, tmp_path / "last.ckpt", "sharded", torch.save)
+    first = str(failed.value).splitlines()[0]
+    assert first.startswith(f"ZeroPPStrategy: saving the checkpoint {tmp_path / 'last.ckpt'} failed (rank 0: OSError:")
+    assert "[Errno 28] No space left on device" in first and "tuple" not in first and "FrameSummary" not in first
+    assert list(tmp_path.iterdir()) == []  # the temporary is gone
+
+
+def _full_file(path: Path, optimizer_states: list) -> tuple[torch.nn.Module, dict]:
+    model = torch.nn.Linear(3, 2)
+    torch.save({"state_dict": model.state_dict(), "optimizer_states": optimizer_states}, path)
+    return model, {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def test_optimizer_checks_of_a_full_file(tmp_path):
+    model, shapes = _full_file(tmp_path / "weights.ckpt", [])
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    expected = [("SGD", ckpt.optimizer_keys(model, [sgd])[0])]
+    ckpt.check_compatible(tmp_path / "weights.ckpt", shapes, True, [])  # validate: no optimizer to restore
+    with pytest.raises(ckpt.CheckpointMismatchError, match="holds no optimizer state .saved with weights_only"):
+        ckpt.check_compatible(tmp_path / "weights.ckpt", shapes, True, expected)
+    # a file from an older torch, whose param groups lack a newer setting: the load fills it in, so it fits
+    older = sgd.state_dict()
+    del older["param_groups"][0]["fused"]
+    _full_file(tmp_path / "older.ckpt", [older])
+    ckpt.check_compatible(tmp_path / "older.ckpt", shapes, True, expected)
+    two_groups = torch.optim.SGD([{"params": [model.weight]}, {"params": [model.bias]}], lr=0.1, momentum=0.9)
+    with pytest.raises(ckpt.CheckpointMismatchError) as refused:
+        ckpt.check_compatible(
+            tmp_path / "older.ckpt", shapes, True, [("SGD", ckpt.optimizer_keys(model, [two_groups])[0])]
+        )
+    assert "param groups: 1 in the checkpoint, 2 here" in str(refused.value).splitlines()[0]
+    with pytest.raises(ckpt.CheckpointMismatchError, match="holds the state of 1 optimizer.s.; this run has 2"):
+        ckpt.check_compatible(tmp_path / "older.ckpt", shapes, True, expected * 2)
 
 
 def test_full_file_optimizer_state_keyed_by_index_fits(tmp_path):
