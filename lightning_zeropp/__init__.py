@@ -2,6 +2,7 @@
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from . import fabric  # noqa: F401  (registers "zeropp" and "zero3" with Fabric)
 from .callback import CommVolumeMonitor, ZeroGradientMonitor
 from .config import ZeroPPConfig
 from .ledger import CommLedger

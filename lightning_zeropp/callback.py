@@ -12,7 +12,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.optim import Optimizer
 from typing_extensions import override
 
-_UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9}
+from .ledger import UNITS
 
 
 class CommVolumeMonitor(Callback):
@@ -25,8 +25,8 @@ class CommVolumeMonitor(Callback):
     """
 
     def __init__(self, per_kind: bool = False, prog_bar: bool = True, unit: str = "MB") -> None:
-        if unit not in _UNITS:
-            raise ValueError(f"CommVolumeMonitor: `unit={unit!r}` is not allowed; choose one of {list(_UNITS)}.")
+        if unit not in UNITS:
+            raise ValueError(f"CommVolumeMonitor: `unit={unit!r}` is not allowed; choose one of {list(UNITS)}.")
         self.per_kind = per_kind
         self.prog_bar = prog_bar
         self.unit = unit
@@ -64,19 +64,11 @@ class CommVolumeMonitor(Callback):
         if self._accumulating:
             return
         self._last_global_step = trainer.global_step
-        ledger = trainer.strategy.comm_ledger
-        scale = _UNITS[self.unit]
-        step = ledger.step()
-        metrics = {
-            f"comm/inter_node_{self.unit}": step.inter_node_bytes / scale,
-            f"comm/intra_node_{self.unit}": step.intra_node_bytes / scale,
-        }
-        pl_module.log_dict(metrics, prog_bar=self.prog_bar, on_step=True, on_epoch=False, rank_zero_only=True)
+        metrics = trainer.strategy.comm_ledger.step_metrics(self.unit, per_kind=self.per_kind, restart=False)
+        totals = {k: v for k, v in metrics.items() if k.count("/") == 1}
+        pl_module.log_dict(totals, prog_bar=self.prog_bar, on_step=True, on_epoch=False, rank_zero_only=True)
         if self.per_kind:
-            per_kind = {}
-            for kind, traffic in ledger.by_kind(step=True).items():
-                per_kind[f"comm/{kind}/inter_node_{self.unit}"] = traffic.inter_node_bytes / scale
-                per_kind[f"comm/{kind}/intra_node_{self.unit}"] = traffic.intra_node_bytes / scale
+            per_kind = {k: v for k, v in metrics.items() if k.count("/") == 2}
             pl_module.log_dict(per_kind, on_step=True, on_epoch=False, rank_zero_only=True)
 
 

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 from .topology import Topology
 
+UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9}
+
 KINDS = (
     "weight_all_gather",  # forward, from the primary shards (whole world)
     "weight_all_gather_backward",  # backward without hpZ: from the primary shards again
@@ -80,6 +82,27 @@ class CommLedger:
     def start_step(self) -> None:
         """Zeroes the per-step counters (the callback calls this when a training batch starts)."""
         self._step = defaultdict(Traffic)
+
+    def step_metrics(self, unit: str = "MB", per_kind: bool = False, restart: bool = True) -> dict[str, float]:
+        """This step's bytes as metrics, ``comm/inter_node_MB`` and ``comm/intra_node_MB`` (and, with ``per_kind``,
+        ``comm/<kind>/inter_node_MB``, ...); ``unit``: ``"B"``, ``"KB"``, ``"MB"`` or ``"GB"`` (decimal). With
+        ``restart`` the next step starts here. In a Fabric loop, after each optimizer step:
+        ``fabric.log_dict(fabric.strategy.comm_ledger.step_metrics())``."""
+        if unit not in UNITS:
+            raise ValueError(f"CommLedger.step_metrics: `unit={unit!r}` is not allowed; choose one of {list(UNITS)}.")
+        scale = UNITS[unit]
+        step = self.step()
+        metrics = {
+            f"comm/inter_node_{unit}": step.inter_node_bytes / scale,
+            f"comm/intra_node_{unit}": step.intra_node_bytes / scale,
+        }
+        if per_kind:
+            for kind, traffic in self.by_kind(step=True).items():
+                metrics[f"comm/{kind}/inter_node_{unit}"] = traffic.inter_node_bytes / scale
+                metrics[f"comm/{kind}/intra_node_{unit}"] = traffic.intra_node_bytes / scale
+        if restart:
+            self.start_step()
+        return metrics
 
     def step(self, kind: str | None = None) -> Traffic:
         return _sum(self._step, kind)

@@ -23,7 +23,7 @@ from torch.distributed.fsdp import (
 
 from . import fsdp_hooks
 from .comm import ZeroPPComms
-from .compat.torch import checkpoint_in_place
+from .compat.torch import checkpoint_in_place, unit_mesh_sizes
 from .config import ModuleSelection
 
 
@@ -96,8 +96,23 @@ def apply_zeropp(
     auto_wrap_policy: ModuleSelection,
     activation_checkpointing_policy: ModuleSelection,
     cpu_offload: bool,
+    already_sharded: bool = False,
 ) -> list[nn.Module]:
-    """Shards ``model`` in place; returns the sharded modules, root last."""
+    """Shards ``model`` in place; returns the sharded modules, root last.
+
+    ``already_sharded``: the user's ``parallelize_fn`` called ``fully_shard`` on the units it chose; they are checked
+    against the strategy's layout (``mesh``, ``reshard_after_forward``), the root is sharded if it is not yet, and
+    the collectives are installed on all of them.
+    """
+    kwargs = {
+        "mesh": mesh,
+        "reshard_after_forward": reshard_after_forward,
+        "mp_policy": mixed_precision_policy(precision),
+        "offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy(),
+    }
+    if already_sharded:
+        targets = _check_user_units(model, mesh, reshard_after_forward)
+        return _shard_root_and_install(model, targets, kwargs, comms)
     if any(isinstance(m, FSDPModule) for m in model.modules()):
         raise TypeError(
             "ZeroPPStrategy shards the model itself, but it already holds modules wrapped with `fully_shard`."
@@ -116,19 +131,20 @@ def apply_zeropp(
             if module is not model and isinstance(module, tuple(ac_classes)):
                 checkpoint_in_place(module)
 
-    kwargs = {
-        "mesh": mesh,
-        "reshard_after_forward": reshard_after_forward,
-        "mp_policy": mixed_precision_policy(precision),
-        "offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy(),
-    }
     for module in targets:
         fully_shard(module, **kwargs)
+    return _shard_root_and_install(model, targets, kwargs, comms)
+
+
+def _shard_root_and_install(
+    model: nn.Module, targets: list[nn.Module], kwargs: dict, comms: ZeroPPComms
+) -> list[nn.Module]:
     # The steps run inside the root's forward with its hooks firing once (strategy._StepRedirection), so a
     # root that cast its inputs would cast the whole batch, labels included. The units below still cast theirs,
     # and bf16-mixed autocast covers the root's own layers.
-    root_policy = dataclasses.replace(kwargs["mp_policy"], cast_forward_inputs=False)
-    fully_shard(model, **{**kwargs, "mp_policy": root_policy})
+    if not isinstance(model, FSDPModule):
+        root_policy = dataclasses.replace(kwargs["mp_policy"], cast_forward_inputs=False)
+        fully_shard(model, **{**kwargs, "mp_policy": root_policy})
     sharded = [*targets, model]
     fsdp_hooks.install(model, comms)
     return sharded
@@ -144,3 +160,29 @@ def refuse_fsdp1(model: nn.Module) -> None:
             f" ({', '.join(wrapped[:4])}{', ...' if len(wrapped) > 4 else ''}). ZeroPPStrategy shards the plain"
             " model itself (on FSDP2): pass the unwrapped model, and choose the units with `auto_wrap_policy`."
         )
+
+
+def _check_user_units(model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool | int) -> list[nn.Module]:
+    """The modules a user's ``parallelize_fn`` sharded (root excluded), after checking that each was sharded over the
+    strategy's mesh with its ``reshard_after_forward`` (the hpZ partition size when hpZ is on)."""
+    refuse_fsdp1(model)
+    units = [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+    if not units:
+        raise ValueError(
+            "ZeroPPStrategy: `parallelize_fn` returned a model without any module sharded with `fully_shard`. Call"
+            " `fully_shard(block, mesh=device_mesh, reshard_after_forward=strategy.reshard_after_forward)` on the"
+            " units you choose, or pass no `parallelize_fn` to shard the blocks by default."
+        )
+    want = mesh.size() if reshard_after_forward is True else int(reshard_after_forward)
+    for name, module in units:
+        shard_size, post_forward = unit_mesh_sizes(module)
+        if shard_size is None:
+            continue  # manages no parameter of its own
+        if shard_size != mesh.size() or post_forward != want:
+            raise ValueError(
+                f"ZeroPPStrategy: `parallelize_fn` sharded {name or '<root>'!r} over {shard_size} ranks keeping"
+                f" {'whole weights' if post_forward is None else f'1/{post_forward} of the weights'} after forward;"
+                f" this strategy shards over all {mesh.size()} ranks and keeps 1/{want} (hpZ). Call"
+                " `fully_shard(module, mesh=device_mesh, reshard_after_forward=strategy.reshard_after_forward)`."
+            )
+    return [m for name, m in units if m is not model]

@@ -3,32 +3,20 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.plugins.environments import SLURMEnvironment
-from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation, rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
 
-from . import checkpoint as ckpt
-from . import fsdp_hooks, hpz
-from . import kernels as tk
 from .comm import ZeroPPComms
-from .compat.lightning import (
-    ForwardRedirection,
-    ModelParallelBase,
-    disable_inference_mode,
-    materialize_distributed_module,
-)
+from .compat.lightning import ForwardRedirection, ModelParallelBase, disable_inference_mode
 from .compat.torch import ForwardHooks
 from .config import (
     BlockSize,
@@ -40,14 +28,12 @@ from .config import (
     PositiveIntOrAuto,
     StateDictType,
     ZeroPPConfig,
-    check_strategy_arguments,
 )
+from .core import SUPPORTED_PRECISIONS, ZeroPPCore, register_names, reshard
 from .ledger import CommLedger
-from .sharding import apply_zeropp, refuse_fsdp1
-from .topology import ProcessGroups, Topology, check_launch
+from .topology import Topology
 
-SUPPORTED_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-true")
-_SHARDED_MARK = "_zeropp_sharding_layout"
+__all__ = ["SUPPORTED_PRECISIONS", "ZeroPPStrategy"]
 
 
 class _StepRedirection(ForwardRedirection):
@@ -154,118 +140,63 @@ class ZeroPPStrategy(ModelParallelBase):
         wrap_modules: ModuleSelection = None,
         activation_checkpointing: ModuleSelection = None,
     ) -> None:
-        self.zeropp_config = ZeroPPConfig(
-            quantize_weights=quantize_weights,
-            weight_bits=weight_bits,
-            hpz_partition_size=hpz_partition_size,
-            quantize_gradients=quantize_gradients,
-            gradient_bits=gradient_bits,
-            intra_node_gradient_bits=intra_node_gradient_bits,
-            weight_block_size=weight_block_size,
-            gradient_block_size=gradient_block_size,
-            gradient_rounding=gradient_rounding,
-            block_alignment=block_alignment,
-            gradient_error_feedback=gradient_error_feedback,
-            error_feedback_decay=error_feedback_decay,
-            error_feedback_reset=error_feedback_reset,
-            pipeline_stages=pipeline_stages,
-            ranks_per_node=ranks_per_node,
-            kernel_backend=kernel_backend,
-        )
-        auto_wrap_policy = _renamed("wrap_modules", wrap_modules, "auto_wrap_policy", auto_wrap_policy)
-        activation_checkpointing_policy = _renamed(
-            "activation_checkpointing", activation_checkpointing, "activation_checkpointing_policy",
-            activation_checkpointing_policy,
-        )  # fmt: skip
-        check_strategy_arguments(
-            auto_wrap_policy=auto_wrap_policy,
-            activation_checkpointing_policy=activation_checkpointing_policy,
-            cpu_offload=cpu_offload,
-            state_dict_type=state_dict_type,
-            process_group_backend=process_group_backend,
-        )
+        arguments = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
+        self._core = ZeroPPCore.from_arguments(arguments)
         super().__init__(
             save_distributed_checkpoint=state_dict_type == "sharded",
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        self._auto_wrap_policy = auto_wrap_policy
-        self._activation_checkpointing_policy = activation_checkpointing_policy
-        self._cpu_offload = cpu_offload
-        self._state_dict_type = state_dict_type
-        self._collective_timeout = timeout
-        self._topology: Topology | None = None
-        self._ledger: CommLedger | None = None
-        self._comms: ZeroPPComms | None = None
         self._steps: _StepRedirection | None = None
 
     # ------------------------------------------------------------------ properties
     @property
+    def zeropp_config(self) -> ZeroPPConfig:
+        return self._core.config
+
+    @property
     def topology(self) -> Topology:
-        if self._topology is None:
-            raise RuntimeError("ZeroPPStrategy.topology is known once the processes have started (Trainer.fit).")
-        return self._topology
+        return self._core.topology
 
     @property
     def comm_ledger(self) -> CommLedger:
         """Bytes this rank sent, by collective kind, split into same-node and other-node peers."""
-        if self._ledger is None:
-            raise RuntimeError("ZeroPPStrategy.comm_ledger exists once the processes have started (Trainer.fit).")
-        return self._ledger
+        return self._core.ledger
+
+    @property
+    def comms(self) -> ZeroPPComms | None:
+        """The collectives every sharded module of the model calls (None before the processes start)."""
+        return self._core.comms
 
     @property
     def state_dict_type(self) -> StateDictType:
-        return self._state_dict_type
+        return self._core.state_dict_type
 
     @property
     def auto_wrap_policy(self) -> ModuleSelection:
         """The module classes (or names) that become FSDP units; None: the elements of the outermost ModuleLists."""
-        return self._auto_wrap_policy
+        return self._core.auto_wrap_policy
 
     @property
     def activation_checkpointing_policy(self) -> ModuleSelection:
-        return self._activation_checkpointing_policy
+        return self._core.activation_checkpointing_policy
 
     @property
     def cpu_offload(self) -> bool:
-        return self._cpu_offload
+        return self._core.cpu_offload
 
     # ------------------------------------------------------------------ setup
     @override
     def setup_environment(self) -> None:
         assert self.cluster_environment is not None
-        env = self.cluster_environment
-        said = {k: v for k, v in os.environ.items() if isinstance(env, SLURMEnvironment) or not k.startswith("SLURM_")}
-        check_launch(self.num_nodes, self.num_processes, env.local_rank(), env.node_rank(), said)
+        self._core.check_launch(self.cluster_environment, self.num_nodes, self.num_processes, "Trainer")
         self.setup_distributed()
-        ranks_per_node, hpz_size = self.zeropp_config.resolve(self.world_size, self.num_processes)
-        topology = Topology(self.world_size, ranks_per_node, self.global_rank, hpz_size)
-        if topology != self._topology:  # fit, then validate with the same Trainer: keep mesh, ledger and state
-            if topology.hpz_crosses_nodes:
-                rank_zero_warn(
-                    f"ZeroPPStrategy: hpz_partition_size={hpz_size} does not divide ranks_per_node={ranks_per_node},"
-                    " so some hpZ groups span two nodes and their backward all-gather crosses nodes. Use a divisor of"
-                    f" {ranks_per_node} to keep it inside a node."
-                )
-            self._mesh = init_device_mesh(self.root_device.type, (self.world_size,), mesh_dim_names=("data_parallel",))
-            self._topology = topology
-            if self._comms is not None:
-                self._comms.release_groups()
-            self._ledger = CommLedger(topology)
-            groups = ProcessGroups.build(topology, self._collective_timeout)
-            self._comms = ZeroPPComms(self.zeropp_config, groups, self._ledger)
-        assert self._comms is not None
-        self._comms.groups  # noqa: B018  (rebuilt here if the last run's teardown released them)
-        self.set_device_mesh(self._mesh)
+        mesh = self._core.connect(self.world_size, self.num_processes, self.global_rank, self.root_device.type)
+        self.set_device_mesh(mesh)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        precision = str(self.precision_plugin.precision)
-        if precision not in SUPPORTED_PRECISIONS:
-            raise ValueError(
-                f"ZeroPPStrategy does not support `precision={precision!r}`; use one of {SUPPORTED_PRECISIONS}."
-            )
-        tk.check_backend(self.zeropp_config.kernel_backend, self.root_device)
+        self._core.check_device(str(self.precision_plugin.precision), self.root_device)
         disable_inference_mode(trainer)
         self.base_setup(trainer)  # converts the precision, calls shard_model, then sets up the optimizers
 
@@ -274,85 +205,31 @@ class ZeroPPStrategy(ModelParallelBase):
         """Lightning's teardown, then the strategy's own process groups are destroyed (the next run, or a call of the
         sharded model after ``fit`` returned, builds them again): repeated runs in one process keep one set."""
         super().teardown()
-        if self._comms is not None:
-            self._comms.release_groups()
+        self._core.release()
 
     @override
     def shard_model(self, model: nn.Module) -> nn.Module:
         """Shards the model in place (dtype already converted: the shards hold the converted values)."""
-        assert self._comms is not None and self._topology is not None
-        refuse_fsdp1(model)
-        layout = self._sharding_layout(str(self.precision_plugin.precision))
-        if getattr(model, _SHARDED_MARK, None) is not None:
-            hooks = self._adopt_sharded_model(model, layout)
-        else:
 
+        def record(shard: Callable[[], None]) -> ForwardHooks:
             def shard_and_enter() -> None:
-                apply_zeropp(
-                    model,
-                    mesh=self.device_mesh,
-                    comms=self._comms,
-                    reshard_after_forward=layout["reshard_after_forward"],
-                    precision=layout["precision"],
-                    auto_wrap_policy=self._auto_wrap_policy,
-                    activation_checkpointing_policy=self._activation_checkpointing_policy,
-                    cpu_offload=self._cpu_offload,
-                )
+                shard()
                 model.register_forward_pre_hook(_enter_step(hooks))  # after FSDP2's root pre-hook
 
             hooks = ForwardHooks(model)
             hooks.record(shard_and_enter)
-            setattr(model, _SHARDED_MARK, (layout, hooks, self._comms))
-            materialize_distributed_module(model, self.root_device)
+            return hooks
+
+        precision = str(self.precision_plugin.precision)
+        model, hooks = self._core.shard(model, precision, self.root_device, "Trainer", record)
         self._steps = _StepRedirection(hooks)
         self.barrier()
         return model
 
-    def _sharding_layout(self, precision: str) -> dict[str, Any]:
-        """What the sharding of a model depends on; a model sharded differently cannot be adopted."""
-        assert self._topology is not None
-        return {
-            "world_size": self._topology.world_size,
-            "reshard_after_forward": hpz.reshard_after_forward(
-                self._topology.hpz_partition_size, self._topology.world_size
-            ),
-            "precision": precision,
-            "cpu_offload": self._cpu_offload,
-        }
-
-    def _adopt_sharded_model(self, model: nn.Module, layout: dict[str, Any]) -> ForwardHooks:
-        """A model sharded by an earlier ZeroPPStrategy (an earlier Trainer): route its collectives through ours."""
-        assert self._comms is not None
-        sharded_as, hooks, earlier = getattr(model, _SHARDED_MARK)
-        differences = [f"{k}: {sharded_as[k]!r} then, {v!r} now" for k, v in layout.items() if sharded_as[k] != v]
-        if differences:
-            raise ValueError(
-                "ZeroPPStrategy: this model was sharded by an earlier Trainer with other settings ("
-                + "; ".join(differences)
-                + "). Build a fresh model and load a checkpoint instead: sharded checkpoints load on any world size"
-                " and settings."
-            )
-        if earlier is not self._comms:  # the earlier strategy's groups (rebuilt if the model was called after its run)
-            earlier.release_groups()
-        fsdp_hooks.install(model, self._comms)
-        setattr(model, _SHARDED_MARK, (layout, hooks, self._comms))
-        self._reshard()
-        return hooks
-
     def _reshard(self) -> None:
-        """Drops every unsharded and hpZ secondary copy of the weights; the next forward gathers the primary shards.
-
-        Called after every evaluation step and checkpoint load. A forward without backward (validation, test,
-        predict) leaves each unit holding its hpZ slice as the module's parameters: callbacks would then see other
-        parameter objects than before the loop, and anything that changed the weights meanwhile (a checkpoint load,
-        a callback swapping EMA weights in for validation and back) would be silently undone by the next forward,
-        which gathers from those slices.
-        """
-        if self.model is None:
-            return
-        for module in self.model.modules():
-            if isinstance(module, FSDPModule):
-                module.reshard()
+        """Drops every unsharded and hpZ secondary copy of the weights (see :func:`lightning_zeropp.core.reshard`);
+        after every evaluation step and checkpoint load."""
+        reshard(self.model)
 
     @contextmanager
     @override
@@ -373,8 +250,7 @@ class ZeroPPStrategy(ModelParallelBase):
         """Steps the optimizer and counts the step (error feedback residuals reset every
         ``error_feedback_reset`` optimizer steps)."""
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self._comms is not None:
-            self._comms.optimizer_stepped()
+        self._core.optimizer_stepped()
         return output
 
     # ------------------------------------------------------------------ checkpoints
@@ -389,29 +265,16 @@ class ZeroPPStrategy(ModelParallelBase):
                 "ZeroPPStrategy.save_checkpoint(..., storage_options=...) is not supported: the strategy writes the"
                 " checkpoint itself (a sharded folder or one file), not through a CheckpointIO plugin."
             )
-        comms_state = self._comms.state_dict() if self._comms is not None else None
-        ckpt.save(self, checkpoint, filepath, self._state_dict_type, self.checkpoint_io.save_checkpoint, comms_state)
+        self._core.save(self, checkpoint, filepath, self.checkpoint_io.save_checkpoint)
 
     @override
     def load_checkpoint(self, checkpoint_path: str | os.PathLike, weights_only: bool | None = None) -> dict[str, Any]:
         assert self.model is not None and self.lightning_module is not None
-        shapes = {k: tuple(v.shape) for k, v in self.model.state_dict().items()}
         read = super().load_checkpoint
-
-        def restore(states: Any, path: Path) -> None:
-            if self._comms is not None:
-                ckpt.restore_comms(self._comms, states, path, path.is_dir(), self.world_size, self.global_rank)
-
-        optimizers = [
-            (type(o).__name__, keys)
-            for o, keys in zip(self.optimizers, ckpt.optimizer_keys(self.model, self.optimizers))
-        ]
-        loaded = ckpt.load(
-            self, checkpoint_path, shapes, self.lightning_module.strict_loading, lambda p: read(p, weights_only),
-            restore, optimizers,
+        return self._core.load(
+            self, checkpoint_path, self.model, self.optimizers, self.lightning_module.strict_loading,
+            lambda path: read(path, weights_only),
         )  # fmt: skip
-        self._reshard()
-        return loaded
 
     # ------------------------------------------------------------------ steps
     # ``fully_shard`` is applied in place to the LightningModule, so ``self.model is self.lightning_module`` and
@@ -449,28 +312,4 @@ class ZeroPPStrategy(ModelParallelBase):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(
-            "zeropp",
-            cls,
-            description="ZeRO++: ZeRO-3 on FSDP2 with quantized weights (qwZ), hpZ and quantized gradients (qgZ)",
-            override=True,
-        )
-        strategy_registry.register(
-            "zero3",
-            cls,
-            description="ZeRO-3 on FSDP2 (ZeroPPStrategy with qwZ, hpZ and qgZ off): the ZeRO++ baseline",
-            override=True,
-            quantize_weights=False,
-            hpz_partition_size=1,
-            quantize_gradients=False,
-        )
-
-
-def _renamed(old: str, old_value: ModuleSelection, new: str, new_value: ModuleSelection) -> ModuleSelection:
-    """The value of an argument that was renamed to Lightning's spelling; the old name still works, with a warning."""
-    if old_value is None:
-        return new_value
-    if new_value is not None:
-        raise ValueError(f"ZeroPPStrategy: `{old}` is the deprecated spelling of `{new}`; pass only `{new}`.")
-    rank_zero_deprecation(f"ZeroPPStrategy: `{old}` is deprecated and will be removed; use `{new}` (Lightning's name).")
-    return old_value
+        register_names(strategy_registry, cls)

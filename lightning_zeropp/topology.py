@@ -162,13 +162,16 @@ def _own_group(partition: list[list[int]], rank: int, timeout: timedelta | None)
     return own
 
 
-def check_launch(num_nodes: int, devices: int, local_rank: int, node_rank: int, env: dict[str, str]) -> None:
+def check_launch(
+    num_nodes: int, devices: int, local_rank: int, node_rank: int, env: dict[str, str], front_door: str = "Trainer"
+) -> None:
     """Refuses a process whose launcher (torchrun, SLURM, a script's variables) describes another job than the
     Trainer's ``num_nodes`` x ``devices``, before any process group exists: otherwise some ranks train alone as a
     separate job while the others fail deep inside the backend, or Lightning indexes a device that is not there.
 
     ``local_rank`` / ``node_rank``: what the cluster environment says of this process; ``env``: the launcher's
-    variables (``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``SLURM_NTASKS``, ``SLURM_NTASKS_PER_NODE``) where set.
+    variables (``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``SLURM_NTASKS``, ``SLURM_NTASKS_PER_NODE``) where set;
+    ``front_door``: ``"Trainer"`` or ``"Fabric"``, whose arguments the message names.
     """
     world = _int_var(env, "WORLD_SIZE") or _int_var(env, "SLURM_NTASKS")
     per_node = _int_var(env, "LOCAL_WORLD_SIZE") or _slurm_tasks_per_node(env)
@@ -187,9 +190,12 @@ def check_launch(num_nodes: int, devices: int, local_rank: int, node_rank: int, 
     said.update(LOCAL_RANK=str(local_rank), NODE_RANK=str(node_rank))
     hint = ""
     if world is not None and per_node and world % per_node == 0:
-        hint = f" Set Trainer(num_nodes={world // per_node}, devices={per_node}), or launch {num_nodes} x {devices}."
+        hint = (
+            f" Set {front_door}(num_nodes={world // per_node}, devices={per_node}), or launch {num_nodes} x {devices}."
+        )
     raise RuntimeError(
-        f"ZeroPPStrategy: the launcher and the Trainer describe different jobs: the Trainer has num_nodes={num_nodes},"
+        f"ZeroPPStrategy: the launcher and the {front_door} describe different jobs: the {front_door} has"
+        f" num_nodes={num_nodes},"
         f" devices={devices} ({num_nodes * devices} ranks, {devices} per node), the launcher says "
         + ", ".join(wrong)
         + f" ({', '.join(f'{k}={v}' for k, v in said.items())}).{hint or ' Make them agree.'}"

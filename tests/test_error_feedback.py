@@ -73,8 +73,8 @@ def _save_then_load_elsewhere(rank, world, per_node, init_path, data_path, ckpt,
         trainer.save_checkpoint(ckpt)
     return {
         "warnings": [str(w.message) for w in caught if "error feedback" in str(w.message)],
-        "residual_bytes": strategy._comms.feedback.nbytes,
-        "steps": strategy._comms.feedback.steps,
+        "residual_bytes": strategy.comms.feedback.nbytes,
+        "steps": strategy.comms.feedback.steps,
     }
 
 

@@ -17,6 +17,9 @@ from torch import nn
 from .versions import LIGHTNING_VERSION, require
 
 require(LIGHTNING_VERSION >= (2, 6), "lightning", "ModelParallelStrategy with FSDP2 and distributed checkpoints")
+from lightning.fabric.strategies import ModelParallelStrategy as FabricModelParallelStrategy  # noqa: E402
+from lightning.fabric.strategies import Strategy as FabricStrategy  # noqa: E402
+from lightning.fabric.strategies import model_parallel as _fabric_model_parallel  # noqa: E402
 from lightning.fabric.utilities.init import _materialize_distributed_module  # noqa: E402
 from lightning.fabric.utilities.load import _METADATA_FILENAME  # noqa: E402
 from lightning.pytorch.strategies.strategy import _ForwardRedirection  # noqa: E402
@@ -30,7 +33,23 @@ require(
 # The file of a sharded checkpoint folder that holds everything but the tensors; Lightning's loader reads it.
 METADATA_FILENAME: str = _METADATA_FILENAME
 
-__all__ = ["METADATA_FILENAME", "ForwardRedirection", "ModelParallelBase", "disable_inference_mode"]
+require(
+    hasattr(FabricModelParallelStrategy, "_setup_distributed")
+    and hasattr(_fabric_model_parallel, "_load_checkpoint")
+    and hasattr(_fabric_model_parallel, "_load_raw_module_state_from_path"),
+    "lightning",
+    "the Fabric strategy hooks and checkpoint loaders lightning_zeropp.fabric.ZeroPPStrategy builds on",
+)
+
+__all__ = [
+    "METADATA_FILENAME",
+    "FabricModelParallelBase",
+    "ForwardRedirection",
+    "ModelParallelBase",
+    "disable_inference_mode",
+    "load_checkpoint",
+    "load_raw_module_state",
+]
 
 
 class ForwardRedirection(_ForwardRedirection):
@@ -83,3 +102,32 @@ def disable_inference_mode(trainer: pl.Trainer) -> None:
     for loop in (trainer.fit_loop.epoch_loop.val_loop, trainer.validate_loop, trainer.test_loop, trainer.predict_loop):
         require(hasattr(loop, "inference_mode"), "lightning", "evaluation loops without inference_mode")
         loop.inference_mode = False
+
+
+class FabricModelParallelBase(FabricModelParallelStrategy):
+    """Fabric's ``ModelParallelStrategy`` with the private parts lightning-zeropp builds on given public names."""
+
+    def base_setup_environment(self) -> None:
+        """Fabric's ``Strategy.setup_environment`` (the accelerator sets up the device), without the process group
+        and 2-D mesh ``ModelParallelStrategy`` adds: :meth:`setup_distributed` and :meth:`set_device_mesh` do."""
+        FabricStrategy.setup_environment(self)
+
+    def setup_distributed(self) -> None:
+        """Fabric's process-group setup of ``ModelParallelStrategy`` (ranks, backend, timeout), without its mesh."""
+        self._setup_distributed()
+
+    def set_device_mesh(self, mesh: Any) -> None:
+        self._device_mesh = mesh
+
+
+def load_checkpoint(path: Any, state: dict[str, Any], strict: bool, weights_only: bool | None) -> dict[str, Any]:
+    """Lightning's loader of a checkpoint in the Trainer's layout (a sharded folder or one file) into ``state``
+    (``{"state_dict": model, "optimizer_0": optimizer, ...}``); returns the rest of the checkpoint."""
+    return _fabric_model_parallel._load_checkpoint(
+        path=path, state=state, strict=strict, optimizer_states_from_list=True, weights_only=weights_only
+    )
+
+
+def load_raw_module_state(path: Any, module: nn.Module, world_size: int, strict: bool) -> None:
+    """Lightning's loader of a plain state-dict file (``torch.save(model.state_dict())``) into a sharded module."""
+    _fabric_model_parallel._load_raw_module_state_from_path(path, module=module, world_size=world_size, strict=strict)

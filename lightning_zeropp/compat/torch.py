@@ -134,6 +134,16 @@ def unit_parameters(module: nn.Module) -> list[tuple[int, bool]]:
     return [(p.padded_sharded_param_size.numel(), p.sharded_param.requires_grad) for p in group.fsdp_params]
 
 
+def unit_mesh_sizes(module: nn.Module) -> tuple[int | None, int | None]:
+    """For a sharded module: the number of ranks its parameters are sharded over, and over how many ranks it keeps
+    them after forward (``None``: it keeps whole weights); ``(None, None)`` if it manages no parameter itself."""
+    group = module._get_fsdp_state()._fsdp_param_group
+    if group is None:
+        return None, None
+    post = group.post_forward_mesh_info
+    return group.mesh_info.shard_mesh_size, (None if post is None else post.shard_mesh_size)
+
+
 def _probe_unit_parameters() -> None:
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam

@@ -25,6 +25,7 @@ __all__ = [
     "reference_training",
     "relative_error",
     "save_inputs",
+    "fabric_train_worker",
     "train_worker",
     "unit_shard_numels",
 ]
@@ -161,7 +162,7 @@ def train_worker(
     trainer.fit(model, DataLoader(local, batch_size=batch_size, shuffle=False))
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     ledger = {k: (t.intra_node_bytes, t.inter_node_bytes, t.calls) for k, t in strategy.comm_ledger.by_kind().items()}
-    comms = strategy._comms
+    comms = strategy.comms
     unaligned = {unit.name: unit.unaligned for unit in comms.units if unit.unaligned} if comms is not None else {}
     return {
         "state": {k: v.float() for k, v in state.items()} if rank == 0 else None,
@@ -192,3 +193,92 @@ def unit_shard_numels(model: TinyLM, world_size: int) -> list[int]:
     root = [p for p in model.parameters() if id(p) not in in_blocks]  # parameters() yields the tied weight once
     units.append(root)
     return [sum(padded_shard_numel(p.shape, world_size) for p in unit) for unit in units]
+
+
+def fabric_train_worker(
+    rank: int,
+    world_size: int,
+    strategy_kwargs: dict[str, Any],
+    init_path: str,
+    data_path: str,
+    batch_size: int,
+    steps: int,
+    options: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Trains TinyLM in a plain Fabric loop with ``lightning_zeropp.fabric.ZeroPPStrategy(**strategy_kwargs)``, on
+    the same data and optimizer as :func:`train_worker`; returns the full weights (rank 0), the losses, the ledger,
+    the gradient norms before clipping, and the per-step ledger metrics.
+
+    ``options`` (keywords; spawned ranks take positional arguments only): ``precision``, ``num_nodes``;
+    ``optimizer_first``: build the optimizer before ``fabric.setup(model, optimizer)`` (else ``setup_module``, then
+    the optimizer, then ``setup_optimizers``). ``accumulate`` micro-batches per step, all but the last under
+    ``fabric.no_backward_sync``; ``clip_norm``: ``fabric.clip_gradients`` before each step. ``save_to``: a
+    checkpoint after the last step; ``resume_from``: load one first, with ``strict`` (default True), and train
+    ``steps`` more on the batches after its ``step``. The state holds the model, the optimizer, a constant
+    learning-rate scheduler and ``step``. After a load and after a save, one ``torch.rand`` draw is returned (the
+    random state must continue across them).
+    """
+    import torch.nn.functional as F
+    from lightning.fabric import Fabric
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from lightning_zeropp.fabric import ZeroPPStrategy
+
+    opts = {"precision": "32-true", "num_nodes": 1, "optimizer_first": True, "accumulate": 1, **(options or {})}
+    precision, num_nodes, accumulate = opts["precision"], opts["num_nodes"], opts["accumulate"]
+    clip_norm, save_to, resume_from = opts.get("clip_norm"), opts.get("save_to"), opts.get("resume_from")
+    x, y = torch.load(data_path, weights_only=True)
+    strategy = ZeroPPStrategy(**strategy_kwargs)
+    fabric = Fabric(
+        accelerator="cpu", devices=world_size // num_nodes, num_nodes=num_nodes, strategy=strategy, precision=precision
+    )
+    fabric.launch()
+    model = TinyLM(init_path)
+    model.configure_model()
+    hp = model.hparams
+    if opts["optimizer_first"]:
+        optimizer = torch.optim.SGD(model.parameters(), lr=hp.lr, momentum=hp.momentum)
+        model, optimizer = fabric.setup(model, optimizer)
+    else:
+        model = fabric.setup_module(model)
+        optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=hp.lr, momentum=hp.momentum))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    state: dict[str, Any] = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 0}
+    rest, drawn_after_load, drawn_after_save = {}, None, None
+    if resume_from is not None:
+        rest = fabric.load(resume_from, state, strict=opts.get("strict", True))
+        drawn_after_load = torch.rand(1).item()
+    lx, ly = x[rank::world_size], y[rank::world_size]
+    losses, norms, step_metrics = [], [], []
+    for _ in range(steps):
+        for m in range(accumulate):
+            i = state["step"] * accumulate + m
+            xb, yb = lx[i * batch_size : (i + 1) * batch_size], ly[i * batch_size : (i + 1) * batch_size]
+            with fabric.no_backward_sync(model, enabled=m < accumulate - 1):
+                logits = model(xb)
+                loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), yb.reshape(-1))
+                fabric.backward(loss / accumulate)
+            losses.append(loss.item())
+        if clip_norm is not None:
+            norms.append(float(fabric.clip_gradients(model, optimizer, max_norm=clip_norm)))
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+        step_metrics.append(strategy.comm_ledger.step_metrics(unit="B", per_kind=True))
+        state["step"] += 1
+    if save_to is not None:
+        fabric.save(save_to, state)
+        drawn_after_save = torch.rand(1).item()
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    ledger = {k: (t.intra_node_bytes, t.inter_node_bytes, t.calls) for k, t in strategy.comm_ledger.by_kind().items()}
+    return {
+        "state": {k: v.float() for k, v in full.items()} if rank == 0 else None,
+        "losses": losses,
+        "ledger": ledger,
+        "norms": norms,
+        "step_metrics": step_metrics,
+        "step": state["step"],
+        "rest": {k: v for k, v in rest.items() if k in ("epoch", "global_step")} | {"keys": sorted(rest)},
+        "drawn_after_load": drawn_after_load,
+        "drawn_after_save": drawn_after_save,
+    }

@@ -1,0 +1,346 @@
+"""What the two front doors share: the Trainer's :class:`lightning_zeropp.ZeroPPStrategy` and Fabric's
+:class:`lightning_zeropp.fabric.ZeroPPStrategy` each hold one :class:`ZeroPPCore` and add only what their loop needs.
+
+The core owns the validated arguments, the topology, the process groups, the ledger and the collectives
+(:class:`~lightning_zeropp.comm.ZeroPPComms`), shards a model (:meth:`ZeroPPCore.shard`), and saves and loads
+checkpoints in the one layout both front doors read and write (:meth:`ZeroPPCore.save`, :meth:`ZeroPPCore.load`):
+a checkpoint written through one loads through the other, and consolidates the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import os
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.plugins.environments import ClusterEnvironment, SLURMEnvironment
+from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation, rank_zero_warn
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule
+
+from . import checkpoint as ckpt
+from . import fsdp_hooks, hpz
+from . import kernels as tk
+from .comm import ZeroPPComms
+from .compat.lightning import materialize_distributed_module
+from .config import ModuleSelection, StateDictType, ZeroPPConfig, check_strategy_arguments
+from .ledger import CommLedger
+from .sharding import apply_zeropp, refuse_fsdp1
+from .topology import ProcessGroups, Topology, check_launch
+
+SUPPORTED_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-true")
+_SHARDED_MARK = "_zeropp_sharding_layout"
+_CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(ZeroPPConfig))
+
+
+def bind_arguments(signature_of: Callable, owner: str, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``args`` and ``kwargs`` bound to the parameters of ``signature_of`` (a strategy's ``__init__``), defaults
+    filled in; an unknown or missing argument raises the ``TypeError`` Python would, naming ``owner``."""
+    try:
+        bound = inspect.signature(signature_of).bind(None, *args, **kwargs)
+    except TypeError as err:
+        raise TypeError(f"{owner}.__init__() {err}") from None
+    bound.apply_defaults()
+    arguments = dict(bound.arguments)
+    arguments.pop(next(iter(arguments)))  # self
+    return arguments
+
+
+class ZeroPPCore:
+    """One strategy's ZeRO++ state, whichever front door holds it.
+
+    Built from the strategy's arguments (:meth:`from_arguments` validates all of them: both front doors refuse the
+    same values with the same messages). Then, once the processes exist: :meth:`check_launch` and :meth:`connect`
+    (topology, process groups, ledger, collectives, mesh); :meth:`shard` a model; :meth:`save` / :meth:`load`
+    checkpoints; :meth:`release` the groups at teardown.
+    """
+
+    def __init__(
+        self,
+        config: ZeroPPConfig,
+        *,
+        auto_wrap_policy: ModuleSelection,
+        activation_checkpointing_policy: ModuleSelection,
+        cpu_offload: bool,
+        state_dict_type: StateDictType,
+        process_group_backend: str | None,
+        timeout: timedelta | None,
+    ) -> None:
+        self.config = config
+        self.auto_wrap_policy = auto_wrap_policy
+        self.activation_checkpointing_policy = activation_checkpointing_policy
+        self.cpu_offload = cpu_offload
+        self.state_dict_type = state_dict_type
+        self.process_group_backend = process_group_backend
+        self.timeout = timeout
+        self.mesh: DeviceMesh | None = None
+        self._topology: Topology | None = None
+        self._ledger: CommLedger | None = None
+        self._comms: ZeroPPComms | None = None
+
+    @classmethod
+    def from_arguments(cls, arguments: Mapping[str, Any]) -> ZeroPPCore:
+        """Validates the strategy's arguments (by the names of the Trainer strategy's ``__init__``)."""
+        config = ZeroPPConfig(**{name: arguments[name] for name in _CONFIG_FIELDS})
+        given = arguments
+        auto_wrap = _renamed("wrap_modules", given["wrap_modules"], "auto_wrap_policy", given["auto_wrap_policy"])
+        checkpointing = _renamed(
+            "activation_checkpointing", arguments["activation_checkpointing"], "activation_checkpointing_policy",
+            arguments["activation_checkpointing_policy"],
+        )  # fmt: skip
+        check_strategy_arguments(
+            auto_wrap_policy=auto_wrap,
+            activation_checkpointing_policy=checkpointing,
+            cpu_offload=arguments["cpu_offload"],
+            state_dict_type=arguments["state_dict_type"],
+            process_group_backend=arguments["process_group_backend"],
+        )
+        return cls(
+            config,
+            auto_wrap_policy=auto_wrap,
+            activation_checkpointing_policy=checkpointing,
+            cpu_offload=arguments["cpu_offload"],
+            state_dict_type=arguments["state_dict_type"],
+            process_group_backend=arguments["process_group_backend"],
+            timeout=arguments["timeout"],
+        )
+
+    # ------------------------------------------------------------------ state once the processes exist
+    @property
+    def topology(self) -> Topology:
+        if self._topology is None:
+            raise RuntimeError(
+                "ZeroPPStrategy.topology is known once the processes have started (Trainer.fit, fabric.launch)."
+            )
+        return self._topology
+
+    @property
+    def ledger(self) -> CommLedger:
+        if self._ledger is None:
+            raise RuntimeError(
+                "ZeroPPStrategy.comm_ledger exists once the processes have started (Trainer.fit, fabric.launch)."
+            )
+        return self._ledger
+
+    @property
+    def comms(self) -> ZeroPPComms | None:
+        return self._comms
+
+    def check_launch(self, env: ClusterEnvironment, num_nodes: int, num_processes: int, front_door: str) -> None:
+        """Refuses a launch whose shape differs from the one the strategy was given (before any group exists)."""
+        said = {k: v for k, v in os.environ.items() if isinstance(env, SLURMEnvironment) or not k.startswith("SLURM_")}
+        check_launch(num_nodes, num_processes, env.local_rank(), env.node_rank(), said, front_door)
+
+    def check_device(self, precision: str, device: torch.device) -> None:
+        if precision not in SUPPORTED_PRECISIONS:
+            raise ValueError(
+                f"ZeroPPStrategy does not support `precision={precision!r}`; use one of {SUPPORTED_PRECISIONS}."
+            )
+        tk.check_backend(self.config.kernel_backend, device)
+
+    def connect(self, world_size: int, local_world_size: int, rank: int, device_type: str) -> DeviceMesh:
+        """Topology, mesh, ledger, process groups and collectives for a job of ``world_size`` ranks launched
+        ``local_world_size`` per machine; kept as they are when called again for the same job (fit, then validate)."""
+        ranks_per_node, hpz_size = self.config.resolve(world_size, local_world_size)
+        topology = Topology(world_size, ranks_per_node, rank, hpz_size)
+        if topology != self._topology:
+            if topology.hpz_crosses_nodes:
+                rank_zero_warn(
+                    f"ZeroPPStrategy: hpz_partition_size={hpz_size} does not divide ranks_per_node={ranks_per_node},"
+                    " so some hpZ groups span two nodes and their backward all-gather crosses nodes. Use a divisor of"
+                    f" {ranks_per_node} to keep it inside a node."
+                )
+            self.mesh = init_device_mesh(device_type, (world_size,), mesh_dim_names=("data_parallel",))
+            self._topology = topology
+            self.release()
+            self._ledger = CommLedger(topology)
+            self._comms = ZeroPPComms(self.config, ProcessGroups.build(topology, self.timeout), self._ledger)
+        assert self._comms is not None and self.mesh is not None
+        self._comms.groups  # noqa: B018  (rebuilt here if the last run's teardown released them)
+        return self.mesh
+
+    def release(self) -> None:
+        """Destroys the strategy's own process groups (the next run, or a call of the model, builds them again)."""
+        if self._comms is not None:
+            self._comms.release_groups()
+
+    def optimizer_stepped(self) -> None:
+        if self._comms is not None:
+            self._comms.optimizer_stepped()
+
+    # ------------------------------------------------------------------ sharding
+    @property
+    def reshard_after_forward(self) -> bool | int:
+        """What every ``fully_shard`` call of this strategy passes: an int (the hpZ partition size) when hpZ is on."""
+        return hpz.reshard_after_forward(self.topology.hpz_partition_size, self.topology.world_size)
+
+    def layout(self, precision: str, front_door: str) -> dict[str, Any]:
+        """What the sharding of a model depends on; a model sharded differently cannot be adopted."""
+        return {
+            "front_door": front_door,
+            "world_size": self.topology.world_size,
+            "reshard_after_forward": self.reshard_after_forward,
+            "precision": precision,
+            "cpu_offload": self.cpu_offload,
+        }
+
+    def shard(
+        self,
+        model: nn.Module,
+        precision: str,
+        device: torch.device,
+        front_door: str,
+        register: Callable[[Callable[[], None]], Any] | None = None,
+        parallelize_fn: Callable[[nn.Module, DeviceMesh], nn.Module] | None = None,
+    ) -> tuple[nn.Module, Any]:
+        """Shards ``model`` in place (ZeRO-3 on FSDP2, collectives through ZeRO++) and materializes what is left on
+        the meta device; returns the model and what ``register`` returned.
+
+        ``register(shard)`` is the front door's wrapper around the sharding call (it may record the hooks sharding
+        registers); it must call ``shard()``. ``parallelize_fn(model, mesh)``: the user's own ``fully_shard`` calls
+        instead of the default units; they must pass :attr:`reshard_after_forward` (hpZ), and the root is sharded
+        here if they left it. A model sharded earlier by a strategy with the same layout is adopted: its
+        collectives are routed through this core.
+        """
+        assert self._comms is not None and self.mesh is not None
+        refuse_fsdp1(model)
+        layout = self.layout(precision, front_door)
+        if getattr(model, _SHARDED_MARK, None) is not None:
+            return model, self._adopt(model, layout)
+        comms, mesh = self._comms, self.mesh
+
+        def shard() -> None:
+            nonlocal model
+            kwargs = dict(
+                mesh=mesh,
+                comms=comms,
+                reshard_after_forward=layout["reshard_after_forward"],
+                precision=precision,
+                auto_wrap_policy=self.auto_wrap_policy,
+                activation_checkpointing_policy=self.activation_checkpointing_policy,
+                cpu_offload=self.cpu_offload,
+            )
+            if parallelize_fn is None:
+                apply_zeropp(model, **kwargs)
+                return
+            model = _user_parallelized(model, parallelize_fn, mesh)
+            apply_zeropp(model, **kwargs, already_sharded=True)
+
+        payload = register(shard) if register is not None else shard()
+        setattr(model, _SHARDED_MARK, (layout, payload, self._comms))
+        materialize_distributed_module(model, device)
+        return model, payload
+
+    def _adopt(self, model: nn.Module, layout: dict[str, Any]) -> Any:
+        """A model sharded by an earlier strategy (an earlier Trainer): route its collectives through ours."""
+        assert self._comms is not None
+        sharded_as, payload, earlier = getattr(model, _SHARDED_MARK)
+        differences = [f"{k}: {sharded_as[k]!r} then, {v!r} now" for k, v in layout.items() if sharded_as[k] != v]
+        if differences:
+            raise ValueError(
+                "ZeroPPStrategy: this model was sharded by an earlier strategy with other settings ("
+                + "; ".join(differences)
+                + "). Build a fresh model and load a checkpoint instead: sharded checkpoints load on any world size"
+                " and settings."
+            )
+        if earlier is not self._comms:  # the earlier strategy's groups (rebuilt if the model was called after its run)
+            earlier.release_groups()
+        fsdp_hooks.install(model, self._comms)
+        setattr(model, _SHARDED_MARK, (layout, payload, self._comms))
+        reshard(model)
+        return payload
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, ranks: ckpt.Ranks, checkpoint: dict[str, Any], path: str | os.PathLike, save_file: Callable) -> None:
+        """Writes Lightning's checkpoint dict (``state_dict``, ``optimizer_states``, the rest) atomically."""
+        comms_state = self._comms.state_dict() if self._comms is not None else None
+        ckpt.save(ranks, checkpoint, path, self.state_dict_type, save_file, comms_state)
+
+    def load(
+        self,
+        ranks: ckpt.Ranks,
+        path: str | os.PathLike,
+        model: nn.Module,
+        optimizers: list[torch.optim.Optimizer],
+        strict: bool,
+        read: Callable[[Path], dict[str, Any]],
+    ) -> dict[str, Any]:
+        """Checks the checkpoint against ``model`` and ``optimizers``, then ``read(path)`` loads it (Lightning's
+        loader); restores the random states and the collectives' state, and reshards the model."""
+        shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+        def restore(states: Any, where: Path) -> None:
+            if self._comms is not None:
+                ckpt.restore_comms(self._comms, states, where, where.is_dir(), ranks.world_size, ranks.global_rank)
+
+        expected = [(type(o).__name__, keys) for o, keys in zip(optimizers, ckpt.optimizer_keys(model, optimizers))]
+        loaded = ckpt.load(ranks, path, shapes, strict, read, restore, expected)
+        reshard(model)
+        return loaded
+
+
+def register_names(registry: Any, strategy_class: type) -> None:
+    """Registers ``"zeropp"`` (the defaults) and ``"zero3"`` (qwZ, hpZ and qgZ off) in a Trainer or Fabric registry."""
+    registry.register(
+        "zeropp",
+        strategy_class,
+        description="ZeRO++: ZeRO-3 on FSDP2 with quantized weights (qwZ), hpZ and quantized gradients (qgZ)",
+        override=True,
+    )
+    registry.register(
+        "zero3",
+        strategy_class,
+        description="ZeRO-3 on FSDP2 (ZeroPPStrategy with qwZ, hpZ and qgZ off): the ZeRO++ baseline",
+        override=True,
+        quantize_weights=False,
+        hpz_partition_size=1,
+        quantize_gradients=False,
+    )
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether ``model`` was sharded by a ZeroPPStrategy (either front door)."""
+    return getattr(model, _SHARDED_MARK, None) is not None
+
+
+def reshard(model: nn.Module | None) -> None:
+    """Drops every unsharded and hpZ secondary copy of the weights; the next forward gathers the primary shards.
+
+    Needed after every forward without backward (evaluation) and every checkpoint load. A forward without backward
+    leaves each unit holding its hpZ slice as the module's parameters: code that reads or writes parameters would
+    then see other objects than the optimizer's, and anything that changed the weights meanwhile (a checkpoint load,
+    a callback swapping EMA weights in and back) would be silently undone by the next forward, which gathers from
+    those slices.
+    """
+    if model is None:
+        return
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def _user_parallelized(
+    model: nn.Module, parallelize_fn: Callable[[nn.Module, DeviceMesh], nn.Module], mesh: DeviceMesh
+) -> nn.Module:
+    out = parallelize_fn(model, mesh)
+    if not isinstance(out, nn.Module):
+        raise TypeError(
+            f"ZeroPPStrategy: `parallelize_fn` must return the nn.Module, but returned {type(out).__name__}."
+        )
+    return out
+
+
+def _renamed(old: str, old_value: ModuleSelection, new: str, new_value: ModuleSelection) -> ModuleSelection:
+    """The value of an argument that was renamed to Lightning's spelling; the old name still works, with a warning."""
+    if old_value is None:
+        return new_value
+    if new_value is not None:
+        raise ValueError(f"ZeroPPStrategy: `{old}` is the deprecated spelling of `{new}`; pass only `{new}`.")
+    rank_zero_deprecation(f"ZeroPPStrategy: `{old}` is deprecated and will be removed; use `{new}` (Lightning's name).")
+    return old_value

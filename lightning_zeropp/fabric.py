@@ -1,0 +1,376 @@
+"""``ZeroPPStrategy`` for Lightning Fabric: ZeRO++ in a hand-written training loop.
+
+    import lightning_zeropp  # registers "zeropp" and "zero3" with the Trainer and with Fabric
+    fabric = Fabric(accelerator="cuda", devices=8, num_nodes=2, strategy="zeropp")
+    fabric.launch()
+    model, optimizer = fabric.setup(model, optimizer)
+
+The same arguments, validation, sharding, collectives, ledger and checkpoint layout as the Trainer's
+:class:`lightning_zeropp.ZeroPPStrategy`: both hold one :class:`~lightning_zeropp.core.ZeroPPCore`. This module adds
+what a Fabric loop needs: ``setup_module`` shards the model, an optimizer built before sharding is pointed at the
+sharded parameters, ``save_checkpoint`` / ``load_checkpoint`` map Fabric's named state onto the Trainer's layout, and a
+forward without gradients (evaluation) drops the hpZ copies it left behind.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import lightning
+import torch
+from lightning.fabric.strategies import STRATEGY_REGISTRY
+from lightning.fabric.utilities.types import _Stateful
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
+from typing_extensions import override
+
+from . import strategy as trainer_strategy
+from .checkpoint import COMMS_KEY, MODEL_KEY, RNG_KEY
+from .checkpoint_files import is_checkpoint_file
+from .comm import ZeroPPComms
+from .compat.lightning import FabricModelParallelBase, load_checkpoint, load_raw_module_state
+from .config import StateDictType, ZeroPPConfig
+from .core import ZeroPPCore, bind_arguments, is_sharded, register_names, reshard
+from .ledger import CommLedger
+from .topology import Topology
+
+__all__ = ["ZeroPPStrategy"]
+
+FABRIC_KEYS = "zeropp_fabric_keys"  # the names the Fabric state used for the model and the optimizers
+_VERSION_KEY = "pytorch-lightning_version"  # what marks a file as a Lightning checkpoint (replaceable by a save)
+_SCHEDULERS_KEY = "lr_schedulers"
+_RESERVED = (MODEL_KEY, "optimizer_states", _SCHEDULERS_KEY, RNG_KEY, COMMS_KEY, FABRIC_KEYS, _VERSION_KEY)
+_RESHARD_HOOK = "_zeropp_fabric_reshard_hook"
+
+
+def _no_parallelize(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    return module
+
+
+class ZeroPPStrategy(FabricModelParallelBase):
+    """ZeRO++ for Fabric: the arguments of :class:`lightning_zeropp.ZeroPPStrategy`, plus ``parallelize_fn``.
+
+    Arguments:
+        parallelize_fn: ``parallelize_fn(model, device_mesh) -> model``, for users who choose their own units: it
+            calls ``fully_shard(unit, mesh=device_mesh, reshard_after_forward=strategy.reshard_after_forward)`` on
+            them (the strategy checks both, and shards the root if the function did not). Without it the units are
+            the blocks (``auto_wrap_policy``), as for the Trainer.
+        **kwargs: every argument of the Trainer strategy (``quantize_weights``, ``hpz_partition_size``,
+            ``quantize_gradients``, ..., ``state_dict_type``, ``timeout``), with the same defaults and checks.
+
+    Checkpoints (``fabric.save`` / ``fabric.load``) are written in the Trainer strategy's layout: the model under
+    ``state_dict``, the optimizers as ``optimizer_states`` and the learning-rate schedulers as ``lr_schedulers``
+    (each matched by its order in the state), everything else as metadata. So a checkpoint saved here resumes in the
+    Trainer (weights, optimizers, schedulers; its loop counters start at zero, as Fabric keeps none) and the other
+    way round, and consolidates with ``python -m lightning_zeropp.consolidate``. Saves are atomic and carry every
+    rank's random state; a sharded checkpoint loads on any world size.
+    """
+
+    def __init__(self, *args: Any, parallelize_fn: Callable[[Any, DeviceMesh], Any] | None = None, **kwargs: Any):
+        arguments = bind_arguments(trainer_strategy.ZeroPPStrategy.__init__, "ZeroPPStrategy", args, kwargs)
+        core = ZeroPPCore.from_arguments(arguments)
+        if parallelize_fn is not None:
+            if not callable(parallelize_fn):
+                raise TypeError(
+                    f"ZeroPPStrategy: `parallelize_fn` must be a function (model, device_mesh) -> model, got"
+                    f" {type(parallelize_fn).__name__}."
+                )
+            chosen = [n for n in ("auto_wrap_policy", "activation_checkpointing_policy") if getattr(core, n)]
+            if chosen:
+                raise ValueError(
+                    f"ZeroPPStrategy: `parallelize_fn` chooses the units and wraps them itself, so `{chosen[0]}` would"
+                    " have no effect. Pass one or the other: apply activation checkpointing inside `parallelize_fn`"
+                    " (before `fully_shard`), or drop `parallelize_fn` and let the policies choose."
+                )
+        super().__init__(
+            parallelize_fn=parallelize_fn or _no_parallelize,
+            save_distributed_checkpoint=core.state_dict_type == "sharded",
+            process_group_backend=core.process_group_backend,
+            timeout=core.timeout,
+        )
+        self._core = core
+        self._user_parallelize = parallelize_fn
+        self._before_sharding: dict[int, tuple[weakref.ref, nn.Parameter]] = {}
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def zeropp_config(self) -> ZeroPPConfig:
+        return self._core.config
+
+    @property
+    def topology(self) -> Topology:
+        return self._core.topology
+
+    @property
+    def comm_ledger(self) -> CommLedger:
+        """Bytes this rank sent, by collective kind, split into same-node and other-node peers. Log each optimizer
+        step's with ``fabric.log_dict(strategy.comm_ledger.step_metrics())``."""
+        return self._core.ledger
+
+    @property
+    def comms(self) -> ZeroPPComms | None:
+        """The collectives every sharded module of the model calls (None before ``fabric.launch``)."""
+        return self._core.comms
+
+    @property
+    def state_dict_type(self) -> StateDictType:
+        return self._core.state_dict_type
+
+    @property
+    def reshard_after_forward(self) -> bool | int:
+        """What a ``parallelize_fn`` passes to each ``fully_shard`` call (the hpZ partition size when hpZ is on)."""
+        return self._core.reshard_after_forward
+
+    # ------------------------------------------------------------------ setup
+    @override
+    def setup_environment(self) -> None:
+        assert self.cluster_environment is not None
+        self._core.check_launch(self.cluster_environment, self.num_nodes, self.num_processes, "Fabric")
+        self._core.check_device(str(self.precision.precision), self.root_device)
+        self.base_setup_environment()
+        self.setup_distributed()
+        mesh = self._core.connect(self.world_size, self.num_processes, self.global_rank, self.root_device.type)
+        self.set_device_mesh(mesh)
+
+    @override
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        """Shards ``module`` in place and materializes what ``fabric.init_module(empty_init=True)`` left on the meta
+        device. An optimizer built on its parameters before this call is pointed at the sharded ones when it is set
+        up (:meth:`setup_optimizer`)."""
+        before = {name: p for name, p in module.named_parameters()}
+        precision = str(self.precision.precision)
+        model, _ = self._core.shard(module, precision, self.root_device, "Fabric", None, self._user_parallelize)
+        if not hasattr(model, _RESHARD_HOOK):
+            setattr(model, _RESHARD_HOOK, model.register_forward_hook(_reshard_without_grad))
+        after = dict(model.named_parameters())
+        self._before_sharding = {
+            id(p): (weakref.ref(p), after[name]) for name, p in before.items() if name in after and after[name] is not p
+        }
+        self.barrier()
+        return model
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """Points an optimizer built before sharding (``fabric.setup(model, optimizer)``) at the sharded parameters;
+        its param groups and their settings stay as they are."""
+        for group in optimizer.param_groups:
+            params = group["params"]
+            for i, p in enumerate(params):
+                entry = self._before_sharding.get(id(p))
+                if entry is None or entry[0]() is not p:
+                    continue
+                if optimizer.state.get(p):
+                    raise ValueError(
+                        "ZeroPPStrategy: the optimizer already holds state (it has stepped) for the model's parameters"
+                        " as they were before sharding; that state cannot follow them into their shards. Set up the"
+                        " model first (`model = fabric.setup_module(model)`), then build the optimizer on"
+                        " `model.parameters()` and set it up (`optimizer = fabric.setup_optimizers(optimizer)`)."
+                    )
+                params[i] = entry[1]
+        return super().setup_optimizer(optimizer)
+
+    @override
+    def teardown(self) -> None:
+        super().teardown()
+        self._core.release()
+
+    @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        """Steps the optimizer and counts the step (error feedback residuals reset every ``error_feedback_reset``)."""
+        output = super().optimizer_step(optimizer, **kwargs)
+        self._core.optimizer_stepped()
+        return output
+
+    @override
+    def clip_gradients_norm(
+        self,
+        module: nn.Module,
+        optimizer: Optimizer,
+        max_norm: float | int,
+        norm_type: float | int = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> torch.Tensor:
+        """Clips by the global norm over every rank's shards; returns that norm as a plain tensor."""
+        norm = super().clip_gradients_norm(module, optimizer, max_norm, norm_type, error_if_nonfinite)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def save_checkpoint(
+        self,
+        path: str | os.PathLike,
+        state: dict[str, nn.Module | Optimizer | Any],
+        storage_options: Any | None = None,
+        filter: dict[str, Callable[[str, Any], bool]] | None = None,
+    ) -> None:
+        """Writes the model, the optimizers and the rest of ``state`` in the Trainer strategy's layout: a sharded
+        folder (default) or one file, under a temporary name renamed into place when complete."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        if storage_options is not None:
+            raise TypeError(
+                "ZeroPPStrategy.save_checkpoint(..., storage_options=...) is not supported: the strategy writes the"
+                " checkpoint itself (a sharded folder or one file), not through a CheckpointIO plugin."
+            )
+        if filter is not None and self.state_dict_type == "sharded":
+            raise NotImplementedError(
+                "ZeroPPStrategy: `fabric.save(..., filter=...)` needs `state_dict_type='full'`: a sharded checkpoint"
+                " must hold every tensor of the model and optimizers to load on another world size."
+            )
+        module_key, module, optimizers = _split_state(state, "save")
+        schedulers = _schedulers(state)
+        options = StateDictOptions(full_state_dict=self.state_dict_type == "full", cpu_offload=True)
+        filters = filter or {}
+        checkpoint: dict[str, Any] = {
+            MODEL_KEY: _filtered(module_key, filters, get_model_state_dict(module, options=options)),
+            "optimizer_states": [
+                _filtered(key, filters, get_optimizer_state_dict(module, optimizer, options=options))
+                for key, optimizer in optimizers
+            ],
+            _SCHEDULERS_KEY: [scheduler.state_dict() for _, scheduler in schedulers],
+            FABRIC_KEYS: {
+                "model": module_key,
+                "optimizers": [key for key, _ in optimizers],
+                "lr_schedulers": [key for key, _ in schedulers],
+            },
+            _VERSION_KEY: lightning.__version__,
+        }
+        for key, obj in state.items():
+            if key == module_key or isinstance(obj, (Optimizer, LRScheduler)):
+                continue
+            if key in _RESERVED:
+                raise ValueError(
+                    f"ZeroPPStrategy: the state key {key!r} is reserved in a checkpoint (it holds the"
+                    f" {'model' if key == MODEL_KEY else 'strategy'}'s own data); rename it."
+                )
+            checkpoint[key] = _filtered(key, filters, obj.state_dict() if isinstance(obj, _Stateful) else obj)
+        self._core.save(self, checkpoint, path, lambda data, where: torch.save(data, where))
+
+    @override
+    def load_checkpoint(
+        self,
+        path: str | os.PathLike,
+        state: nn.Module | Optimizer | dict[str, nn.Module | Optimizer | Any] | None = None,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """Restores ``state`` from a checkpoint written by this strategy (Fabric or Trainer; sharded or full; any
+        world size): the model, the optimizers in order, every other key of ``state`` (objects with
+        ``load_state_dict`` in place); returns what the checkpoint holds beyond that. ``state`` may also be the
+        model alone (``fabric.load_raw``): its weights from such a checkpoint or from a plain state-dict file."""
+        if not state:
+            raise ValueError(
+                f"ZeroPPStrategy.load_checkpoint(..., state={state!r}): pass the objects to restore, at least the"
+                " model: `fabric.load(path, {'model': model, 'optimizer': optimizer, ...})`."
+            )
+        path = Path(self.broadcast(path))
+        if isinstance(state, Optimizer):
+            raise NotImplementedError(
+                "ZeroPPStrategy: loading an optimizer alone is not supported; load it together with its model:"
+                " `fabric.load(path, {'model': model, 'optimizer': optimizer})`."
+            )
+        if isinstance(state, nn.Module):
+            self._load_weights(path, state, strict)
+            return {}
+        module_key, module, optimizers = _split_state(state, "load")
+        into = {MODEL_KEY: module, **{f"optimizer_{i}": optimizer for i, (_, optimizer) in enumerate(optimizers)}}
+        loaded = self._core.load(
+            self, path, module, [o for _, o in optimizers], strict,
+            lambda where: load_checkpoint(where, into, strict, weights_only),
+        )  # fmt: skip
+        stored_schedulers = loaded.pop(_SCHEDULERS_KEY, [])
+        schedulers = _schedulers(state)
+        if strict and len(stored_schedulers) != len(schedulers):
+            raise KeyError(
+                f"ZeroPPStrategy: the checkpoint {path} holds {len(stored_schedulers)} learning-rate scheduler(s), the"
+                f" state {len(schedulers)}; schedulers are matched by their order. Pass `strict=False` to load the"
+                " ones both have."
+            )
+        for (_, scheduler), scheduler_state in zip(schedulers, stored_schedulers):
+            scheduler.load_state_dict(scheduler_state)
+        for key in (FABRIC_KEYS, _VERSION_KEY, "optimizer_states"):
+            loaded.pop(key, None)
+        for key, obj in state.items():
+            if key == module_key or isinstance(obj, (Optimizer, LRScheduler)):
+                continue
+            if key not in loaded:
+                if strict:
+                    raise KeyError(
+                        f"ZeroPPStrategy: the state key {key!r} is not in the checkpoint {path} (it holds"
+                        f" {sorted(loaded)[:8]}). Pass `strict=False` to load the rest."
+                    )
+                continue
+            value = loaded.pop(key)
+            if isinstance(obj, _Stateful):
+                obj.load_state_dict(value)
+            else:
+                state[key] = value
+        return loaded
+
+    def _load_weights(self, path: Path, module: nn.Module, strict: bool) -> None:
+        """The model's weights alone: from a checkpoint of this strategy, or a plain state-dict file."""
+        if path.is_dir() or _is_lightning_file(path):
+            into = {MODEL_KEY: module}
+            self._core.load(self, path, module, [], strict, lambda where: load_checkpoint(where, into, strict, None))
+            return
+        load_raw_module_state(path, module, self.world_size, strict)
+        reshard(module)
+
+    # ------------------------------------------------------------------ registry
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        register_names(strategy_registry, cls)
+
+
+def _reshard_without_grad(module: nn.Module, args: Any, output: Any) -> None:
+    """After a forward without gradients (evaluation), drop the hpZ copies it left (see :func:`reshard`)."""
+    if not torch.is_grad_enabled():
+        reshard(module)
+
+
+def _split_state(state: dict[str, Any], action: str) -> tuple[str, nn.Module, list[tuple[str, Optimizer]]]:
+    """The one sharded model in ``state`` (its key and itself) and the optimizers in order."""
+    modules = [(k, v) for k, v in state.items() if isinstance(v, nn.Module) and is_sharded(v)]
+    if len(modules) != 1:
+        found = "no model set up" if not modules else f"{len(modules)} models ({', '.join(k for k, _ in modules)})"
+        raise ValueError(
+            f"ZeroPPStrategy: to {action} a checkpoint, `state` must hold exactly one model set up with this strategy"
+            f" (`model = fabric.setup(model)`); it holds {found}. Save each model in its own checkpoint."
+        )
+    optimizers = [(k, v) for k, v in state.items() if isinstance(v, Optimizer)]
+    return modules[0][0], modules[0][1], optimizers
+
+
+def _schedulers(state: dict[str, Any]) -> list[tuple[str, LRScheduler]]:
+    return [(k, v) for k, v in state.items() if isinstance(v, LRScheduler)]
+
+
+def _filtered(key: str, filters: dict[str, Callable[[str, Any], bool]], value: Any) -> Any:
+    if key in filters and isinstance(value, dict):
+        return {k: v for k, v in value.items() if filters[key](k, v)}
+    return value
+
+
+def _is_lightning_file(path: Path) -> bool:
+    return path.is_file() and is_checkpoint_file(path)
+
+
+ZeroPPStrategy.__init__.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+    [
+        *inspect.signature(trainer_strategy.ZeroPPStrategy.__init__).parameters.values(),
+        inspect.Parameter("parallelize_fn", inspect.Parameter.KEYWORD_ONLY, default=None),
+    ]
+)
+ZeroPPStrategy.register_strategies(STRATEGY_REGISTRY)

@@ -1,0 +1,253 @@
+"""Fabric's ZeroPPStrategy: parity with one process and with the Trainer, gradient accumulation and clipping,
+both orders of setting up the optimizer, checkpoints across front doors and world sizes, and argument checks."""
+
+import inspect
+import subprocess
+import sys
+
+import pytest
+import torch
+from lightning.fabric import Fabric
+from lightning.fabric.strategies import STRATEGY_REGISTRY
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_zeropp
+from lightning_zeropp import ZeroPPStrategy as TrainerStrategy
+from lightning_zeropp.fabric import ZeroPPStrategy
+from lightning_zeropp.testing.distributed import lightning_trainer, spawn
+from lightning_zeropp.testing.models import TinyLM
+from lightning_zeropp.testing.workers import (
+    fabric_train_worker,
+    reference_training,
+    relative_error,
+    save_inputs,
+    train_worker,
+)
+
+WORLD, BATCH, STEPS = 4, 2, 3
+EXACT = dict(quantize_weights=False, quantize_gradients=False)
+TWO_NODES = {"num_nodes": 2}
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fabric")
+    init_path, data_path, x, y = save_inputs(tmp, WORLD * BATCH * STEPS * 2)
+    return tmp, init_path, data_path, x, y
+
+
+def _assert_parity(state, reference, init, tolerance):
+    """Every parameter moved from its initial value, and each is within ``tolerance`` of the reference (relative to
+    the parameter's own magnitude): one frozen or wrong parameter fails, whatever the others do."""
+    assert set(state) == set(reference)
+    for name, want in reference.items():
+        assert not torch.equal(want, init[name]), f"{name} never moved in the reference"
+        err = float((state[name] - want).abs().max() / want.abs().max().clamp_min(1e-12))
+        assert err <= tolerance, (name, err)
+
+
+def _fabric(inputs, world, kwargs, batch, steps, options, **spawn_kwargs):
+    _, init_path, data_path, _, _ = inputs
+    return spawn(fabric_train_worker, world, kwargs, init_path, data_path, batch, steps, options, **spawn_kwargs)
+
+
+def _init(init_path):
+    return {f"net.{k}": v for k, v in torch.load(init_path, weights_only=True).items()}
+
+
+# ------------------------------------------------------------------------------------------------ parity
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("hpz", "optimizer_first"), [(1, True), (2, False)], ids=["zero3-setup", "hpz-separate"])
+def test_exact_paths_equal_one_process(inputs, hpz, optimizer_first):
+    """ZeRO-3 (hpZ off) and hpZ on 2 nodes x 2, with the optimizer built before ``fabric.setup(model, optimizer)``
+    (the strategy points it at the sharded parameters) and after ``setup_module`` (Lightning's order)."""
+    _, init_path, data_path, x, y = inputs
+    kwargs = {**EXACT, "hpz_partition_size": hpz}
+    options = {**TWO_NODES, "optimizer_first": optimizer_first}
+    results = spawn(
+        fabric_train_worker, WORLD, kwargs, init_path, data_path, BATCH, STEPS, options, ranks_per_machine=2
+    )
+    reference, _ = reference_training(init_path, x, y, WORLD * BATCH, STEPS)
+    _assert_parity(results[0]["state"], reference, _init(init_path), 1e-5)
+    for rank, result in enumerate(results):
+        ledger = result["ledger"]
+        if hpz == 2:  # the backward all-gather never leaves the node
+            intra, inter, calls = ledger["weight_all_gather_secondary"]
+            assert intra > 0 and inter == 0 and calls == 3 * STEPS, (rank, ledger)
+            assert "weight_all_gather_backward" not in ledger
+        else:
+            assert "weight_all_gather_secondary" not in ledger
+            assert ledger["weight_all_gather_backward"][1] > 0
+        assert ledger["gradient_reduce_scatter"][2] == 3 * STEPS  # 3 units: 2 blocks and the root
+
+
+@pytest.mark.multiprocess
+def test_fabric_and_trainer_train_bit_identical(inputs):
+    """Full ZeRO++ (INT8 weights, hpZ, INT4 gradients) through Fabric and through the Trainer: the same weights to
+    the bit, the same losses and the same bytes on every rank; both close to one process."""
+    _, init_path, data_path, x, y = inputs
+    kwargs = {"gradient_error_feedback": True}
+    fabric = spawn(
+        fabric_train_worker, WORLD, kwargs, init_path, data_path, BATCH, STEPS, TWO_NODES, ranks_per_machine=2
+    )
+    trainer = spawn(train_worker, WORLD, kwargs, init_path, data_path, BATCH, STEPS, "32-true", 2, ranks_per_machine=2)
+    for name, value in trainer[0]["state"].items():
+        assert torch.equal(fabric[0]["state"][name], value), name
+    for rank in range(WORLD):
+        assert fabric[rank]["losses"] == trainer[rank]["losses"], rank
+        assert fabric[rank]["ledger"] == trainer[rank]["ledger"], rank
+        assert fabric[rank]["ledger"]["gradient_all_to_all_inter"][1] > 0
+    reference, _ = reference_training(init_path, x, y, WORLD * BATCH, STEPS)
+    init = _init(init_path)
+    for name, want in reference.items():  # each parameter's update, as the Trainer's tests bound it (0.8)
+        state = fabric[0]["state"][name]
+        assert not torch.equal(state, init[name]), f"{name} never moved"
+        assert relative_error(state - init[name], want - init[name]) < 0.8, name
+
+
+@pytest.mark.multiprocess
+def test_accumulation_sends_gradients_once_and_clipping_uses_the_global_norm(inputs):
+    """Two micro-batches per step, the first under ``fabric.no_backward_sync``: one gradient reduction per unit and
+    step. ``fabric.clip_gradients(max_norm=...)`` clips by the norm over every rank's shards, as one process would."""
+    _, init_path, data_path, x, y = inputs
+    kwargs = {**EXACT, "hpz_partition_size": 2}
+    options = {**TWO_NODES, "accumulate": 2, "clip_norm": 0.05}
+    results = spawn(
+        fabric_train_worker, WORLD, kwargs, init_path, data_path, BATCH, STEPS, options, ranks_per_machine=2
+    )
+    reference, _ = reference_training(init_path, x, y, WORLD * BATCH, STEPS, accumulate=2, clip=("norm", 0.05))
+    _assert_parity(results[0]["state"], reference, _init(init_path), 1e-5)
+    norms = results[0]["norms"]
+    assert min(norms) > 0.05, norms  # clipping acted at every step
+    for rank, result in enumerate(results):
+        assert result["norms"] == pytest.approx(norms, rel=1e-6), rank  # one global norm, not each rank's shard's
+        assert result["ledger"]["gradient_reduce_scatter"][2] == 3 * STEPS, rank
+        assert result["ledger"]["weight_all_gather"][2] == 3 * 2 * STEPS, rank  # every micro-batch gathers
+        for metrics in result["step_metrics"]:  # what fabric.log_dict(ledger.step_metrics()) logs: one step each
+            assert metrics["comm/gradient_reduce_scatter/inter_node_B"] > 0
+            assert metrics["comm/inter_node_B"] == sum(
+                v for k, v in metrics.items() if k.count("/") == 2 and k.endswith("inter_node_B")
+            )
+
+
+# ------------------------------------------------------------------------------------------------ checkpoints
+def _trainer_resume(rank, world, init_path, data_path, ckpt_in, ckpt_out):
+    """One Trainer step from a Fabric checkpoint (1 node x ``world``), then a sharded Trainer checkpoint."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    x, y = torch.load(data_path, weights_only=True)
+    model = TinyLM(init_path)
+    strategy = TrainerStrategy(hpz_partition_size=2, **EXACT)
+    trainer = lightning_trainer(world, strategy, max_steps=1, use_distributed_sampler=False)
+    loader = DataLoader(TensorDataset(x[rank::world][: 2 * BATCH], y[rank::world][: 2 * BATCH]), batch_size=2 * BATCH)
+    trainer.fit(model, loader, ckpt_path=ckpt_in)
+    trainer.save_checkpoint(ckpt_out)
+    drawn = torch.rand(1).item()
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {"state": {k: v.float() for k, v in state.items()} if rank == 0 else None, "drawn_after_save": drawn}
+
+
+@pytest.fixture(scope="module")
+def round_trips(inputs):
+    """Fabric (2 x 2) saves sharded -> Fabric (1 x 2) resumes it and saves one file -> the Trainer (1 x 2) resumes
+    that and saves sharded -> Fabric (1 x 2) resumes the Trainer's. Each continues the same global batches."""
+    tmp, init_path, data_path, x, y = inputs
+    a, b, c = (str(tmp / name) for name in ("fabric_sharded", "fabric_full.ckpt", "trainer_sharded"))
+    kwargs = {**EXACT, "hpz_partition_size": 2}
+    on4 = spawn(fabric_train_worker, 4, kwargs, init_path, data_path, BATCH, 2, {**TWO_NODES, "save_to": a},
+                ranks_per_machine=2)  # fmt: skip
+    full = {**kwargs, "state_dict_type": "full"}
+    on2 = spawn(fabric_train_worker, 2, full, init_path, data_path, 2 * BATCH, 1, {"resume_from": a, "save_to": b})
+    trained = spawn(_trainer_resume, 2, init_path, data_path, b, c)
+    back = spawn(
+        fabric_train_worker, 2, kwargs, init_path, data_path, 2 * BATCH, 1, {"resume_from": c, "strict": False}
+    )
+    return inputs, a, on4, on2, trained, back
+
+
+def _reference_on(inputs, batches):
+    """One process trained on the given global batches, in that order."""
+    _, init_path, _, x, y = inputs
+    g = WORLD * BATCH
+    xs = torch.cat([x[k * g : (k + 1) * g] for k in batches])
+    ys = torch.cat([y[k * g : (k + 1) * g] for k in batches])
+    return reference_training(init_path, xs, ys, g, len(batches))[0]
+
+
+@pytest.mark.multiprocess
+def test_checkpoints_round_trip_between_fabric_and_trainer(round_trips):
+    inputs, _, on4, on2, trained, back = round_trips
+    init = _init(inputs[1])
+    # Fabric sharded, on 4 ranks -> Fabric on 2: continues at step 2 (its "step" came back), exactly
+    assert [r["step"] for r in on2] == [3, 3]
+    _assert_parity(on2[0]["state"], _reference_on(inputs, [0, 1, 2]), init, 1e-5)
+    # Fabric's one file -> the Trainer: weights, optimizer and scheduler resume; its loop starts at batch 0
+    _assert_parity(trained[0]["state"], _reference_on(inputs, [0, 1, 2, 0]), init, 1e-5)
+    # the Trainer's sharded folder -> Fabric: model and optimizer by position, Trainer's counters returned
+    _assert_parity(back[0]["state"], _reference_on(inputs, [0, 1, 2, 0, 0]), init, 1e-5)
+    for rank, result in enumerate(back):
+        assert result["rest"]["global_step"] == 1 and "loops" in result["rest"]["keys"], result["rest"]
+        assert "zeropp_rng_states" not in result["rest"]["keys"]
+        # same world size: every rank's random stream continues where the Trainer's save left it
+        assert result["drawn_after_load"] == trained[rank]["drawn_after_save"], rank
+
+
+@pytest.mark.multiprocess
+def test_a_fabric_checkpoint_consolidates(round_trips, tmp_path):
+    _, folder, on4, *_ = round_trips
+    out = tmp_path / "one.ckpt"
+    subprocess.run([sys.executable, "-m", "lightning_zeropp.consolidate", folder, str(out)], check=True)
+    checkpoint = torch.load(out, weights_only=False)
+    for name, value in on4[0]["state"].items():
+        assert torch.equal(checkpoint["state_dict"][name].float(), value), name
+    assert checkpoint["step"] == 2 and checkpoint["zeropp_fabric_keys"]["model"] == "model"
+    (momenta,) = checkpoint["optimizer_states"]
+    assert len(momenta["state"]) == len(on4[0]["state"]) - 1  # every parameter, the tied head counted once
+    plain = TinyLM()  # an ordinary module loads it without any strategy
+    plain.configure_model()
+    plain.load_state_dict(checkpoint["state_dict"])
+
+
+# ------------------------------------------------------------------------------------------------ arguments
+BAD = [
+    {"weight_bits": 3},
+    {"hpz_partition_size": 0},
+    {"gradient_block_size": 4},
+    {"error_feedback_decay": 1.5},
+    {"state_dict_type": "npz"},
+    {"auto_wrap_policy": "Block"},
+    {"process_group_backend": "mpi2"},
+    {"no_such_argument": 1},
+    {"wrap_modules": ["Block"], "auto_wrap_policy": ["Block"]},
+]
+
+
+@pytest.mark.parametrize("kwargs", BAD, ids=lambda k: "-".join(k))
+def test_bad_arguments_are_refused_as_by_the_trainer_strategy(kwargs):
+    with pytest.raises(Exception) as by_trainer:
+        TrainerStrategy(**kwargs)
+    with pytest.raises(Exception) as by_fabric:
+        ZeroPPStrategy(**kwargs)
+    assert type(by_fabric.value) is type(by_trainer.value)
+    assert str(by_fabric.value) == str(by_trainer.value)
+
+
+def test_same_arguments_and_registered_names():
+    trainer_params = dict(inspect.signature(TrainerStrategy.__init__).parameters)
+    fabric_params = dict(inspect.signature(ZeroPPStrategy.__init__).parameters)
+    assert fabric_params.pop("parallelize_fn").default is None
+    assert fabric_params == trainer_params
+    for name in ("zeropp", "zero3"):
+        fabric = Fabric(accelerator="cpu", devices=1, strategy=name)
+        assert type(fabric.strategy) is ZeroPPStrategy, name
+    zero3 = STRATEGY_REGISTRY.get("zero3")
+    config = zero3.zeropp_config
+    assert not config.quantize_weights and not config.quantize_gradients and config.hpz_partition_size == 1
+    assert lightning_zeropp.ZeroPPStrategy is TrainerStrategy
+
+
+def test_parallelize_fn_and_policies_are_exclusive():
+    with pytest.raises(ValueError, match="`parallelize_fn` chooses the units.*`auto_wrap_policy`"):
+        ZeroPPStrategy(parallelize_fn=lambda model, mesh: model, auto_wrap_policy=["Block"])
+    with pytest.raises(TypeError, match="`parallelize_fn` must be a function"):
+        ZeroPPStrategy(parallelize_fn="blocks")
