@@ -251,3 +251,121 @@ def test_parallelize_fn_and_policies_are_exclusive():
         ZeroPPStrategy(parallelize_fn=lambda model, mesh: model, auto_wrap_policy=["Block"])
     with pytest.raises(TypeError, match="`parallelize_fn` must be a function"):
         ZeroPPStrategy(parallelize_fn="blocks")
+
+
+# ------------------------------------------------------------------------------------------------ features
+def _loss(model, x, y):
+    logits = model(x)
+    return torch.nn.functional.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))
+
+
+def _features_worker(rank, world, init_path, data_path):
+    """On 4 ranks with hpZ (pairs): empty_init with the optimizer built on meta parameters; an evaluation forward followed
+    by the parameters the optimizer holds; an optimizer that already stepped; a user's parallelize_fn, right and
+    wrong. Returns what each check saw."""
+    from torch.distributed.fsdp import fully_shard
+
+    from lightning_zeropp.testing.models import TINY, TinyTransformer
+
+    x, y = torch.load(data_path, weights_only=True)
+    lx, ly = x[rank::world], y[rank::world]
+    out = {}
+    strategy = ZeroPPStrategy(hpz_partition_size=2, quantize_weights=False)
+    fabric = Fabric(accelerator="cpu", devices=world, strategy=strategy)
+    fabric.launch()
+
+    # empty_init: built on the meta device, the optimizer too; setup materializes the shards and points it at them
+    dims = {k: v for k, v in TINY.items()}
+    with fabric.init_module(empty_init=True):
+        net = TinyTransformer(**dims, dropout=0.0)
+    out["meta_before"] = all(p.is_meta for p in net.parameters())
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.3)
+    model, optimizer = fabric.setup(net, optimizer)
+    params = list(model.parameters())
+    out["materialized"] = not any(p.is_meta for p in params) and all(torch.isfinite(p.to_local()).all() for p in params)
+    out["optimizer_holds_shards"] = [id(p) for p in optimizer.param_groups[0]["params"]] == [id(p) for p in params]
+    losses = []
+    for _ in range(4):  # one batch, again and again: its loss must fall
+        loss = _loss(model, lx[:2], ly[:2])
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    out["losses"] = losses
+
+    # evaluation: a forward without gradients leaves no hpZ copy behind as the module's parameters
+    with torch.no_grad():
+        model(lx[:2])
+    out["after_eval_same_parameters"] = [id(p) for p in model.parameters()] == [id(p) for p in params]
+
+    # an optimizer that already stepped on the unsharded parameters cannot follow them
+    other = TinyTransformer(**dims, dropout=0.0)
+    stepped = torch.optim.Adam(other.parameters())
+    _loss(other, lx[:2], ly[:2]).backward()
+    stepped.step()
+    try:
+        fabric.setup(other, stepped)
+        out["stepped_optimizer"] = None
+    except ValueError as err:
+        out["stepped_optimizer"] = str(err)
+
+    # parallelize_fn: the user's units, sharded with the strategy's reshard_after_forward
+    def blocks(reshard):
+        def parallelize(module, mesh):
+            for block in module.net.blocks:
+                fully_shard(block, mesh=mesh, reshard_after_forward=reshard(fabric.strategy))
+            return module
+
+        return parallelize
+
+    results = {}
+    for name, reshard in (("right", lambda s: s.reshard_after_forward), ("wrong", lambda s: True)):
+        user = ZeroPPStrategy(hpz_partition_size=2, parallelize_fn=blocks(reshard), **EXACT)
+        fabric = Fabric(accelerator="cpu", devices=world, strategy=user)
+        fabric.launch()
+        model = TinyLM(init_path)
+        model.configure_model()
+        try:
+            model = fabric.setup_module(model)
+        except ValueError as err:
+            results[name] = str(err)
+            continue
+        optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9))
+        for k in range(2):
+            fabric.backward(_loss(model, lx[BATCH * k : BATCH * (k + 1)], ly[BATCH * k : BATCH * (k + 1)]))
+            optimizer.step()
+            optimizer.zero_grad()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        results[name] = {
+            "state": {k: v.float() for k, v in full.items()} if rank == 0 else None,
+            "secondary": user.comm_ledger.by_kind()["weight_all_gather_secondary"].calls,
+        }
+    out["parallelize_fn"] = results
+    return out
+
+
+@pytest.mark.multiprocess
+def test_empty_init_evaluation_stepped_optimizer_and_parallelize_fn(inputs):
+    _, init_path, data_path, x, y = inputs
+    results = spawn(_features_worker, WORLD, init_path, data_path)
+    reference, _ = reference_training(init_path, x, y, WORLD * BATCH, 2)
+    for rank, out in enumerate(results):
+        assert out["meta_before"] and out["materialized"] and out["optimizer_holds_shards"], (rank, out)
+        assert out["losses"][-1] < out["losses"][0], out["losses"]  # it trains
+        assert out["after_eval_same_parameters"], rank
+        message = out["stepped_optimizer"]
+        assert message is not None and "already holds state" in message and "setup_optimizers" in message, message
+        right, wrong = out["parallelize_fn"]["right"], out["parallelize_fn"]["wrong"]
+        assert right["secondary"] > 0  # hpZ on the user's units
+        assert isinstance(wrong, str) and "'net.blocks.0'" in wrong and "reshard_after_forward" in wrong, wrong
+    _assert_parity(results[0]["parallelize_fn"]["right"]["state"], reference, _init(init_path), 1e-5)
+
+
+def test_a_launch_that_differs_names_fabric():
+    from lightning_zeropp.topology import check_launch
+
+    env = {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"}
+    with pytest.raises(RuntimeError, match=r"the launcher and the Fabric .* Set Fabric\(num_nodes=1, devices=4\)"):
+        check_launch(2, 2, 3, 0, env, "Fabric")
