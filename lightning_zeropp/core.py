@@ -285,6 +285,82 @@ class ZeroPPCore:
         return loaded
 
 
+class FrontDoor:
+    """What both strategy classes add to their Lightning base class, mixed in before it: the core's state as
+    properties, starting the processes, counting optimizer steps, releasing the groups at teardown. The class sets
+    ``front_door`` (``"Trainer"`` or ``"Fabric"``, as messages name it) and ``_core``."""
+
+    front_door: str
+    _core: ZeroPPCore
+
+    @property
+    def zeropp_config(self) -> ZeroPPConfig:
+        return self._core.config
+
+    @property
+    def topology(self) -> Topology:
+        return self._core.topology
+
+    @property
+    def comm_ledger(self) -> CommLedger:
+        """Bytes this rank sent, by collective kind, split into same-node and other-node peers (per step:
+        ``comm_ledger.step_metrics()``, what ``CommVolumeMonitor`` logs and a Fabric loop passes to ``log_dict``)."""
+        return self._core.ledger
+
+    @property
+    def comms(self) -> ZeroPPComms | None:
+        """The collectives every sharded module of the model calls (None before the processes start)."""
+        return self._core.comms
+
+    @property
+    def state_dict_type(self) -> StateDictType:
+        return self._core.state_dict_type
+
+    @property
+    def auto_wrap_policy(self) -> ModuleSelection:
+        """The module classes (or names) that become FSDP units; None: the elements of the outermost ModuleLists."""
+        return self._core.auto_wrap_policy
+
+    @property
+    def activation_checkpointing_policy(self) -> ModuleSelection:
+        return self._core.activation_checkpointing_policy
+
+    @property
+    def cpu_offload(self) -> bool:
+        return self._core.cpu_offload
+
+    @property
+    def reshard_after_forward(self) -> bool | int:
+        """What every ``fully_shard`` call passes (a ``parallelize_fn`` too): the hpZ partition size when hpZ is on."""
+        return self._core.reshard_after_forward
+
+    def start_processes(self) -> None:
+        """The launch checked against ``num_nodes`` x ``devices``, then the default process group, the core's
+        topology, groups and collectives, and the mesh. ``setup_environment`` of both front doors."""
+        strategy: Any = self
+        assert strategy.cluster_environment is not None
+        self._core.check_launch(
+            strategy.cluster_environment, strategy.num_nodes, strategy.num_processes, self.front_door
+        )
+        strategy.setup_distributed()
+        mesh = self._core.connect(
+            strategy.world_size, strategy.num_processes, strategy.global_rank, strategy.root_device.type
+        )
+        strategy.set_device_mesh(mesh)
+
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Steps the optimizer and counts the step (error feedback residuals reset every ``error_feedback_reset``)."""
+        output = super().optimizer_step(*args, **kwargs)  # type: ignore[misc]
+        self._core.optimizer_stepped()
+        return output
+
+    def teardown(self) -> None:
+        """Lightning's teardown, then the strategy's own process groups are destroyed (the next run, or a call of the
+        sharded model after the run, builds them again): repeated runs in one process keep one set."""
+        super().teardown()  # type: ignore[misc]
+        self._core.release()
+
+
 def register_names(registry: Any, strategy_class: type) -> None:
     """Registers ``"zeropp"`` (the defaults) and ``"zero3"`` (qwZ, hpZ and qgZ off) in a Trainer or Fabric registry."""
     registry.register(

@@ -24,7 +24,6 @@ from typing import Any
 import lightning
 import torch
 from lightning.fabric.strategies import STRATEGY_REGISTRY
-from lightning.fabric.utilities.types import _Stateful
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
@@ -34,12 +33,8 @@ from typing_extensions import override
 from . import strategy as trainer_strategy
 from .checkpoint import COMMS_KEY, MODEL_KEY, RNG_KEY
 from .checkpoint_files import is_checkpoint_file
-from .comm import ZeroPPComms
 from .compat.lightning import FabricModelParallelBase, load_checkpoint, load_raw_module_state
-from .config import StateDictType, ZeroPPConfig
-from .core import ZeroPPCore, bind_arguments, is_sharded, register_names, reshard
-from .ledger import CommLedger
-from .topology import Topology
+from .core import FrontDoor, ZeroPPCore, bind_arguments, is_sharded, register_names, reshard
 
 __all__ = ["ZeroPPStrategy"]
 
@@ -54,7 +49,7 @@ def _no_parallelize(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
     return module
 
 
-class ZeroPPStrategy(FabricModelParallelBase):
+class ZeroPPStrategy(FrontDoor, FabricModelParallelBase):
     """ZeRO++ for Fabric: the arguments of :class:`lightning_zeropp.ZeroPPStrategy`, plus ``parallelize_fn``.
 
     Arguments:
@@ -72,6 +67,8 @@ class ZeroPPStrategy(FabricModelParallelBase):
     way round, and consolidates with ``python -m lightning_zeropp.consolidate``. Saves are atomic and carry every
     rank's random state; a sharded checkpoint loads on any world size.
     """
+
+    front_door = "Fabric"
 
     def __init__(self, *args: Any, parallelize_fn: Callable[[Any, DeviceMesh], Any] | None = None, **kwargs: Any):
         arguments = bind_arguments(trainer_strategy.ZeroPPStrategy.__init__, "ZeroPPStrategy", args, kwargs)
@@ -99,45 +96,11 @@ class ZeroPPStrategy(FabricModelParallelBase):
         self._user_parallelize = parallelize_fn
         self._before_sharding: dict[int, tuple[weakref.ref, nn.Parameter]] = {}
 
-    # ------------------------------------------------------------------ properties
-    @property
-    def zeropp_config(self) -> ZeroPPConfig:
-        return self._core.config
-
-    @property
-    def topology(self) -> Topology:
-        return self._core.topology
-
-    @property
-    def comm_ledger(self) -> CommLedger:
-        """Bytes this rank sent, by collective kind, split into same-node and other-node peers. Log each optimizer
-        step's with ``fabric.log_dict(strategy.comm_ledger.step_metrics())``."""
-        return self._core.ledger
-
-    @property
-    def comms(self) -> ZeroPPComms | None:
-        """The collectives every sharded module of the model calls (None before ``fabric.launch``)."""
-        return self._core.comms
-
-    @property
-    def state_dict_type(self) -> StateDictType:
-        return self._core.state_dict_type
-
-    @property
-    def reshard_after_forward(self) -> bool | int:
-        """What a ``parallelize_fn`` passes to each ``fully_shard`` call (the hpZ partition size when hpZ is on)."""
-        return self._core.reshard_after_forward
-
     # ------------------------------------------------------------------ setup
     @override
     def setup_environment(self) -> None:
-        assert self.cluster_environment is not None
-        self._core.check_launch(self.cluster_environment, self.num_nodes, self.num_processes, "Fabric")
         self._core.check_device(str(self.precision.precision), self.root_device)
-        self.base_setup_environment()
-        self.setup_distributed()
-        mesh = self._core.connect(self.world_size, self.num_processes, self.global_rank, self.root_device.type)
-        self.set_device_mesh(mesh)
+        self.start_processes()
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
@@ -175,18 +138,6 @@ class ZeroPPStrategy(FabricModelParallelBase):
                     )
                 params[i] = entry[1]
         return super().setup_optimizer(optimizer)
-
-    @override
-    def teardown(self) -> None:
-        super().teardown()
-        self._core.release()
-
-    @override
-    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        """Steps the optimizer and counts the step (error feedback residuals reset every ``error_feedback_reset``)."""
-        output = super().optimizer_step(optimizer, **kwargs)
-        self._core.optimizer_stepped()
-        return output
 
     @override
     def clip_gradients_norm(
@@ -254,7 +205,7 @@ class ZeroPPStrategy(FabricModelParallelBase):
                     f"ZeroPPStrategy: the state key {key!r} is reserved in a checkpoint (it holds the"
                     f" {'model' if key == MODEL_KEY else 'strategy'}'s own data); rename it."
                 )
-            checkpoint[key] = _filtered(key, filters, obj.state_dict() if isinstance(obj, _Stateful) else obj)
+            checkpoint[key] = _filtered(key, filters, obj.state_dict() if _stateful(obj) else obj)
         self._core.save(self, checkpoint, path, lambda data, where: torch.save(data, where))
 
     @override
@@ -312,7 +263,7 @@ class ZeroPPStrategy(FabricModelParallelBase):
                     )
                 continue
             value = loaded.pop(key)
-            if isinstance(obj, _Stateful):
+            if _stateful(obj):
                 obj.load_state_dict(value)
             else:
                 state[key] = value
@@ -351,6 +302,11 @@ def _split_state(state: dict[str, Any], action: str) -> tuple[str, nn.Module, li
         )
     optimizers = [(k, v) for k, v in state.items() if isinstance(v, Optimizer)]
     return modules[0][0], modules[0][1], optimizers
+
+
+def _stateful(obj: Any) -> bool:
+    """An object saved through its ``state_dict()`` and restored in place with ``load_state_dict`` (as Fabric does)."""
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
 
 def _schedulers(state: dict[str, Any]) -> list[tuple[str, LRScheduler]]:

@@ -15,7 +15,6 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
 
-from .comm import ZeroPPComms
 from .compat.lightning import ForwardRedirection, ModelParallelBase, disable_inference_mode
 from .compat.torch import ForwardHooks
 from .config import (
@@ -27,11 +26,8 @@ from .config import (
     PositiveInt,
     PositiveIntOrAuto,
     StateDictType,
-    ZeroPPConfig,
 )
-from .core import SUPPORTED_PRECISIONS, ZeroPPCore, register_names, reshard
-from .ledger import CommLedger
-from .topology import Topology
+from .core import SUPPORTED_PRECISIONS, FrontDoor, ZeroPPCore, register_names, reshard
 
 __all__ = ["SUPPORTED_PRECISIONS", "ZeroPPStrategy"]
 
@@ -69,7 +65,7 @@ def _enter_step(hooks: ForwardHooks):
     return hook
 
 
-class ZeroPPStrategy(ModelParallelBase):
+class ZeroPPStrategy(FrontDoor, ModelParallelBase):
     """ZeRO++: ZeRO-3 (FSDP2) with quantized weight all-gather, a secondary weight partition per node, and a
     2-hop quantized gradient reduce-scatter. ``ZeroPPStrategy(quantize_weights=False, hpz_partition_size=1,
     quantize_gradients=False)`` is plain ZeRO-3 (registered as ``"zero3"``); the defaults are ``"zeropp"``.
@@ -112,6 +108,7 @@ class ZeroPPStrategy(ModelParallelBase):
     """
 
     strategy_name = "zeropp"
+    front_door = "Trainer"
 
     def __init__(
         self,
@@ -149,63 +146,16 @@ class ZeroPPStrategy(ModelParallelBase):
         )
         self._steps: _StepRedirection | None = None
 
-    # ------------------------------------------------------------------ properties
-    @property
-    def zeropp_config(self) -> ZeroPPConfig:
-        return self._core.config
-
-    @property
-    def topology(self) -> Topology:
-        return self._core.topology
-
-    @property
-    def comm_ledger(self) -> CommLedger:
-        """Bytes this rank sent, by collective kind, split into same-node and other-node peers."""
-        return self._core.ledger
-
-    @property
-    def comms(self) -> ZeroPPComms | None:
-        """The collectives every sharded module of the model calls (None before the processes start)."""
-        return self._core.comms
-
-    @property
-    def state_dict_type(self) -> StateDictType:
-        return self._core.state_dict_type
-
-    @property
-    def auto_wrap_policy(self) -> ModuleSelection:
-        """The module classes (or names) that become FSDP units; None: the elements of the outermost ModuleLists."""
-        return self._core.auto_wrap_policy
-
-    @property
-    def activation_checkpointing_policy(self) -> ModuleSelection:
-        return self._core.activation_checkpointing_policy
-
-    @property
-    def cpu_offload(self) -> bool:
-        return self._core.cpu_offload
-
     # ------------------------------------------------------------------ setup
     @override
     def setup_environment(self) -> None:
-        assert self.cluster_environment is not None
-        self._core.check_launch(self.cluster_environment, self.num_nodes, self.num_processes, "Trainer")
-        self.setup_distributed()
-        mesh = self._core.connect(self.world_size, self.num_processes, self.global_rank, self.root_device.type)
-        self.set_device_mesh(mesh)
+        self.start_processes()
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         self._core.check_device(str(self.precision_plugin.precision), self.root_device)
         disable_inference_mode(trainer)
         self.base_setup(trainer)  # converts the precision, calls shard_model, then sets up the optimizers
-
-    @override
-    def teardown(self) -> None:
-        """Lightning's teardown, then the strategy's own process groups are destroyed (the next run, or a call of the
-        sharded model after ``fit`` returned, builds them again): repeated runs in one process keep one set."""
-        super().teardown()
-        self._core.release()
 
     @override
     def shard_model(self, model: nn.Module) -> nn.Module:
@@ -244,14 +194,6 @@ class ZeroPPStrategy(ModelParallelBase):
             yield
         finally:
             self.model.set_requires_gradient_sync(True)
-
-    @override
-    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        """Steps the optimizer and counts the step (error feedback residuals reset every
-        ``error_feedback_reset`` optimizer steps)."""
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        self._core.optimizer_stepped()
-        return output
 
     # ------------------------------------------------------------------ checkpoints
     @override

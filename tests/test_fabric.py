@@ -2,7 +2,6 @@
 both orders of setting up the optimizer, checkpoints across front doors and world sizes, and argument checks."""
 
 import inspect
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ from lightning_zeropp import ZeroPPStrategy as TrainerStrategy
 from lightning_zeropp.fabric import ZeroPPStrategy
 from lightning_zeropp.testing.distributed import lightning_trainer, spawn
 from lightning_zeropp.testing.models import TinyLM
+from lightning_zeropp.testing.scripts import run_fabric_example
 from lightning_zeropp.testing.workers import (
     fabric_train_worker,
     reference_training,
@@ -380,16 +380,12 @@ def test_a_launch_that_differs_names_fabric():
 @pytest.mark.multiprocess
 def test_fabric_example_trains_and_checkpoints(tmp_path):
     """``examples/fabric/train.py``: 4 processes launched by Fabric as 2 nodes x 2, two micro-batches per step."""
-    root = Path(__file__).resolve().parents[1]
-    summary, ckpt = tmp_path / "summary.json", tmp_path / "ckpt"
-    cmd = [
-        sys.executable, str(root / "examples" / "fabric" / "train.py"), "--steps", "4", "--accumulate", "2",
-        "--n-layer", "2", "--n-embd", "64", "--block-size", "32", "--max-bytes", "300000", "--val-every", "2",
-        "--log-dir", str(tmp_path / "logs"), "--checkpoint", str(ckpt), "--summary", str(summary),
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(summary.read_text())
+    script = Path(__file__).resolve().parents[1] / "examples" / "fabric" / "train.py"
+    ckpt = tmp_path / "ckpt"
+    result = run_fabric_example(
+        script, tmp_path, "--steps", "4", "--accumulate", "2", "--n-layer", "2", "--n-embd", "64",
+        "--block-size", "32", "--max-bytes", "300000", "--val-every", "2", "--checkpoint", str(ckpt),
+    )  # fmt: skip
     assert result["world_size"] == 4 and result["nodes"] == 2 and result["steps"] == 4
     assert result["last_loss"] < result["first_loss"], result
     assert result["inter_node_MB_per_step"] > 0 and result["intra_node_MB_per_step"] > 0

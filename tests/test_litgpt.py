@@ -2,7 +2,6 @@
 ZeRO++ moves every parameter (RMSNorm weights included), and the example trains and checkpoints on 4 processes as
 2 nodes x 2. Needs the optional extra: ``pip install -e ".[litgpt]"`` (``.ci/run`` runs it in its own environment)."""
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +11,7 @@ import torch
 
 from lightning_zeropp.testing.distributed import spawn
 from lightning_zeropp.testing.models import make_batches
+from lightning_zeropp.testing.scripts import run_fabric_example
 from lightning_zeropp.testing.workers import relative_error
 
 litgpt = pytest.importorskip("litgpt")
@@ -96,15 +96,11 @@ def test_litgpt_trains_every_parameter(mode):
 
 
 def test_litgpt_example_trains_and_checkpoints(tmp_path):
-    summary, ckpt = tmp_path / "summary.json", tmp_path / "ckpt"
-    cmd = [
-        sys.executable, str(ROOT / "examples" / "litgpt" / "train.py"), "--steps", "8", "--n-layer", "2",
-        "--n-embd", "64", "--block-size", "32", "--max-bytes", "300000", "--val-every", "4",
-        "--log-dir", str(tmp_path / "logs"), "--checkpoint", str(ckpt), "--summary", str(summary),
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(summary.read_text())
+    ckpt = tmp_path / "ckpt"
+    result = run_fabric_example(
+        ROOT / "examples" / "litgpt" / "train.py", tmp_path, "--steps", "8", "--n-layer", "2", "--n-embd", "64",
+        "--block-size", "32", "--max-bytes", "300000", "--val-every", "4", "--checkpoint", str(ckpt),
+    )  # fmt: skip
     assert result["world_size"] == 4 and result["nodes"] == 2 and result["steps"] == 8
     assert result["last_loss"] < result["first_loss"], result
     assert result["inter_node_MB_per_step"] > 0 and result["intra_node_MB_per_step"] > 0

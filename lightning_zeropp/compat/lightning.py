@@ -107,13 +107,11 @@ def disable_inference_mode(trainer: pl.Trainer) -> None:
 class FabricModelParallelBase(FabricModelParallelStrategy):
     """Fabric's ``ModelParallelStrategy`` with the private parts lightning-zeropp builds on given public names."""
 
-    def base_setup_environment(self) -> None:
-        """Fabric's ``Strategy.setup_environment`` (the accelerator sets up the device), without the process group
-        and 2-D mesh ``ModelParallelStrategy`` adds: :meth:`setup_distributed` and :meth:`set_device_mesh` do."""
-        FabricStrategy.setup_environment(self)
-
     def setup_distributed(self) -> None:
-        """Fabric's process-group setup of ``ModelParallelStrategy`` (ranks, backend, timeout), without its mesh."""
+        """The device set up by the accelerator (Fabric's ``Strategy.setup_environment``), then the process-group
+        setup of ``ModelParallelStrategy`` (ranks, backend, timeout), without its 2-D mesh: as the Trainer's
+        ``ModelParallelStrategy`` does in its own ``_setup_distributed``."""
+        FabricStrategy.setup_environment(self)
         self._setup_distributed()
 
     def set_device_mesh(self, mesh: Any) -> None:

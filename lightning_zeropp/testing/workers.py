@@ -26,6 +26,8 @@ __all__ = [
     "relative_error",
     "save_inputs",
     "fabric_train_worker",
+    "full_state",
+    "ledger_table",
     "train_worker",
     "unit_shard_numels",
 ]
@@ -139,8 +141,6 @@ def train_worker(
 ) -> dict[str, Any]:
     """Trains TinyLM with ``ZeroPPStrategy(**strategy_kwargs)``; returns the full weights (rank 0), the losses, the
     ledger, what :class:`WeightProbe` saw, and the units whose quantization blocks could not follow parameters."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
     from lightning_zeropp import ZeroPPStrategy
 
     x, y = torch.load(data_path, weights_only=True)
@@ -160,18 +160,30 @@ def train_worker(
     # rank r takes samples r, r + W, ...: batch k of all ranks together is the reference's global batch k
     local = TensorDataset(x[rank::world_size], y[rank::world_size])
     trainer.fit(model, DataLoader(local, batch_size=batch_size, shuffle=False))
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    ledger = {k: (t.intra_node_bytes, t.inter_node_bytes, t.calls) for k, t in strategy.comm_ledger.by_kind().items()}
     comms = strategy.comms
     unaligned = {unit.name: unit.unaligned for unit in comms.units if unit.unaligned} if comms is not None else {}
+    state = full_state(model)
     return {
-        "state": {k: v.float() for k, v in state.items()} if rank == 0 else None,
+        "state": state if rank == 0 else None,
         "losses": recorder.losses,
-        "ledger": ledger,
+        "ledger": ledger_table(strategy.comm_ledger),
         "weights_compared": probe.compared,
         "weights_mismatched": probe.mismatched,
         "unaligned_blocks": unaligned,
     }
+
+
+def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The sharded model's whole weights in fp32 on the CPU (collective: every rank calls it)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {k: v.float() for k, v in state.items()}
+
+
+def ledger_table(ledger: Any) -> dict[str, tuple[int, int, int]]:
+    """A ledger's totals by kind: ``(intra-node bytes, inter-node bytes, calls)``."""
+    return {k: (t.intra_node_bytes, t.inter_node_bytes, t.calls) for k, t in ledger.by_kind().items()}
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -220,7 +232,6 @@ def fabric_train_worker(
     """
     import torch.nn.functional as F
     from lightning.fabric import Fabric
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from lightning_zeropp.fabric import ZeroPPStrategy
 
@@ -269,12 +280,11 @@ def fabric_train_worker(
     if save_to is not None:
         fabric.save(save_to, state)
         drawn_after_save = torch.rand(1).item()
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    ledger = {k: (t.intra_node_bytes, t.inter_node_bytes, t.calls) for k, t in strategy.comm_ledger.by_kind().items()}
+    weights = full_state(model)
     return {
-        "state": {k: v.float() for k, v in full.items()} if rank == 0 else None,
+        "state": weights if rank == 0 else None,
         "losses": losses,
-        "ledger": ledger,
+        "ledger": ledger_table(strategy.comm_ledger),
         "norms": norms,
         "step_metrics": step_metrics,
         "step": state["step"],
