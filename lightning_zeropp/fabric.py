@@ -232,7 +232,7 @@ class ZeroPPStrategy(FrontDoor, FabricModelParallelBase):
                 " `fabric.load(path, {'model': model, 'optimizer': optimizer})`."
             )
         if isinstance(state, nn.Module):
-            self._load_weights(path, state, strict)
+            self._load_weights(path, state, strict, weights_only)
             return {}
         module_key, module, optimizers = _split_state(state, "load")
         into = {MODEL_KEY: module, **{f"optimizer_{i}": optimizer for i, (_, optimizer) in enumerate(optimizers)}}
@@ -269,11 +269,12 @@ class ZeroPPStrategy(FrontDoor, FabricModelParallelBase):
                 state[key] = value
         return loaded
 
-    def _load_weights(self, path: Path, module: nn.Module, strict: bool) -> None:
+    def _load_weights(self, path: Path, module: nn.Module, strict: bool, weights_only: bool | None) -> None:
         """The model's weights alone: from a checkpoint of this strategy, or a plain state-dict file."""
         if path.is_dir() or _is_lightning_file(path):
             into = {MODEL_KEY: module}
-            self._core.load(self, path, module, [], strict, lambda where: load_checkpoint(where, into, strict, None))
+            read = lambda where: load_checkpoint(where, into, strict, weights_only)  # noqa: E731
+            self._core.load(self, path, module, [], strict, read)
             return
         load_raw_module_state(path, module, self.world_size, strict)
         reshard(module)

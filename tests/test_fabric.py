@@ -20,6 +20,7 @@ from lightning_zeropp.testing.models import TinyLM
 from lightning_zeropp.testing.scripts import run_fabric_example
 from lightning_zeropp.testing.workers import (
     fabric_train_worker,
+    full_state,
     reference_training,
     relative_error,
     save_inputs,
@@ -268,7 +269,7 @@ def _loss(model, x, y):
 def _features_worker(rank, world, init_path, data_path):
     """On 4 ranks with hpZ (pairs): empty_init with the optimizer built on meta parameters; an evaluation forward
     followed by the parameters the optimizer holds; an optimizer that already stepped; a user's parallelize_fn, right
-    and wrong. Returns what each check saw."""
+    and wrong; ``fabric.load_raw`` of a plain file and of a checkpoint folder. Returns what each check saw."""
     from torch.distributed.fsdp import fully_shard
 
     from lightning_zeropp.testing.models import TINY, TinyTransformer
@@ -341,14 +342,30 @@ def _features_worker(rank, world, init_path, data_path):
             fabric.backward(_loss(model, lx[BATCH * k : BATCH * (k + 1)], ly[BATCH * k : BATCH * (k + 1)]))
             optimizer.step()
             optimizer.zero_grad()
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        weights, kept = full_state(model), (fabric, model, optimizer)
         results[name] = {
-            "state": {k: v.float() for k, v in full.items()} if rank == 0 else None,
+            "state": weights if rank == 0 else None,
             "secondary": user.comm_ledger.by_kind()["weight_all_gather_secondary"].calls,
         }
     out["parallelize_fn"] = results
+
+    # fabric.load_raw: a plain state-dict file, and the weights alone of a checkpoint folder
+    fabric, model, optimizer = kept
+    folder = Path(init_path).parent
+    plain = {k: v * 0.5 for k, v in weights.items()}
+    if rank == 0:
+        torch.save(plain, folder / "plain.pt")
+    fabric.barrier()
+    fabric.load_raw(folder / "plain.pt", model)
+    loaded = full_state(model)
+    out["load_raw_file"] = all(torch.equal(loaded[k], v) for k, v in plain.items())
+    fabric.save(folder / "raw_ckpt", {"model": model, "optimizer": optimizer})
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    fabric.load_raw(folder / "raw_ckpt", model)
+    loaded = full_state(model)
+    out["load_raw_folder"] = all(torch.equal(loaded[k], v) for k, v in plain.items())
     return out
 
 
@@ -366,6 +383,7 @@ def test_empty_init_evaluation_stepped_optimizer_and_parallelize_fn(inputs):
         right, wrong = out["parallelize_fn"]["right"], out["parallelize_fn"]["wrong"]
         assert right["secondary"] > 0  # hpZ on the user's units
         assert isinstance(wrong, str) and "'net.blocks.0'" in wrong and "reshard_after_forward" in wrong, wrong
+        assert out["load_raw_file"] and out["load_raw_folder"], rank
     _assert_parity(results[0]["parallelize_fn"]["right"]["state"], reference, _init(init_path), 1e-5)
 
 
