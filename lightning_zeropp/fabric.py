@@ -123,20 +123,25 @@ class ZeroPPStrategy(FrontDoor, FabricModelParallelBase):
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         """Points an optimizer built before sharding (``fabric.setup(model, optimizer)``) at the sharded parameters;
         its param groups and their settings stay as they are."""
+
+        def sharded(p: Any) -> nn.Parameter | None:
+            entry = self._before_sharding.get(id(p))
+            return entry[1] if entry is not None and entry[0]() is p else None
+
+        held = [p for group in optimizer.param_groups for p in group["params"] if sharded(p) is not None]
+        if any(optimizer.state.get(p) for p in held):  # checked first: a refused optimizer is left as it was
+            raise ValueError(
+                "ZeroPPStrategy: the optimizer already holds state (it has stepped) for the model's parameters as"
+                " they were before sharding; that state cannot follow them into their shards. Set up the model first"
+                " (`model = fabric.setup_module(model)`), then build the optimizer on `model.parameters()` and set it"
+                " up (`optimizer = fabric.setup_optimizers(optimizer)`)."
+            )
         for group in optimizer.param_groups:
             params = group["params"]
             for i, p in enumerate(params):
-                entry = self._before_sharding.get(id(p))
-                if entry is None or entry[0]() is not p:
-                    continue
-                if optimizer.state.get(p):
-                    raise ValueError(
-                        "ZeroPPStrategy: the optimizer already holds state (it has stepped) for the model's parameters"
-                        " as they were before sharding; that state cannot follow them into their shards. Set up the"
-                        " model first (`model = fabric.setup_module(model)`), then build the optimizer on"
-                        " `model.parameters()` and set it up (`optimizer = fabric.setup_optimizers(optimizer)`)."
-                    )
-                params[i] = entry[1]
+                new = sharded(p)
+                if new is not None:
+                    params[i] = new
         return super().setup_optimizer(optimizer)
 
     @override
