@@ -32,8 +32,12 @@ def test_a_frozen_or_dead_rank_ends_the_job(tmp_path, fault):
     for rank, report in reports.items():
         assert report["error"] is not None, f"rank {rank} finished training without its peer"
         assert report["after_fault_s"] < timeout_s + 30, (rank, report)
-        if fault == "freeze":
-            assert "Timed out waiting 20000ms" in report["error"], (rank, report["error"][:500])
+    if fault == "freeze":
+        # the first survivors to wait on the frozen rank time out; a survivor waiting on one of them instead may see
+        # that peer's connection close as it exits (seen once on a loaded machine): both end the job in time
+        errors = [report["error"] for report in reports.values()]
+        assert any("Timed out waiting 20000ms" in e for e in errors), [e[:300] for e in errors]
+        assert all("Timed out waiting 20000ms" in e or "Connection closed by peer" in e for e in errors), errors
     assert ("killed" in str(failed.value)) == (fault == "freeze")
 
 
