@@ -27,6 +27,7 @@ from .blocks import UnitBlocks
 from .collectives import all_gather_flat, reduce_scatter_flat, split_reduce_op
 from .compat.torch import in_backward
 from .config import ZeroPPConfig
+from .deltas import WeightDeltas
 from .feedback import ErrorFeedback
 from .ledger import CommLedger
 from .topology import ProcessGroups
@@ -56,6 +57,13 @@ class ZeroPPComms:
             if config.gradient_error_feedback and self.use_qgz
             else None
         )
+        R, W = self.topology.hpz_partition_size, self.topology.world_size
+        self.deltas = WeightDeltas(config, self.topology, ledger) if config.weight_deltas and 1 < R < W else None
+        if config.weight_deltas and self.deltas is None:
+            rank_zero_info(
+                f"ZeroPPStrategy: weight_deltas is on but the job has one hpZ group (hpz_partition_size={R} of {W}"
+                " ranks): every rank already gathers from its own node, so the forward all-gather stays as it is."
+            )
         self.units: list[UnitBlocks] = []  # the model's sharded units, set by fsdp_hooks.install
         self._warned_raw_bytes = False
 
@@ -87,7 +95,11 @@ class ZeroPPComms:
         if role == "hpz":
             return hpz.secondary_all_gather(output, input, group, ranks, self.ledger, async_op)
         # Inside autograd's backward: this is the re-gather of a resharded module.
-        kind = "weight_all_gather_backward" if in_backward() else "weight_all_gather"
+        backward = in_backward()
+        if self.deltas is not None and not backward and unit is not None and input.is_floating_point():
+            self.deltas.all_gather(output, input, unit, self.groups)
+            return None
+        kind = "weight_all_gather_backward" if backward else "weight_all_gather"
         if self.config.quantize_weights and self._quantizable(input):
             blocks = unit.weights(input.numel()) if unit is not None else None
             return qwz.quantized_all_gather(
@@ -141,10 +153,36 @@ class ZeroPPComms:
         exact_reduce_scatter(output, input, base_op, premul, self.groups, self.ledger)
 
     # ----------------------------------------------------------------- state
+    def begin_forward(self, device: torch.device) -> None:
+        """The root's forward pre-hook: with weight deltas, every rank agrees what each unit's forward all-gather
+        does (collective: one small all-reduce per forward pass)."""
+        if self.deltas is not None:
+            self.deltas.agree(self.units, self.groups.world, device)
+
+    def optimizer_updating(self) -> None:
+        """Called right before an optimizer step changes the weights (after its closure ran)."""
+        if self.deltas is not None:
+            self.deltas.before_update(self.units)
+
     def optimizer_stepped(self) -> None:
-        """Counts an optimizer step (the error feedback's reset period follows optimizer steps)."""
+        """Counts an optimizer step (the error feedback's reset period follows optimizer steps; weight deltas
+        note which weights the step changed)."""
         if self.feedback is not None:
             self.feedback.steps += 1
+        if self.deltas is not None:
+            self.deltas.after_update(self.units)
+
+    def weights_replaced(self) -> None:
+        """The weights changed in a way version counters may not show: the next forward rebuilds node copies."""
+        if self.deltas is not None:
+            self.deltas.invalidate()
+
+    def persistent_nbytes(self) -> dict[str, int]:
+        """Memory the collectives keep on this rank across steps, by what it holds (bytes)."""
+        out = {"error_feedback": self.feedback.nbytes if self.feedback is not None else 0}
+        deltas = self.deltas.nbytes() if self.deltas is not None else {"node_copy": 0, "tracked_copy": 0}
+        out.update({f"weight_deltas_{k}": v for k, v in deltas.items()})
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         """What a resume needs to continue exactly: this rank's residuals and the counters; ``layout`` says which

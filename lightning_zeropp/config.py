@@ -129,6 +129,14 @@ class ZeroPPConfig:
     """The factor the error feedback residual is carried to the next step with (0 < decay <= 1)."""
     error_feedback_reset: int = 1024
     """Zero the error feedback residuals every this many optimizer steps (0: never)."""
+    weight_deltas: bool = False
+    """Keep each node's hpZ copy of the weights across steps and update it with INT4 deltas of what each optimizer
+    step changed, sent once per node (needs hpZ); the forward all-gather is built from that copy inside the node."""
+    weight_delta_bits: Literal[4, 8] = 4
+    """weight_deltas: bits per element of the deltas on the wire."""
+    weight_delta_refresh: int = 1000
+    """weight_deltas: rebuild the node copy exactly every this many optimizer steps (0: never); it is also rebuilt
+    whenever the weights change outside an optimizer step (checkpoint loads, EMA swaps)."""
     pipeline_stages: int = 2
     """qgZ: pieces each chunk is cut into, so one piece's intra-node hop overlaps another's inter-node hop."""
     ranks_per_node: int | Literal["auto"] = "auto"
@@ -166,6 +174,24 @@ class ZeroPPConfig:
         _check_int("error_feedback_reset", self.error_feedback_reset)
         if self.error_feedback_reset < 0:
             raise _fail("error_feedback_reset", self.error_feedback_reset, "use a number of steps >= 1, or 0 (never)")
+        _check_bool("weight_deltas", self.weight_deltas)
+        _check_bits("weight_delta_bits", self.weight_delta_bits, (4, 8))
+        _check_int("weight_delta_refresh", self.weight_delta_refresh)
+        if self.weight_delta_refresh < 0:
+            raise _fail("weight_delta_refresh", self.weight_delta_refresh, "use a number of steps >= 1, or 0 (never)")
+        if self.weight_deltas:
+            if self.hpz_partition_size == 1:
+                raise ValueError(
+                    "ZeroPPStrategy: `weight_deltas=True` keeps the hpZ copy of the weights across steps, but"
+                    " `hpz_partition_size=1` turns hpZ off; leave hpz_partition_size at 'auto' (ranks per node) or"
+                    " turn weight_deltas off."
+                )
+            if self.weight_delta_bits == 4 and self.weight_block_size % 2:
+                raise _fail(
+                    "weight_block_size",
+                    self.weight_block_size,
+                    "weight_deltas sends INT4 deltas, which pack two values per byte; use an even block size",
+                )
         _check_int("pipeline_stages", self.pipeline_stages)
         if self.pipeline_stages < 1:
             raise _fail("pipeline_stages", self.pipeline_stages, "use 1 (no overlap) or more")
@@ -190,6 +216,12 @@ class ZeroPPConfig:
                 f" would count as one node; use 'auto' or one of {_divisors(local_world_size)}",
             )
         hpz = ranks_per_node if self.hpz_partition_size == "auto" else self.hpz_partition_size
+        if self.weight_deltas and hpz == 1:
+            raise ValueError(
+                f"ZeroPPStrategy: `weight_deltas=True` needs hpZ, but hpz_partition_size={self.hpz_partition_size!r}"
+                f" resolves to 1 here (ranks_per_node={ranks_per_node}): there is no node copy to keep. Set"
+                " hpz_partition_size (and ranks_per_node) to 2 or more, or turn weight_deltas off."
+            )
         if world_size % hpz:
             raise _fail(
                 "hpz_partition_size",
@@ -202,7 +234,8 @@ class ZeroPPConfig:
 
 _NUMBERS = (
     "weight_bits", "gradient_bits", "intra_node_gradient_bits", "weight_block_size", "gradient_block_size",
-    "error_feedback_decay", "error_feedback_reset", "pipeline_stages", "hpz_partition_size", "ranks_per_node",
+    "error_feedback_decay", "error_feedback_reset", "weight_delta_bits", "weight_delta_refresh", "pipeline_stages",
+    "hpz_partition_size", "ranks_per_node",
 )  # fmt: skip
 
 

@@ -94,6 +94,11 @@ class ZeroPPCore:
             "activation_checkpointing", arguments["activation_checkpointing"], "activation_checkpointing_policy",
             arguments["activation_checkpointing_policy"],
         )  # fmt: skip
+        if config.weight_deltas and arguments["cpu_offload"]:
+            raise ValueError(
+                "ZeroPPStrategy: `weight_deltas=True` keeps 1/R of the weights on the device across steps, which"
+                " `cpu_offload=True` exists to avoid; turn one of them off."
+            )
         check_strategy_arguments(
             auto_wrap_policy=auto_wrap,
             activation_checkpointing_policy=checkpointing,
@@ -228,9 +233,11 @@ class ZeroPPCore:
             )
             if parallelize_fn is None:
                 apply_zeropp(model, **kwargs)
-                return
-            model = _user_parallelized(model, parallelize_fn, mesh)
-            apply_zeropp(model, **kwargs, already_sharded=True)
+            else:
+                model = _user_parallelized(model, parallelize_fn, mesh)
+                apply_zeropp(model, **kwargs, already_sharded=True)
+            # before FSDP2's own root pre-hook (which gathers the root's weights)
+            model.register_forward_pre_hook(_begin_forward, prepend=True)
 
         payload = register(shard) if register is not None else shard()
         setattr(model, _SHARDED_MARK, (layout, payload, self._comms))
@@ -282,6 +289,8 @@ class ZeroPPCore:
         expected = [(type(o).__name__, keys) for o, keys in zip(optimizers, ckpt.optimizer_keys(model, optimizers))]
         loaded = ckpt.load(ranks, path, shapes, strict, read, restore, expected)
         reshard(model)
+        if self._comms is not None:
+            self._comms.weights_replaced()
         return loaded
 
 
@@ -348,11 +357,50 @@ class FrontDoor:
         )
         strategy.set_device_mesh(mesh)
 
-    def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
-        """Steps the optimizer and counts the step (error feedback residuals reset every ``error_feedback_reset``)."""
-        output = super().optimizer_step(*args, **kwargs)  # type: ignore[misc]
+    def optimizer_step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        """Steps the optimizer and counts the step (error feedback residuals reset every ``error_feedback_reset``).
+        With weight deltas, the weights are checked right before the update (after the closure, which runs the
+        forward and backward, if there is one) and right after it, so that only the step's own changes are sent as
+        deltas."""
+        comms = self._core.comms
+        if comms is None or comms.deltas is None:
+            output = super().optimizer_step(optimizer, *args, **kwargs)  # type: ignore[misc]
+            self._core.optimizer_stepped()
+            return output
+        # The Trainer passes the closure second, Fabric as a keyword (when the user gave one).
+        closure = args[0] if args else kwargs.get("closure")
+        if callable(closure):
+
+            def closure_then_check(*a: Any, **k: Any) -> Any:
+                out = closure(*a, **k)
+                comms.optimizer_updating()
+                return out
+
+            if args:
+                args = (closure_then_check, *args[1:])
+            else:
+                kwargs["closure"] = closure_then_check
+        else:
+            comms.optimizer_updating()
+        output = super().optimizer_step(optimizer, *args, **kwargs)  # type: ignore[misc]
         self._core.optimizer_stepped()
         return output
+
+    def refresh_weight_copies(self) -> None:
+        """With ``weight_deltas``: the next forward rebuilds every node copy exactly. Changes made with in-place
+        writes to the parameters are detected by themselves; call this after writing through ``param.data``."""
+        if self._core.comms is not None:
+            self._core.comms.weights_replaced()
+
+    @property
+    def persistent_memory(self) -> dict[str, int]:
+        """Bytes the collectives keep on this rank across steps: ``error_feedback`` (qgZ residuals),
+        ``weight_deltas_node_copy`` (this rank's slice of its node's copy, M / R elements in the compute dtype) and
+        ``weight_deltas_tracked_copy`` (what the other nodes hold of this rank's shard, M / W elements)."""
+        comms = self._core.comms
+        if comms is None:
+            return {"error_feedback": 0, "weight_deltas_node_copy": 0, "weight_deltas_tracked_copy": 0}
+        return comms.persistent_nbytes()
 
     def teardown(self) -> None:
         """Lightning's teardown, then the strategy's own process groups are destroyed (the next run, or a call of the
@@ -378,6 +426,16 @@ def register_names(registry: Any, strategy_class: type) -> None:
         hpz_partition_size=1,
         quantize_gradients=False,
     )
+
+
+def _begin_forward(module: nn.Module, args: Any) -> None:
+    """The sharded root's first forward pre-hook: the collectives prepare the forward pass (with weight deltas,
+    every rank agrees which node copies to update)."""
+    mark = getattr(module, _SHARDED_MARK, None)
+    if mark is None or mark[2].deltas is None:
+        return
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    mark[2].begin_forward(device)
 
 
 def is_sharded(model: nn.Module) -> bool:

@@ -91,6 +91,17 @@ class ZeroPPStrategy(FrontDoor, ModelParallelBase):
             ``error_feedback_decay``, to the next reduction's values. Saved in checkpoints.
         error_feedback_decay: the residual's carry-over factor, in (0, 1].
         error_feedback_reset: zero the residuals every this many optimizer steps (0: never).
+        weight_deltas: keep each node's hpZ copy of the weights across steps and, after each optimizer step, update
+            it with INT4 deltas (per parameter-aligned block) of what the step changed, each shard sent to one rank
+            per node; the forward all-gather is then built from that copy inside the node (exact). Needs hpZ
+            (``hpz_partition_size`` >= 2). Costs M / R elements per rank in the compute dtype, plus M / W for what
+            the other nodes hold of this rank's shard (``persistent_memory``). Replaces qwZ's forward all-gather.
+        weight_delta_bits: 4 or 8 bits per delta element on the wire. 4 halves the bytes; 8 cuts the error 16x,
+            for training whose weights move more than a few percent per step.
+        weight_delta_refresh: rebuild the node copies exactly every this many optimizer steps (0: never). They are
+            also rebuilt when the weights change outside an optimizer step (a checkpoint load, an EMA swap: any
+            in-place write to the parameters; after writes through ``param.data``, call
+            ``refresh_weight_copies()``).
         pipeline_stages: qgZ pieces per chunk; piece s+1 crosses the node's links while piece s crosses nodes.
         ranks_per_node: ranks per node; ``"auto"`` is the launcher's local world size. A smaller value makes one
             machine act as several nodes (tests, demos). Must divide the local world size.
@@ -125,6 +136,9 @@ class ZeroPPStrategy(FrontDoor, ModelParallelBase):
         gradient_error_feedback: bool = False,
         error_feedback_decay: Decay = 0.8,
         error_feedback_reset: NonNegativeInt = 1024,
+        weight_deltas: bool = False,
+        weight_delta_bits: Literal[4, 8] = 4,
+        weight_delta_refresh: NonNegativeInt = 1000,
         pipeline_stages: PositiveInt = 2,
         ranks_per_node: PositiveIntOrAuto = "auto",
         auto_wrap_policy: ModuleSelection = None,

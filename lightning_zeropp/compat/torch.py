@@ -39,6 +39,7 @@ __all__ = [
     "live_process_groups",
     "reduce_scatter_single",
     "unit_parameters",
+    "unit_versions",
 ]
 
 
@@ -142,6 +143,16 @@ def unit_mesh_sizes(module: nn.Module) -> tuple[int | None, int | None]:
         return None, None
     post = group.post_forward_mesh_info
     return group.mesh_info.shard_mesh_size, (None if post is None else post.shard_mesh_size)
+
+
+def unit_versions(module: nn.Module) -> tuple[tuple[int, int], ...]:
+    """For a sharded module: per parameter it manages, ``(id, version)`` of its sharded parameter. The version counter
+    (``Tensor._version``) counts in-place writes (an optimizer step, ``copy_`` under ``no_grad``, ``load_state_dict``,
+    a distributed checkpoint load); writes through ``param.data`` bypass it. ``()`` if it manages no parameter."""
+    group = module._get_fsdp_state()._fsdp_param_group
+    if group is None:
+        return ()
+    return tuple((id(p.sharded_param), p.sharded_param._version) for p in group.fsdp_params)
 
 
 def _probe_unit_parameters() -> None:

@@ -1,0 +1,166 @@
+"""A Fabric rank worker that probes weight deltas: what every forward pass computes with, on every rank, against the
+exact weights, through training, an EMA-style swap, a checkpoint load and a write behind the version counters."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .models import TinyLM
+from .workers import full_state, ledger_table
+
+__all__ = ["ForwardWeights", "deltas_worker"]
+
+
+class ForwardWeights:
+    """Records the weights each module of a sharded model computes with in its forward (FSDP2 swaps the gathered
+    weights in for the call), by parameter name as in the model's state dict."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.seen: dict[str, torch.Tensor] = {}
+        for prefix, module in model.named_modules():
+            if any(True for _ in module.parameters(recurse=False)):
+                module.register_forward_pre_hook(self._hook(prefix))
+
+    def _hook(self, prefix: str):
+        def hook(module: nn.Module, args: Any) -> None:
+            for name, p in module.named_parameters(recurse=False):
+                key = f"{prefix}.{name}" if prefix else name
+                self.seen.setdefault(key, p.detach().float().clone())
+
+        return hook
+
+    def forward(self, model: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The weights one forward pass (no grad) used."""
+        self.seen = {}
+        with torch.no_grad():
+            model(x)
+        return dict(self.seen)
+
+
+def _digest(weights: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(weights):
+        h.update(name.encode())
+        h.update(weights[name].numpy().tobytes())
+    return h.hexdigest()
+
+
+def _compare(seen: dict[str, torch.Tensor], exact: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Whether a forward used exactly ``exact``, and its relative L2 error over the model."""
+    keys = sorted(set(seen) & set(exact))
+    err = sum(float((seen[k] - exact[k]).square().sum()) for k in keys)
+    norm = sum(float(exact[k].square().sum()) for k in keys)
+    return {
+        "equal": len(keys) == len(exact) and all(torch.equal(seen[k], exact[k]) for k in keys),
+        "relative_error": (err / norm) ** 0.5 if norm else 0.0,
+        "missing": sorted(set(exact) - set(seen)),
+    }
+
+
+def deltas_worker(
+    rank: int,
+    world_size: int,
+    strategy_kwargs: dict[str, Any],
+    init_path: str,
+    data_path: str,
+    batch_size: int,
+    steps: int,
+    options: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Trains TinyLM ``steps`` SGD steps in a Fabric loop with ``weight_deltas`` (options: ``num_nodes``,
+    ``precision``; ``probes``: then run the checks below; ``folder``: where the checkpoint goes), recording the
+    forward's weight error at each step. Returns, per rank: the errors, the ledger, the update counts, the digest of
+    the weights the last forward used, this rank's node copy slices, and the probes' results:
+
+    - ``after_training``: a forward after the last step (a delta update) against the exact weights;
+    - ``swapped_in`` / ``swapped_back``: every weight scaled in place (as a callback swapping EMA weights in would),
+      then restored;
+    - ``loaded``: a checkpoint saved, two more steps, the checkpoint loaded;
+    - ``behind_counters`` / ``after_refresh_call``: a write through ``param.data`` (invisible to version counters),
+      then ``strategy.refresh_weight_copies()``.
+    """
+    from lightning.fabric import Fabric
+
+    from lightning_zeropp.fabric import ZeroPPStrategy
+
+    opts = {"num_nodes": 1, "precision": "32-true", "probes": False, **(options or {})}
+    x, y = torch.load(data_path, weights_only=True)
+    strategy = ZeroPPStrategy(**strategy_kwargs)
+    fabric = Fabric(
+        accelerator="cpu",
+        devices=world_size // opts["num_nodes"],
+        num_nodes=opts["num_nodes"],
+        strategy=strategy,
+        precision=opts["precision"],
+    )
+    fabric.launch()
+    model = TinyLM(init_path)
+    model.configure_model()
+    hp = model.hparams
+    model = fabric.setup_module(model)
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=hp.lr, momentum=hp.momentum))
+    probe = ForwardWeights(model.module)
+    deltas = strategy.comms.deltas
+    lx, ly = x[rank::world_size], y[rank::world_size]
+    errors: list[float] = []
+    state: dict[str, Any] = {"model": model, "optimizer": optimizer, "step": 0}
+
+    def step() -> None:
+        i = state["step"] % (len(lx) // batch_size)
+        xb, yb = lx[i * batch_size : (i + 1) * batch_size], ly[i * batch_size : (i + 1) * batch_size]
+        logits = model(xb)
+        if deltas is not None:
+            pair = torch.tensor(deltas.error(), dtype=torch.float64)
+            dist.all_reduce(pair)
+            errors.append(float((pair[0] / pair[1]) ** 0.5) if pair[1] else 0.0)
+        fabric.backward(F.cross_entropy(logits.float().view(-1, logits.size(-1)), yb.reshape(-1)))
+        optimizer.step()
+        optimizer.zero_grad()
+        state["step"] += 1
+
+    for _ in range(steps):
+        step()
+    probe_x = lx[:batch_size]
+    probes: dict[str, Any] = {}
+    seen = probe.forward(model, probe_x)
+    probes["after_training"] = _compare(seen, full_state(model.module))
+    digest = _digest(seen)
+    if opts["probes"]:
+        originals = [p.detach().clone() for p in model.parameters()]
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(0.9)
+        probes["swapped_in"] = _compare(probe.forward(model, probe_x), full_state(model.module))
+        with torch.no_grad():
+            for p, original in zip(model.parameters(), originals, strict=True):
+                p.copy_(original)
+        probes["swapped_back"] = _compare(probe.forward(model, probe_x), full_state(model.module))
+        path = str(Path(opts["folder"]) / "deltas.ckpt")
+        fabric.save(path, state)
+        step()
+        step()
+        fabric.load(path, state)
+        probes["loaded"] = _compare(probe.forward(model, probe_x), full_state(model.module))
+        for p in model.parameters():
+            p.data.mul_(0.5)
+        probes["behind_counters"] = _compare(probe.forward(model, probe_x), full_state(model.module))
+        strategy.refresh_weight_copies()
+        probes["after_refresh_call"] = _compare(probe.forward(model, probe_x), full_state(model.module))
+    slices = {} if deltas is None else {u.name: deltas.node_copy(u.name).clone() for u in strategy.comms.units}
+    return {
+        "errors": errors,
+        "ledger": ledger_table(strategy.comm_ledger),
+        "counts": {} if deltas is None else dict(deltas.counts),
+        "digest": digest,
+        "slices": slices,
+        "probes": probes,
+        "memory": strategy.persistent_memory,
+        "units": [unit.name for unit in strategy.comms.units],
+    }
