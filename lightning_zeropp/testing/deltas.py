@@ -53,7 +53,11 @@ def _digest(weights: dict[str, torch.Tensor]) -> str:
 
 
 def _compare(seen: dict[str, torch.Tensor], exact: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """Whether a forward used exactly ``exact``, and its relative L2 error over the model."""
+    """Whether a forward used exactly ``exact``, and its relative L2 error over the model; ``exact`` is the whole
+    weights on rank 0 (:func:`full_state`), ``{}`` elsewhere, where only the digest of what the forward used is
+    kept (every rank's must equal rank 0's)."""
+    if not exact:
+        return {"digest": _digest(seen)}
     keys = sorted(set(seen) & set(exact))
     err = sum(float((seen[k] - exact[k]).square().sum()) for k in keys)
     norm = sum(float(exact[k].square().sum()) for k in keys)
@@ -61,6 +65,7 @@ def _compare(seen: dict[str, torch.Tensor], exact: dict[str, torch.Tensor]) -> d
         "equal": len(keys) == len(exact) and all(torch.equal(seen[k], exact[k]) for k in keys),
         "relative_error": (err / norm) ** 0.5 if norm else 0.0,
         "missing": sorted(set(exact) - set(seen)),
+        "digest": _digest(seen),
     }
 
 
@@ -129,9 +134,9 @@ def deltas_worker(
         step()
     probe_x = lx[:batch_size]
     probes: dict[str, Any] = {}
+    trained = full_state(model.module)
     seen = probe.forward(model, probe_x)
-    probes["after_training"] = _compare(seen, full_state(model.module))
-    digest = _digest(seen)
+    probes["after_training"] = _compare(seen, trained)
     if opts["probes"]:
         originals = [p.detach().clone() for p in model.parameters()]
         with torch.no_grad():
@@ -155,10 +160,10 @@ def deltas_worker(
         probes["after_refresh_call"] = _compare(probe.forward(model, probe_x), full_state(model.module))
     slices = {} if deltas is None else {u.name: deltas.node_copy(u.name).clone() for u in strategy.comms.units}
     return {
+        "state": trained if rank == 0 else None,  # after the training steps, before the probes
         "errors": errors,
         "ledger": ledger_table(strategy.comm_ledger),
         "counts": {} if deltas is None else dict(deltas.counts),
-        "digest": digest,
         "slices": slices,
         "probes": probes,
         "memory": strategy.persistent_memory,
