@@ -1,9 +1,9 @@
 """Time of one FSDP unit's collectives, exact vs ZeRO++, on local gloo ranks (CPU: the pure-torch quantizers).
 
 Calls the strategy's own functions (``exact_reduce_scatter``, ``qgz.quantized_reduce_scatter``, the exact
-all-gather and ``qwz.quantized_all_gather``) on a bf16 buffer the size of one unit, ``--reps`` times, and reports the
-mean per call on rank 0 (ranks synchronise before and after). On loopback this measures the CPU cost the quantizers
-add; bytes are not the bottleneck here.
+all-gather, ``qwz.quantized_all_gather`` and the weight deltas' exchange and node-copy gather) on a bf16 buffer the size
+of one unit, ``--reps`` times, and reports the mean per call on rank 0 (ranks synchronise before and after). On
+loopback this measures the CPU cost the quantizers add; bytes are not the bottleneck here.
 
     python benchmarks/collectives.py [--params 800000] [--world 4] [--per-node 2] [--json PATH]
 """
@@ -15,6 +15,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,6 +28,7 @@ def _worker(rank: int, world: int, per_node: int, params: int, reps: int) -> dic
     from lightning_zeropp.collectives import all_gather_flat
     from lightning_zeropp.comm import exact_reduce_scatter
     from lightning_zeropp.config import ZeroPPConfig
+    from lightning_zeropp.deltas import WeightDeltas, _UnitCopy
     from lightning_zeropp.ledger import CommLedger
     from lightning_zeropp.topology import ProcessGroups, Topology
 
@@ -40,6 +42,11 @@ def _worker(rank: int, world: int, per_node: int, params: int, reps: int) -> dic
     gathered = torch.empty(world * chunk, dtype=torch.bfloat16)
     out = torch.empty(chunk, dtype=torch.bfloat16)
     avg, ranks = dist.ReduceOp.AVG, list(range(world))
+    # weight deltas on a copy filled once exactly; flat blocks, so no sharded module is needed for the layout
+    deltas = WeightDeltas(ZeroPPConfig(weight_deltas=True, block_alignment="flat"), topo, ledger)
+    unit, copy = SimpleNamespace(name="unit", weights=lambda numel: None), _UnitCopy()
+    deltas._refresh(copy, shard, groups)
+    hpz = groups.group("hpz")
     cases = {
         "reduce-scatter exact": lambda: exact_reduce_scatter(out, grads.clone(), avg, None, groups, ledger),
         "reduce-scatter qgZ (2 stages)": lambda: qgz.quantized_reduce_scatter(
@@ -52,6 +59,12 @@ def _worker(rank: int, world: int, per_node: int, params: int, reps: int) -> dic
         "all-gather qwZ INT8": lambda: qwz.quantized_all_gather(
             gathered, shard, groups.world, ranks, ledger, ZeroPPConfig(), "weight_all_gather", False
         ),
+        "weight deltas: INT4 delta exchange + node-copy gather": lambda: (
+            deltas._send_delta(copy, shard, unit, groups),
+            all_gather_flat(gathered, copy.slice, hpz),
+        ),
+        "weight deltas: INT4 delta exchange alone": lambda: deltas._send_delta(copy, shard, unit, groups),
+        "weight deltas: node-copy gather alone (nothing changed)": lambda: all_gather_flat(gathered, copy.slice, hpz),
     }
     times = {}
     for name, call in cases.items():

@@ -7,7 +7,9 @@ FSDP2 hands every sharded module's all-gather and reduce-scatter to the objects 
 ============================  ==========================  ===========================================
 FSDP call                      group FSDP passes           what runs (on our own groups)
 ============================  ==========================  ===========================================
-forward all-gather             whole data-parallel group   qwZ quantized all-gather, or exact
+forward all-gather             whole data-parallel group   qwZ quantized all-gather, or exact; with weight
+                                                          deltas: the node copy's slices, gathered in the
+                                                          hpZ group, after any delta exchange (deltas.py)
 backward all-gather (hpZ)      hpZ group (R ranks)         exact all-gather of the dequantized copy
 backward all-gather (no hpZ)   whole group                 same as forward (identical weights)
 gradient reduce-scatter        whole group                 qgZ 2-hop all-to-all, or exact
@@ -76,7 +78,10 @@ class ZeroPPComms:
         return self._groups
 
     def release_groups(self) -> None:
-        """Destroys the groups (the strategy's teardown): a process that runs many Trainers keeps at most one set."""
+        """Destroys the groups (the strategy's teardown): a process that runs many Trainers keeps at most one set.
+        Weight deltas' node copies are freed too (the next forward rebuilds them exactly)."""
+        if self.deltas is not None:
+            self.deltas.clear()
         if self._groups is not None:
             self._groups.destroy()
             self._groups = None

@@ -79,9 +79,11 @@ def deltas_worker(
     steps: int,
     options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Trains TinyLM ``steps`` SGD steps in a Fabric loop with ``weight_deltas`` (options: ``num_nodes``,
-    ``precision``; ``probes``: then run the checks below; ``folder``: where the checkpoint goes), recording the
-    forward's weight error at each step. Returns, per rank: the errors, the ledger, the update counts, the digest of
+    """Trains TinyLM ``steps`` steps in a Fabric loop, recording the forward's weight error at each step as weight
+    deltas track it. Options: ``num_nodes``, ``precision``; ``model``: TinyLM's shape arguments; ``optimizer``:
+    ``"sgd"`` (TinyLM's) or ``"adamw"`` (weight decay 0.1), ``lr``; ``probe_steps``: also compare every training
+    forward's weights with the exact ones (rank 0; any configuration); ``probes``: then run the checks below;
+    ``folder``: where their checkpoint goes. Returns, per rank: the errors, the ledger, the update counts, the digest of
     the weights the last forward used, this rank's node copy slices, and the probes' results:
 
     - ``after_training``: a forward after the last step (a delta update) against the exact weights;
@@ -95,7 +97,7 @@ def deltas_worker(
 
     from lightning_zeropp.fabric import ZeroPPStrategy
 
-    opts = {"num_nodes": 1, "precision": "32-true", "probes": False, **(options or {})}
+    opts = {"num_nodes": 1, "precision": "32-true", "probes": False, "optimizer": "sgd", **(options or {})}
     x, y = torch.load(data_path, weights_only=True)
     strategy = ZeroPPStrategy(**strategy_kwargs)
     fabric = Fabric(
@@ -106,21 +108,30 @@ def deltas_worker(
         precision=opts["precision"],
     )
     fabric.launch()
-    model = TinyLM(init_path)
+    model = TinyLM(init_path, **opts.get("model", {}))
     model.configure_model()
     hp = model.hparams
     model = fabric.setup_module(model)
-    optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=hp.lr, momentum=hp.momentum))
+    if opts["optimizer"] == "adamw":
+        optimizer = torch.optim.AdamW(model.parameters(), lr=opts.get("lr", 1e-3), weight_decay=0.1)
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=opts.get("lr", hp.lr), momentum=hp.momentum)
+    optimizer = fabric.setup_optimizers(optimizer)
     probe = ForwardWeights(model.module)
     deltas = strategy.comms.deltas
     lx, ly = x[rank::world_size], y[rank::world_size]
     errors: list[float] = []
+    measured: list[float] = []  # with ``probe_steps``: each training forward's weights against the exact ones
     state: dict[str, Any] = {"model": model, "optimizer": optimizer, "step": 0}
 
     def step() -> None:
         i = state["step"] % (len(lx) // batch_size)
         xb, yb = lx[i * batch_size : (i + 1) * batch_size], ly[i * batch_size : (i + 1) * batch_size]
+        exact = full_state(model.module) if opts.get("probe_steps") else {}  # whole weights on rank 0 only
+        probe.seen = {}
         logits = model(xb)
+        if opts.get("probe_steps"):
+            measured.append(_compare(probe.seen, exact).get("relative_error", 0.0))  # the figure: rank 0's
         if deltas is not None:
             pair = torch.tensor(deltas.error(), dtype=torch.float64)
             dist.all_reduce(pair)
@@ -162,6 +173,7 @@ def deltas_worker(
     return {
         "state": trained if rank == 0 else None,  # after the training steps, before the probes
         "errors": errors,
+        "measured": measured,
         "ledger": ledger_table(strategy.comm_ledger),
         "counts": {} if deltas is None else dict(deltas.counts),
         "slices": slices,
