@@ -52,6 +52,8 @@ RUNS = {
     "zeropp-int4w+ef": dict(weight_bits=4, gradient_error_feedback=True),
     "reference-like": dict(intra_node_gradient_bits=4, block_alignment="flat", weight_bits=8,
                            gradient_error_feedback=False),
+    "zeropp-deltas": dict(weight_deltas=True),
+    "zeropp-deltas+ef": dict(weight_deltas=True, gradient_error_feedback=True),
 }  # fmt: skip
 GOALS = {"zeropp": 0.001, "zeropp-int4w+ef": 0.002}  # |relative gap of the final validation loss vs zero3|
 MONITOR = "lightning_zeropp.callback.ZeroGradientMonitor"

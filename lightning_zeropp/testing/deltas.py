@@ -83,8 +83,10 @@ def deltas_worker(
     deltas track it. Options: ``num_nodes``, ``precision``; ``model``: TinyLM's shape arguments; ``optimizer``:
     ``"sgd"`` (TinyLM's) or ``"adamw"`` (weight decay 0.1), ``lr``; ``probe_steps``: also compare every training
     forward's weights with the exact ones (rank 0; any configuration); ``probes``: then run the checks below;
-    ``folder``: where their checkpoint goes. Returns, per rank: the errors, the ledger, the update counts, the digest of
-    the weights the last forward used, this rank's node copy slices, and the probes' results:
+    ``folder``: where their checkpoint goes. Returns, per rank: the strategy's error figure per step, the probed
+    errors (``probe_steps``), the ledger, the update counts, the weights after training (rank 0), this rank's node
+    copy slices, its persistent memory, and the probes' results (on rank 0 against the exact weights; on every rank
+    the digest of the weights the forward used):
 
     - ``after_training``: a forward after the last step (a delta update) against the exact weights;
     - ``swapped_in`` / ``swapped_back``: every weight scaled in place (as a callback swapping EMA weights in would),
