@@ -21,7 +21,7 @@ from lightning_zeropp import kernels as tk
 from lightning_zeropp.config import ZeroPPConfig
 from lightning_zeropp.deltas import WeightDeltas
 from lightning_zeropp.ledger import CommLedger
-from lightning_zeropp.testing.deltas import deltas_worker
+from lightning_zeropp.testing.deltas import deltas_worker, trainer_swap_worker
 from lightning_zeropp.testing.distributed import spawn
 from lightning_zeropp.testing.models import TinyLM
 from lightning_zeropp.testing.workers import (
@@ -186,3 +186,20 @@ def test_fabric_3x2_int8_deltas_track_one_process_with_identical_copies(data):
         sent = r["ledger"]["weight_delta_all_to_all"]
         assert sent[1:] == (2 * STEPS * sum(delta_bytes), STEPS * len(delta_bytes)), f"rank {rank}: {sent}"
         assert max(r["errors"]) <= FORWARD_ERROR_TOL[8]
+
+
+def test_trainer_ema_swap_callback_is_followed_by_exact_refreshes(data):
+    """A callback swaps scaled weights in at validation start and the trained ones back at its end (in place, as EMA
+    callbacks do): the validation forward and the next training forward each use exactly the weights in place."""
+    init_path, data_path, *_ = data[4]
+    kwargs = dict(ranks_per_node=2, weight_deltas=True)
+    results = spawn(trainer_swap_worker, 4, kwargs, init_path, data_path, BATCH)
+    for name in ("validation", "training_after"):
+        assert len({r["results"][name]["digest"] for r in results}) == 1, f"ranks used different weights ({name})"
+        checked = results[0]["results"][name]
+        assert checked["equal"] and not checked["missing"], f"the {name} forward did not use the weights in place"
+    # exact refreshes per unit: the first step, swapped in for validation after step 2, swapped back for step 3,
+    # swapped in for validation after step 4; deltas at steps 2 and 4
+    ledger = results[0]["ledger"]
+    assert ledger["weight_delta_refresh"][2] == 4 * 3, ledger["weight_delta_refresh"]
+    assert ledger["weight_delta_all_to_all"][2] == 2 * 3, ledger["weight_delta_all_to_all"]

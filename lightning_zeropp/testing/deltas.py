@@ -10,12 +10,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from lightning.pytorch import Callback
 from torch import nn
 
 from .models import TinyLM
 from .workers import full_state, ledger_table
 
-__all__ = ["ForwardWeights", "deltas_worker"]
+__all__ = ["ForwardWeights", "SwapInForValidation", "deltas_worker", "trainer_swap_worker"]
 
 
 class ForwardWeights:
@@ -183,3 +184,73 @@ def deltas_worker(
         "memory": strategy.persistent_memory,
         "units": [unit.name for unit in strategy.comms.units],
     }
+
+
+class SwapInForValidation(Callback):
+    """Swaps other weights in for validation and back afterwards, in place, as an EMA callback does, and records
+    whether the first validation forward and the first training forward after it used exactly the weights in place
+    (rank 0 compares; every rank keeps the digests)."""
+
+    def __init__(self) -> None:
+        self.results: dict[str, dict[str, Any]] = {}
+        self._originals: list[torch.Tensor] = []
+        self._expected: dict[str, torch.Tensor] = {}
+        self._probe: ForwardWeights | None = None
+        self._pending: str | None = None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._probe = ForwardWeights(pl_module)
+
+    def _arm(self, name: str, pl_module) -> None:
+        assert self._probe is not None
+        self._expected = full_state(pl_module)
+        self._probe.seen = {}
+        self._pending = name
+
+    def _check(self) -> None:
+        assert self._probe is not None
+        if self._pending is not None and self._pending not in self.results:
+            self.results[self._pending] = _compare(dict(self._probe.seen), self._expected)
+        self._pending = None
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        self._originals = [p.detach().clone() for p in pl_module.parameters()]
+        with torch.no_grad():
+            for p in pl_module.parameters():
+                p.mul_(0.9)
+        self._arm("validation", pl_module)
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        self._check()
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        with torch.no_grad():
+            for p, original in zip(pl_module.parameters(), self._originals, strict=True):
+                p.copy_(original)
+        self._arm("training_after", pl_module)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self._check()
+
+
+def trainer_swap_worker(
+    rank: int, world_size: int, strategy_kwargs: dict[str, Any], init_path: str, data_path: str, batch_size: int
+) -> dict[str, Any]:
+    """Four Trainer steps with validation after the second, under :class:`SwapInForValidation`; returns what it
+    recorded and the ledger."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_zeropp import ZeroPPStrategy
+
+    from .distributed import lightning_trainer
+
+    x, y = torch.load(data_path, weights_only=True)
+    strategy = ZeroPPStrategy(**strategy_kwargs)
+    swap = SwapInForValidation()
+    trainer = lightning_trainer(
+        world_size, strategy, max_steps=4, val_check_interval=2, limit_val_batches=1, callbacks=[swap],
+        use_distributed_sampler=False,
+    )  # fmt: skip
+    local = DataLoader(TensorDataset(x[rank::world_size], y[rank::world_size]), batch_size=batch_size)
+    trainer.fit(TinyLM(init_path), local, local)
+    return {"results": swap.results, "ledger": ledger_table(strategy.comm_ledger)}
