@@ -8,8 +8,9 @@ What each test pins down:
 - a change outside the optimizer step (weights scaled in place, as an EMA swap does, and back; a checkpoint load) is
   followed by an exact refresh: the next forward uses exactly the new weights; a write through ``param.data`` is not
   seen until ``refresh_weight_copies()``;
-- the ledger: one refresh per unit at the first step, then per step one delta exchange per unit, whose cross-node
-  bytes are exactly one INT4 buffer per other node, and no weight all-gather leaves the node;
+- the ledger: one refresh per unit at the first step and every ``weight_delta_refresh`` steps, otherwise per step one
+  delta exchange per unit, whose cross-node bytes are exactly one INT4 buffer per other node, and no weight
+  all-gather leaves the node;
 - bad combinations are refused with the argument named.
 """
 
@@ -132,7 +133,7 @@ def _delta_bytes(world: int, bits: int = 4, block: int = 256) -> list[int]:
 
 def test_trainer_2x2_tracks_one_process_and_sends_one_delta_per_node(data):
     init_path, data_path, init, ref_state, _ = data[4]
-    kwargs = dict(ranks_per_node=2, weight_deltas=True, quantize_gradients=False)
+    kwargs = dict(ranks_per_node=2, weight_deltas=True, quantize_gradients=False, weight_delta_refresh=7)
     results = spawn(train_worker, 4, kwargs, init_path, data_path, BATCH, STEPS, "32-true", 1, True)
     _check_parity(results[0]["state"], init, ref_state, "2 x 2", 4)
     delta_bytes = _delta_bytes(4)
@@ -140,9 +141,10 @@ def test_trainer_2x2_tracks_one_process_and_sends_one_delta_per_node(data):
     for rank, r in enumerate(results):
         assert r["weights_compared"] > 0 and r["weights_mismatched"] == 0, f"rank {rank}: backward saw other weights"
         ledger = r["ledger"]
-        assert ledger["weight_delta_refresh"][2] == units, f"rank {rank}: {ledger['weight_delta_refresh']}"
+        # exact refreshes at the first step and after steps 7 and 14 (weight_delta_refresh=7): 3 per unit
+        assert ledger["weight_delta_refresh"][2] == 3 * units, f"rank {rank}: {ledger['weight_delta_refresh']}"
         # 2 x 2: each shard goes to one rank of the other node (and to a rank of its own node, or itself)
-        assert ledger["weight_delta_all_to_all"][1:] == ((STEPS - 1) * sum(delta_bytes), (STEPS - 1) * units)
+        assert ledger["weight_delta_all_to_all"][1:] == ((STEPS - 3) * sum(delta_bytes), (STEPS - 3) * units)
         assert ledger["weight_all_gather_node_copy"][1:] == (0, STEPS * units)
         assert ledger["weight_all_gather_secondary"][1] == 0
         assert "weight_all_gather" not in ledger and "weight_all_gather_backward" not in ledger
