@@ -28,9 +28,9 @@ from . import checkpoint as ckpt
 from . import fsdp_hooks, hpz
 from . import kernels as tk
 from .comm import ZeroPPComms
-from .compat.lightning import materialize_distributed_module
 from .config import ModuleSelection, StateDictType, ZeroPPConfig, check_strategy_arguments
 from .ledger import CommLedger
+from .materialize import materialize_meta_tensors
 from .sharding import apply_zeropp, refuse_fsdp1
 from .topology import ProcessGroups, Topology, check_launch
 
@@ -241,7 +241,7 @@ class ZeroPPCore:
 
         payload = register(shard) if register is not None else shard()
         setattr(model, _SHARDED_MARK, (layout, payload, self._comms))
-        materialize_distributed_module(model, device)
+        materialize_meta_tensors(model, device)
         return model, payload
 
     def _adopt(self, model: nn.Module, layout: dict[str, Any]) -> Any:

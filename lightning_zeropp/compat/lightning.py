@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
-from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
 from .versions import LIGHTNING_VERSION, require
@@ -20,12 +20,12 @@ require(LIGHTNING_VERSION >= (2, 6), "lightning", "ModelParallelStrategy with FS
 from lightning.fabric.strategies import ModelParallelStrategy as FabricModelParallelStrategy  # noqa: E402
 from lightning.fabric.strategies import Strategy as FabricStrategy  # noqa: E402
 from lightning.fabric.strategies import model_parallel as _fabric_model_parallel  # noqa: E402
-from lightning.fabric.utilities.init import _materialize_distributed_module  # noqa: E402
 from lightning.fabric.utilities.load import _METADATA_FILENAME  # noqa: E402
+from lightning.fabric.utilities.optimizer import _optimizers_to_device  # noqa: E402
 from lightning.pytorch.strategies.strategy import _ForwardRedirection  # noqa: E402
 
 require(
-    hasattr(Strategy, "_setup_model") and hasattr(ModelParallelStrategy, "_setup_distributed"),
+    hasattr(ModelParallelStrategy, "_setup_distributed"),
     "lightning",
     "the strategy hooks ZeroPPStrategy overrides",
 )
@@ -60,16 +60,12 @@ class ForwardRedirection(_ForwardRedirection):
 class ModelParallelBase(ModelParallelStrategy):
     """``ModelParallelStrategy`` with the private parts lightning-zeropp builds on given public names.
 
-    Subclasses implement :meth:`shard_model` (called by Lightning's ``Strategy.setup`` at the point where strategies
-    wrap the model, after the precision plugin converted it) and call :meth:`setup_distributed`,
-    :meth:`set_device_mesh` and :meth:`base_setup`.
+    Subclasses implement :meth:`shard_model` (called by :meth:`base_setup` after the precision plugin converted the
+    model) and call :meth:`setup_distributed`, :meth:`set_device_mesh` and :meth:`base_setup`.
     """
 
     def shard_model(self, model: nn.Module) -> nn.Module:
         raise NotImplementedError
-
-    def _setup_model(self, model: nn.Module) -> nn.Module:
-        return self.shard_model(model)
 
     def setup_distributed(self) -> None:
         """Lightning's process-group setup of ``ModelParallelStrategy`` (ranks, backend, timeout), without its mesh."""
@@ -82,15 +78,25 @@ class ModelParallelBase(ModelParallelStrategy):
         self.lightning_module._device_mesh = mesh
 
     def base_setup(self, trainer: pl.Trainer) -> None:
-        """``Strategy.setup``: accelerator, precision conversion, :meth:`shard_model`, optimizers, precision plugin,
-        optimizers to the device. ``ModelParallelStrategy.setup`` is skipped: it requires ``configure_model`` to
-        parallelize the model itself, where this strategy shards any model."""
-        Strategy.setup(self, trainer)
+        """``ModelParallelStrategy.setup`` for a strategy that shards the model itself: the accelerator, the precision
+        conversion, :meth:`shard_model` (which also materializes what is left on the meta device), whatever the
+        units left off the device, then the optimizers and the precision plugin.
 
-
-def materialize_distributed_module(module: nn.Module, device: torch.device) -> None:
-    """Materializes parameters and buffers left on the meta device (``empty_init``) as sharded tensors on ``device``."""
-    _materialize_distributed_module(module, device)
+        Lightning's ``ModelParallelStrategy.setup`` requires ``configure_model`` to parallelize the model, and its
+        base ``Strategy.setup`` moves the whole model to the device before ``_setup_model``: a plain ``.to(device)``
+        that fails on meta tensors (``init_module(empty_init=True)``) and would put the whole model on one device.
+        Here ``fully_shard`` moves each unit's parameters as it shards them."""
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model = self.shard_model(self.model)
+        self.model_to_device()
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
 
 
 def disable_inference_mode(trainer: pl.Trainer) -> None:

@@ -38,6 +38,7 @@ __all__ = [
     "in_backward",
     "live_process_groups",
     "reduce_scatter_single",
+    "replace_meta_tensors",
     "unit_parameters",
     "unit_versions",
 ]
@@ -168,6 +169,13 @@ def _probe_unit_parameters() -> None:
 
 
 _probe_unit_parameters()
+
+
+def replace_meta_tensors(module: nn.Module, device: torch.device) -> None:
+    """Gives every meta parameter and buffer of ``module`` uninitialized storage on ``device`` (``to_empty`` for the
+    meta tensors alone: the others keep their data). Called on the sharded root: FSDP2's ``FSDPModule._apply``
+    re-points its parameter groups at the new shards."""
+    module._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
 
 
 def live_process_groups() -> int:
