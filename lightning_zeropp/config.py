@@ -7,18 +7,28 @@ sharding code, with errors of the same form: the argument, the value, what is al
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, get_args
 
+import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import CPUOffload, CPUOffloadPolicy, OffloadPolicy
 
 from lightning_zeropp.kernels import Backend as KernelBackend
 
 StateDictType = Literal["sharded", "full"]
 GradientRounding = Literal["nearest", "stochastic"]
 BlockAlignment = Literal["parameter", "flat"]
-ModuleSelection = set[type[nn.Module]] | list[str] | None
+ModulePolicy = Callable[[nn.Module], bool]
+ModuleSelection = set[type[nn.Module]] | list[str] | ModulePolicy | None
+"""What ``auto_wrap_policy`` and ``activation_checkpointing_policy`` take, as Lightning's FSDP strategies do: a set (or
+list) of module classes, their names (YAML), or a callable ``(module) -> bool`` that selects modules."""
+CpuOffload = bool | CPUOffloadPolicy
+"""What ``cpu_offload`` takes: a bool, or FSDP2's ``CPUOffloadPolicy`` (its ``pin_memory``); FSDP1's ``CPUOffload`` is
+read as its ``offload_params``."""
 
 # Types for the numeric arguments, so that LightningCLI (jsonargparse) refuses a bad YAML value at parse time in one
 # line naming the key. Constructed in Python they are plain ints and floats, checked by ZeroPPConfig with its own
@@ -71,6 +81,52 @@ def _check_block(name: str, value: object, bits: int) -> None:
         raise _fail(name, value, "INT4 packs two values per byte, so use an even block size such as 128 or 256")
 
 
+def _is_module_class(value: object) -> bool:
+    return isinstance(value, type) and issubclass(value, nn.Module)
+
+
+def _check_policy_signature(name: str, policy: Callable) -> None:
+    """A policy is called with one module. FSDP1's auto-wrap policies (``size_based_auto_wrap_policy``, a
+    ``ModuleWrapPolicy``) take ``(module, recurse, nonwrapped_numel)`` and decide by parameter counts of a recursion
+    FSDP2 does not have: refused, with the forms that work."""
+    try:
+        signature = inspect.signature(policy)
+    except (TypeError, ValueError):  # a builtin without a signature: it will be called with one module
+        return
+    try:
+        signature.bind(nn.Module())
+    except TypeError:
+        raise TypeError(
+            f"ZeroPPStrategy: `{name}` is a callable that cannot be called with one module (its signature is"
+            f" {signature}). FSDP1's wrap policies take (module, recurse, nonwrapped_numel); this strategy shards with"
+            f" FSDP2, which wraps whole modules: pass a callable (module) -> bool, a set of classes ({name}={{Block}})"
+            f" or class names ({name}=['Block'])."
+        ) from None
+
+
+def offload_policy(cpu_offload: object) -> OffloadPolicy:
+    """The FSDP2 offload policy for a valid ``cpu_offload`` argument (see :func:`check_strategy_arguments`)."""
+    if isinstance(cpu_offload, OffloadPolicy):
+        return cpu_offload
+    if isinstance(cpu_offload, CPUOffload):
+        cpu_offload = cpu_offload.offload_params
+    return CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
+
+
+def offloads(cpu_offload: object) -> bool:
+    """Whether a valid ``cpu_offload`` argument keeps the shards in host memory."""
+    return isinstance(offload_policy(cpu_offload), CPUOffloadPolicy)
+
+
+def _check_cpu_offload(value: object) -> None:
+    if isinstance(value, (bool, OffloadPolicy, CPUOffload)):
+        return
+    raise TypeError(
+        f"ZeroPPStrategy: `cpu_offload` must be True, False or a torch.distributed.fsdp.CPUOffloadPolicy, got {value!r}"
+        f" ({type(value).__name__}). Example: cpu_offload=True or cpu_offload=CPUOffloadPolicy(pin_memory=True)."
+    )
+
+
 def _check_size_or_auto(name: str, value: object) -> None:
     if value == "auto":
         return
@@ -80,12 +136,16 @@ def _check_size_or_auto(name: str, value: object) -> None:
 
 
 def _check_module_selection(name: str, value: object) -> None:
-    if value is None:
+    if value is None or _is_module_class(value):
+        return
+    if callable(value) and not isinstance(value, str):
+        _check_policy_signature(name, value)
         return
     if isinstance(value, str) or not isinstance(value, (set, frozenset, list, tuple)):
         raise TypeError(
-            f"ZeroPPStrategy: `{name}` must be a set of nn.Module classes or a list of class names,"
-            f" got {value!r} ({type(value).__name__}). Example: {name}={{Block}} or {name}=['Block']."
+            f"ZeroPPStrategy: `{name}` must be a set of nn.Module classes, a list of class names or a callable"
+            f" (module) -> bool, got {value!r} ({type(value).__name__}). Example: {name}={{Block}},"
+            f" {name}=['Block'] or {name}=lambda m: isinstance(m, Block)."
         )
     for item in value:
         if isinstance(item, str):
@@ -254,7 +314,7 @@ def check_strategy_arguments(
     """Checks the strategy arguments that are not part of :class:`ZeroPPConfig`."""
     _check_module_selection("auto_wrap_policy", auto_wrap_policy)
     _check_module_selection("activation_checkpointing_policy", activation_checkpointing_policy)
-    _check_bool("cpu_offload", cpu_offload)
+    _check_cpu_offload(cpu_offload)
     if state_dict_type not in _STATE_DICT_TYPES:
         raise _fail("state_dict_type", state_dict_type, f"choose one of {_STATE_DICT_TYPES}")
     if process_group_backend is not None:

@@ -12,28 +12,25 @@ import dataclasses
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import (
-    CPUOffloadPolicy,
-    FSDPModule,
-    FullyShardedDataParallel,
-    MixedPrecisionPolicy,
-    OffloadPolicy,
-    fully_shard,
-)
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel, MixedPrecisionPolicy, fully_shard
 
 from . import fsdp_hooks
 from .comm import ZeroPPComms
 from .compat.torch import checkpoint_in_place, unit_mesh_sizes
-from .config import ModuleSelection
+from .config import CpuOffload, ModulePolicy, ModuleSelection, offload_policy
 
 
-def resolve_module_classes(model: nn.Module, selection: ModuleSelection, argument: str) -> set[type[nn.Module]]:
-    """Turns classes or class names (as written in YAML) into classes present in ``model``."""
+def module_policy(model: nn.Module, selection: ModuleSelection, argument: str) -> ModulePolicy | None:
+    """Turns ``auto_wrap_policy`` / ``activation_checkpointing_policy`` into a predicate over modules: classes, class
+    names (as written in YAML; each must name a class present in ``model``), or the user's callable as it is."""
     if not selection:
-        return set()
+        return None
+    if callable(selection) and not isinstance(selection, type):
+        return selection
+    items = [selection] if isinstance(selection, type) else list(selection)
     present = {type(m).__name__: type(m) for m in model.modules()}
     classes: set[type[nn.Module]] = set()
-    for item in selection:
+    for item in items:
         if isinstance(item, str):
             if item not in present:
                 raise ValueError(
@@ -43,7 +40,15 @@ def resolve_module_classes(model: nn.Module, selection: ModuleSelection, argumen
             classes.add(present[item])
         else:
             classes.add(item)
-    return classes
+    chosen = tuple(classes)
+    return lambda module: isinstance(module, chosen)
+
+
+def _describe(selection: ModuleSelection) -> str:
+    if callable(selection) and not isinstance(selection, type):
+        return f"the policy {getattr(selection, '__name__', repr(selection))}"
+    items = [selection] if isinstance(selection, type) else list(selection or ())
+    return str(sorted(i if isinstance(i, str) else i.__name__ for i in items))
 
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
@@ -68,13 +73,13 @@ def default_wrap_targets(model: nn.Module) -> list[nn.Module]:
     return targets
 
 
-def wrap_targets(model: nn.Module, classes: set[type[nn.Module]]) -> list[nn.Module]:
-    targets = [m for m in model.modules() if m is not model and isinstance(m, tuple(classes))]
+def wrap_targets(model: nn.Module, policy: ModulePolicy, selection: ModuleSelection) -> list[nn.Module]:
+    """The submodules ``policy`` selects, containers excepted (they have no forward, so their hooks never fire)."""
+    targets = [m for m in model.modules() if m is not model and not isinstance(m, _CONTAINERS) and policy(m)]
     if not targets:
         raise ValueError(
-            f"ZeroPPStrategy: `auto_wrap_policy` selects {sorted(c.__name__ for c in classes)}, but the model holds no"
-            " submodule of those classes. Name the classes of your transformer blocks, or leave it None to shard"
-            " every module held in an nn.ModuleList."
+            f"ZeroPPStrategy: `auto_wrap_policy` ({_describe(selection)}) selects no submodule of the model. Name the"
+            " classes of your transformer blocks, or leave it None to shard every module held in an nn.ModuleList."
         )
     return targets
 
@@ -95,7 +100,7 @@ def apply_zeropp(
     precision: str,
     auto_wrap_policy: ModuleSelection,
     activation_checkpointing_policy: ModuleSelection,
-    cpu_offload: bool,
+    cpu_offload: CpuOffload,
     already_sharded: bool = False,
 ) -> list[nn.Module]:
     """Shards ``model`` in place; returns the sharded modules, root last.
@@ -108,7 +113,7 @@ def apply_zeropp(
         "mesh": mesh,
         "reshard_after_forward": reshard_after_forward,
         "mp_policy": mixed_precision_policy(precision),
-        "offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy(),
+        "offload_policy": offload_policy(cpu_offload),
     }
     if already_sharded:
         targets = _check_user_units(model, mesh, reshard_after_forward)
@@ -119,16 +124,16 @@ def apply_zeropp(
             " Build the layers in `configure_model` without calling `fully_shard`; choose the units with"
             " `ZeroPPStrategy(auto_wrap_policy=...)`."
         )
-    wrap_classes = resolve_module_classes(model, auto_wrap_policy, "auto_wrap_policy")
-    targets = wrap_targets(model, wrap_classes) if wrap_classes else default_wrap_targets(model)
+    wrap_policy = module_policy(model, auto_wrap_policy, "auto_wrap_policy")
+    targets = wrap_targets(model, wrap_policy, auto_wrap_policy) if wrap_policy else default_wrap_targets(model)
     # A nested target (a block inside a block) is sharded before its parent: reverse module order is bottom-up.
     order = {id(m): i for i, m in enumerate(model.modules())}
     targets.sort(key=lambda m: order[id(m)], reverse=True)
 
-    ac_classes = resolve_module_classes(model, activation_checkpointing_policy, "activation_checkpointing_policy")
-    if ac_classes:
-        for module in model.modules():
-            if module is not model and isinstance(module, tuple(ac_classes)):
+    ac_policy = module_policy(model, activation_checkpointing_policy, "activation_checkpointing_policy")
+    if ac_policy is not None:
+        for module in [m for m in model.modules() if m is not model and not isinstance(m, _CONTAINERS)]:
+            if ac_policy(module):
                 checkpoint_in_place(module)
 
     for module in targets:

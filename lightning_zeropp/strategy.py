@@ -10,15 +10,19 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+from torch.optim import Optimizer
 from typing_extensions import override
 
+from .checkpoint import index_keyed
 from .compat.lightning import ForwardRedirection, ModelParallelBase, disable_inference_mode
 from .compat.torch import ForwardHooks
 from .config import (
     BlockSize,
+    CpuOffload,
     Decay,
     KernelBackend,
     ModuleSelection,
@@ -105,10 +109,13 @@ class ZeroPPStrategy(FrontDoor, ModelParallelBase):
         pipeline_stages: qgZ pieces per chunk; piece s+1 crosses the node's links while piece s crosses nodes.
         ranks_per_node: ranks per node; ``"auto"`` is the launcher's local world size. A smaller value makes one
             machine act as several nodes (tests, demos). Must divide the local world size.
-        auto_wrap_policy: module classes (or class names, as in YAML) that each become one FSDP unit. Default: every
-            module held in an ``nn.ModuleList`` (transformer blocks). The root is always sharded last.
-        activation_checkpointing_policy: module classes (or names) whose activations are recomputed in backward.
-        cpu_offload: keep sharded parameters, gradients and optimizer state in host memory.
+        auto_wrap_policy: the modules that each become one FSDP unit: a set of module classes, their names (as in
+            YAML), or a callable ``(module) -> bool``, as Lightning's FSDP strategies take it. Default: every module
+            held in an ``nn.ModuleList`` (transformer blocks). The root is always sharded last.
+        activation_checkpointing_policy: the modules whose activations are recomputed in backward, in the same forms.
+        cpu_offload: keep sharded parameters, gradients and optimizer state in host memory: ``True``, or a
+            ``torch.distributed.fsdp.CPUOffloadPolicy`` (its ``pin_memory`` chosen); FSDP1's ``CPUOffload`` is read
+            as its ``offload_params``.
         state_dict_type: ``"sharded"``: a checkpoint folder written by every rank; ``"full"``: one file.
         kernel_backend: ``"auto"`` (Triton on CUDA, pure torch elsewhere), ``"triton"`` or ``"torch"``.
         process_group_backend: ``"nccl"``, ``"gloo"``, ...; default: chosen for the device.
@@ -143,7 +150,7 @@ class ZeroPPStrategy(FrontDoor, ModelParallelBase):
         ranks_per_node: PositiveIntOrAuto = "auto",
         auto_wrap_policy: ModuleSelection = None,
         activation_checkpointing_policy: ModuleSelection = None,
-        cpu_offload: bool = False,
+        cpu_offload: CpuOffload = False,
         state_dict_type: StateDictType = "sharded",
         kernel_backend: KernelBackend = "auto",
         process_group_backend: str | None = None,
@@ -224,13 +231,27 @@ class ZeroPPStrategy(FrontDoor, ModelParallelBase):
         self._core.save(self, checkpoint, filepath, self.checkpoint_io.save_checkpoint)
 
     @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The optimizer's state as the checkpoint stores it: this rank's shards (sharded), or on rank 0 the whole
+        state keyed by parameter index as an unsharded optimizer's ``state_dict()`` is (full; numbered in the order
+        of the param groups, so that DDP or one device loads it, whatever the order of the groups)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer.optimizer
+        assert self.model is not None
+        full = self.state_dict_type == "full"
+        options = StateDictOptions(full_state_dict=full, cpu_offload=True)
+        state = get_optimizer_state_dict(self.model, optimizer, options=options)
+        return index_keyed(state) if full and self.is_global_zero else state
+
+    @override
     def load_checkpoint(self, checkpoint_path: str | os.PathLike, weights_only: bool | None = None) -> dict[str, Any]:
+        """Loads a checkpoint of either front door (sharded or full), Lightning's consolidation of a sharded one, or
+        a full checkpoint of another strategy (DDP, single device), into the sharded model and optimizers."""
         assert self.model is not None and self.lightning_module is not None
-        read = super().load_checkpoint
-        return self._core.load(
-            self, checkpoint_path, self.model, self.optimizers, self.lightning_module.strict_loading,
-            lambda path: read(path, weights_only),
-        )  # fmt: skip
+        strict = self.lightning_module.strict_loading
+        return self._core.load(self, checkpoint_path, self.model, self.optimizers, strict, weights_only)
 
     # ------------------------------------------------------------------ steps
     # ``fully_shard`` is applied in place to the LightningModule, so ``self.model is self.lightning_module`` and

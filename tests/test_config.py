@@ -1,7 +1,11 @@
 """Every bad argument fails at construction with an error naming the argument, the value and what is allowed."""
 
+import functools
+
 import pytest
 from torch import nn
+from torch.distributed.fsdp import CPUOffload, CPUOffloadPolicy, OffloadPolicy
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy
 
 from lightning_zeropp import ZeroPPConfig, ZeroPPStrategy
 
@@ -24,11 +28,20 @@ BAD = [
     (dict(quantize_weights="yes"), TypeError, r"`quantize_weights` must be True or False"),
     (dict(state_dict_type="consolidated"), ValueError, r"`state_dict_type='consolidated'`.*sharded.*full"),
     (dict(process_group_backend="nccl2"), ValueError, r"`process_group_backend='nccl2'`.*gloo"),
-    (dict(auto_wrap_policy="Block"), TypeError, r"`auto_wrap_policy` must be a set of nn.Module classes or a list"),
+    (dict(auto_wrap_policy="Block"), TypeError, r"`auto_wrap_policy` must be a set of nn.Module classes, a list"),
+    (dict(auto_wrap_policy=3), TypeError, r"`auto_wrap_policy` must be .* or a callable \(module\) -> bool, got 3"),
+    (
+        dict(auto_wrap_policy=lambda module, recurse, nonwrapped_numel: True),
+        TypeError,
+        r"`auto_wrap_policy` is a callable that cannot be called with one module.*FSDP1's wrap policies",
+    ),
+    (dict(activation_checkpointing_policy=lambda: True), TypeError, r"`activation_checkpointing_policy` is a callable"),
     (dict(auto_wrap_policy=[int]), TypeError, r"`auto_wrap_policy` holds <class 'int'>"),
     (dict(activation_checkpointing_policy={3}), TypeError, r"`activation_checkpointing_policy` holds 3"),
     (dict(wrap_modules=["A"], auto_wrap_policy=["B"]), ValueError, r"`wrap_modules` is the deprecated spelling"),
-    (dict(cpu_offload=1), TypeError, r"`cpu_offload` must be True or False"),
+    (dict(cpu_offload=1), TypeError, r"`cpu_offload` must be True, False or a torch.distributed.fsdp.CPUOffloadPolicy"),
+    (dict(cpu_offload="cpu"), TypeError, r"`cpu_offload` must be True, False or .*got 'cpu'"),
+    (dict(weight_deltas=True, cpu_offload=CPUOffloadPolicy()), ValueError, r"`weight_deltas=True`.*`cpu_offload=True`"),
 ]
 
 
@@ -139,3 +152,45 @@ def test_resolve_auto():
     assert ZeroPPConfig(ranks_per_node=2).resolve(8, 4) == (2, 2)
     assert ZeroPPConfig(hpz_partition_size=1).resolve(8, 4) == (4, 1)
     assert ZeroPPConfig(ranks_per_node=2, hpz_partition_size=4).resolve(8, 8) == (2, 4)
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        functools.partial(size_based_auto_wrap_policy, min_num_params=100),
+        ModuleWrapPolicy({nn.Linear}),
+    ],
+    ids=["size_based_auto_wrap_policy", "ModuleWrapPolicy"],
+)
+def test_fsdp1_wrap_policies_are_refused_with_the_forms_that_work(policy):
+    with pytest.raises(TypeError, match=r"FSDP1's wrap policies.*callable \(module\) -> bool.*=\{Block\}"):
+        ZeroPPStrategy(auto_wrap_policy=policy)
+
+
+def _is_linear(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear)
+
+
+@pytest.mark.parametrize(
+    "policy", [{nn.Linear}, [nn.Linear], ["Linear"], nn.Linear, _is_linear, lambda m: isinstance(m, nn.Linear)]
+)
+def test_lightning_policy_forms_are_taken(policy):
+    """What a user of Lightning's FSDPStrategy / ModelParallelStrategy passes works unchanged (sharding by these
+    forms is tested in tests/test_setup_errors.py)."""
+    s = ZeroPPStrategy(auto_wrap_policy=policy, activation_checkpointing_policy=policy)
+    assert s.auto_wrap_policy is policy and s.activation_checkpointing_policy is policy
+
+
+@pytest.mark.parametrize(
+    ("value", "offloaded"),
+    [(True, True), (False, False), (CPUOffloadPolicy(), True), (CPUOffloadPolicy(pin_memory=False), True),
+     (OffloadPolicy(), False), (CPUOffload(offload_params=True), True), (CPUOffload(), False)],
+)  # fmt: skip
+def test_cpu_offload_forms(value, offloaded):
+    from lightning_zeropp.config import offload_policy
+
+    s = ZeroPPStrategy(cpu_offload=value)
+    policy = offload_policy(s.cpu_offload)
+    assert isinstance(policy, CPUOffloadPolicy) is offloaded
+    if isinstance(value, OffloadPolicy):
+        assert policy is value  # the user's own policy (its pin_memory) is what FSDP2 gets
