@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 import random
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -41,6 +42,29 @@ from .compat.lightning import METADATA_FILENAME
 MODEL_KEY = "state_dict"
 RNG_KEY = "zeropp_rng_states"
 COMMS_KEY = "zeropp_comms"  # per rank: the collectives' counters and error feedback residuals (ZeroPPComms)
+FABRIC_KEYS = "zeropp_fabric_keys"  # a Fabric full file: the user's keys of the model, optimizers and schedulers
+OPTIMIZER_STATES = "optimizer_states"  # the Trainer's list of optimizer states (a full file)
+SCHEDULERS_KEY = "lr_schedulers"  # the Trainer's list of learning-rate scheduler states
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a checkpoint keeps the model's state dict and each optimizer's state, by top-level key.
+
+    Three layouts are read: the Trainer's (``state_dict``; in a full file the optimizers as the list
+    ``optimizer_states``, in a sharded folder as ``optimizer_0``, ``optimizer_1``, ...), which this strategy writes
+    from both front doors into sharded folders and from the Trainer into full files, and which Lightning's
+    consolidation of a sharded folder produces (``state_dict``, ``optimizer_0``, ...); and a Fabric state's own keys
+    (``{"model": ..., "optimizer": ...}``), which a plain ``Fabric`` and this strategy's Fabric front door write into
+    full files (the latter names them under :data:`FABRIC_KEYS`)."""
+
+    model: str
+    optimizers: tuple[str, ...] = ()
+    optimizers_in_list: bool = False  # the optimizers are ``checkpoint["optimizer_states"]``, in order
+    schedulers: tuple[str, ...] | None = None  # a Fabric file's scheduler keys; None: the Trainer's ``lr_schedulers``
+
+    def optimizer_count(self, stored: int | None = None) -> int:
+        return len(self.optimizers) if not self.optimizers_in_list else int(stored or 0)
 
 
 class Ranks(Protocol):
@@ -106,6 +130,124 @@ def optimizer_keys(model: torch.nn.Module, optimizers: list[torch.optim.Optimize
     return [flat_keys(get_optimizer_state_dict(model, optimizer)) for optimizer in optimizers]
 
 
+def _parameter_order(optimizer_state: Mapping[str, Any]) -> list[Any]:
+    return [p for group in optimizer_state.get("param_groups", []) for p in group["params"]]
+
+
+def index_keyed(optimizer_state: dict[str, Any]) -> dict[str, Any]:
+    """A full optimizer state keyed by parameter name (``get_optimizer_state_dict``) keyed by parameter index
+    instead, as ``optimizer.state_dict()`` of an unsharded model is (parameters numbered in the order of the param
+    groups): what a plain Fabric, DDP or one device loads."""
+    index = {name: i for i, name in enumerate(_parameter_order(optimizer_state))}
+    return {
+        "state": {index[name]: value for name, value in optimizer_state.get("state", {}).items()},
+        "param_groups": [
+            {**group, "params": [index[name] for name in group["params"]]} for group in optimizer_state["param_groups"]
+        ],
+    }
+
+
+def name_keyed(optimizer_state: dict[str, Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """The inverse of :func:`index_keyed` for ``optimizer``: index i is the i-th parameter of its param groups, as
+    ``optimizer.load_state_dict`` reads it. A state keyed by name is returned as it is."""
+    order = _parameter_order(optimizer_state)
+    if not order or not isinstance(order[0], int):
+        return optimizer_state
+    names = {id(p): _checkpoint_name(name) for name, p in model.named_parameters()}  # a tied one: its first name
+    live = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    if len(live) != len(order):
+        raise CheckpointMismatchError(
+            f"ZeroPPStrategy: the checkpoint's optimizer state holds {len(order)} parameters, the optimizer"
+            f" {type(optimizer).__name__} {len(live)}; load it into the optimizer it was saved from."
+        )
+    return {
+        "state": {live[i]: value for i, value in optimizer_state.get("state", {}).items()},
+        "param_groups": [
+            {**group, "params": [live[i] for i in group["params"]]} for group in optimizer_state["param_groups"]
+        ],
+    }
+
+
+def _checkpoint_name(name: str) -> str:
+    """A parameter's name as checkpoints store it: without the ``_orig_mod.`` of a block wrapped by ``torch.compile``
+    (as ``torch.distributed.checkpoint.state_dict`` names it)."""
+    return ".".join(part for part in name.split(".") if part != "_orig_mod")
+
+
+def read_checkpoint(
+    path: Path,
+    layout: Layout,
+    model: torch.nn.Module,
+    optimizers: list[torch.optim.Optimizer],
+    strict: bool,
+    weights_only: bool | None,
+) -> dict[str, Any]:
+    """Loads ``model`` and ``optimizers`` (in order) from the checkpoint at ``path`` laid out as ``layout``; returns
+    everything else it holds. Collective. A sharded folder is read with ``torch.distributed.checkpoint`` (each rank its
+    own slices); a full file is read by every rank, which keeps its slices (no broadcast). An optimizer state keyed by
+    parameter index (a plain optimizer's) is mapped to the model's parameter names first."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint import load as dcp_load
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    if path.is_dir():
+        names = layout.optimizers
+        model_state = {layout.model: get_model_state_dict(model)}
+        dcp_load(model_state, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=not strict))
+        set_model_state_dict(model, model_state[layout.model], options=StateDictOptions(strict=strict))
+        for name, optimizer in zip(names, optimizers):
+            optimizer_state = {name: get_optimizer_state_dict(model, optimizer)}
+            dcp_load(optimizer_state, checkpoint_id=path)
+            set_optimizer_state_dict(model, optimizer, optimizer_state[name], options=StateDictOptions(strict=strict))
+        # the metadata: Lightning's own objects (callbacks' states, hyperparameters), the user's in Fabric
+        return dict(torch.load(path / METADATA_FILENAME, weights_only=bool(weights_only)))
+    checkpoint = dict(torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only))
+    full = StateDictOptions(full_state_dict=True, strict=strict)  # each rank keeps its slices: nothing is sent
+    set_model_state_dict(model, checkpoint.pop(layout.model), options=full)
+    if layout.optimizers_in_list:
+        states = list(checkpoint.get(OPTIMIZER_STATES, []))
+    else:
+        states = [checkpoint.pop(name) for name in layout.optimizers]
+    for optimizer, optimizer_state in zip(optimizers, states):
+        optimizer_state = name_keyed(optimizer_state, model, optimizer)
+        if optimizer_state.get("state"):
+            set_optimizer_state_dict(model, optimizer, optimizer_state, options=full)
+        else:  # a stateless optimizer (SGD without momentum): only the settings of its param groups
+            for group, stored in zip(optimizer.param_groups, optimizer_state["param_groups"]):
+                group.update({k: v for k, v in stored.items() if k != "params"})
+    return checkpoint
+
+
+def load_plain_weights(path: Path, model: torch.nn.Module, strict: bool, weights_only: bool | None) -> None:
+    """Loads a plain state-dict file (``torch.save(model.state_dict(), path)``) into the sharded ``model``; every rank
+    reads the file and keeps its slices. ``strict``: the file's keys must be the model's."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    state = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
+    if not isinstance(state, Mapping) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise CheckpointMismatchError(
+            f"ZeroPPStrategy: {path} is not a state-dict file (a dict of tensors, as `torch.save(model.state_dict())`"
+            " writes); load a checkpoint with `fabric.load(path, {'model': model, ...})`."
+        )
+    expected = set(model.state_dict())
+    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    if strict and (missing or unexpected):
+        problems = [_listed(title, keys) for title, keys in (("missing", missing), ("unexpected", unexpected)) if keys]
+        raise KeyError(
+            f"ZeroPPStrategy: the state-dict file {path} does not fit the model; " + "; ".join(problems)
+            + ". Pass `strict=False` to load the tensors both have."
+        )  # fmt: skip
+    set_model_state_dict(
+        model, {k: v for k, v in state.items() if k in expected}, options=StateDictOptions(full_state_dict=True)
+    )
+
+
 def _check_shard_files(path: Path, metadata: Any) -> None:
     """Every file the index of a sharded checkpoint points into exists and is long enough."""
     needed: dict[str, int] = {}
@@ -137,43 +279,97 @@ def _by_state_name(keys: set[str]) -> set[str]:
     return out
 
 
-def _stored(path: Path) -> tuple[dict[str, tuple[int, ...]], list[set[str]]]:
+def _top_level_keys(path: Path) -> tuple[set[str], dict[str, Any]]:
+    """The top-level keys of a checkpoint (a sharded folder's tensors and metadata, or a file's), and a full file's
+    :data:`FABRIC_KEYS` entry (empty otherwise)."""
+    if path.is_dir():
+        metadata = _sharded_metadata(path)
+        keys = {key.partition(".")[0] for key in metadata.state_dict_metadata}
+        try:
+            keys |= set(torch.load(path / METADATA_FILENAME, map_location="cpu", weights_only=False))
+        except Exception as err:
+            raise CheckpointMismatchError(f"ZeroPPStrategy: cannot read {path / METADATA_FILENAME}: {err}") from err
+        return keys, {}
+    checkpoint = _read_file(path)
+    return set(checkpoint), dict(checkpoint.get(FABRIC_KEYS) or {})
+
+
+def read_layout(path: Path, model_key: str | None = None, optimizer_keys: tuple[str, ...] = ()) -> Layout:
+    """The layout of the checkpoint at ``path`` (see :class:`Layout`). ``model_key`` / ``optimizer_keys``: the keys a
+    Fabric state gives the model and its optimizers, tried when the checkpoint is in neither of the Trainer's
+    layouts (a plain ``Fabric``'s full file)."""
+    keys, fabric_keys = _top_level_keys(path)
+    if MODEL_KEY in keys:
+        if OPTIMIZER_STATES in keys and not path.is_dir():
+            return Layout(MODEL_KEY, optimizers_in_list=True)
+        numbered = sorted((int(k[10:]), k) for k in keys if k.startswith("optimizer_") and k[10:].isdigit())
+        return Layout(MODEL_KEY, tuple(k for _, k in numbered))
+    if fabric_keys:
+        return Layout(
+            fabric_keys["model"], tuple(fabric_keys["optimizers"]), schedulers=tuple(fabric_keys["lr_schedulers"])
+        )
+    if model_key is not None and model_key in keys:
+        return Layout(model_key, tuple(k for k in optimizer_keys if k in keys))
+    wanted = f"'{MODEL_KEY}'" + (f" or {model_key!r}" if model_key and model_key != MODEL_KEY else "")
+    raise CheckpointMismatchError(
+        f"ZeroPPStrategy: {path} holds no model state under {wanted} (its keys: {sorted(keys)[:8]}): not a checkpoint"
+        " of this model. Pass the state under the key the model was saved with (`fabric.load(path, {key: model})`)."
+    )
+
+
+def _sharded_metadata(path: Path) -> Any:
+    if not (path / METADATA_FILENAME).is_file():
+        raise CheckpointMismatchError(
+            f"ZeroPPStrategy: {path} is not a complete sharded checkpoint: it has no {METADATA_FILENAME}."
+            " A save that was interrupted leaves only a hidden '.<name>.partial-*' folder, never this; was the"
+            " folder copied or edited by hand?"
+        )
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        metadata = FileSystemReader(str(path)).read_metadata()
+    except Exception as err:
+        raise CheckpointMismatchError(f"ZeroPPStrategy: cannot read the checkpoint index of {path}: {err}") from err
+    _check_shard_files(path, metadata)
+    return metadata
+
+
+def _read_file(path: Path) -> Mapping[str, Any]:
+    try:
+        checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=False)
+    except Exception as err:
+        raise CheckpointMismatchError(f"ZeroPPStrategy: {path} is not a readable checkpoint file: {err}") from err
+    if not isinstance(checkpoint, Mapping):
+        raise CheckpointMismatchError(
+            f"ZeroPPStrategy: {path} holds a {type(checkpoint).__name__}, not a checkpoint (a dict of states)."
+        )
+    return checkpoint
+
+
+def _stored(path: Path, layout: Layout) -> tuple[dict[str, tuple[int, ...]], list[set[str]]]:
     """Names and global shapes of the model tensors stored in a checkpoint (sharded folder or full file), and each
     optimizer's state keys (for a full file, by state name only: see :func:`_by_state_name`)."""
     if path.is_dir():
-        if not (path / METADATA_FILENAME).is_file():
-            raise CheckpointMismatchError(
-                f"ZeroPPStrategy: {path} is not a complete sharded checkpoint: it has no {METADATA_FILENAME}."
-                " A save that was interrupted leaves only a hidden '.<name>.partial-*' folder, never this; was the"
-                " folder copied or edited by hand?"
-            )
-        from torch.distributed.checkpoint import FileSystemReader
-
-        try:
-            metadata = FileSystemReader(str(path)).read_metadata()
-        except Exception as err:
-            raise CheckpointMismatchError(f"ZeroPPStrategy: cannot read the checkpoint index of {path}: {err}") from err
-        _check_shard_files(path, metadata)
-        prefix = f"{MODEL_KEY}."
+        metadata = _sharded_metadata(path)
+        prefix = f"{layout.model}."
         shapes = {
             key[len(prefix) :]: tuple(meta.size)
             for key, meta in metadata.state_dict_metadata.items()
             if key.startswith(prefix) and hasattr(meta, "size")
         }
-        optimizers: dict[int, set[str]] = {}
+        optimizers: dict[str, set[str]] = {name: set() for name in layout.optimizers}
         for key in metadata.state_dict_metadata:
             head, _, rest = key.partition(".")
-            if head.startswith("optimizer_") and head[len("optimizer_") :].isdigit():
-                optimizers.setdefault(int(head[len("optimizer_") :]), set()).add(rest)
-        return shapes, [optimizers.get(i, set()) for i in range(len(optimizers))]
-    try:
-        checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=False)
-    except Exception as err:
-        raise CheckpointMismatchError(f"ZeroPPStrategy: {path} is not a readable checkpoint file: {err}") from err
-    if not isinstance(checkpoint, Mapping) or MODEL_KEY not in checkpoint:
-        raise CheckpointMismatchError(f"ZeroPPStrategy: {path} holds no '{MODEL_KEY}': not a Lightning checkpoint.")
-    shapes = {k: tuple(v.shape) for k, v in checkpoint[MODEL_KEY].items() if isinstance(v, torch.Tensor)}
-    return shapes, [_by_state_name(flat_keys(state)) for state in checkpoint.get("optimizer_states", [])]
+            if head in optimizers:
+                optimizers[head].add(rest)
+        return shapes, [optimizers[name] for name in layout.optimizers]
+    checkpoint = _read_file(path)
+    model = checkpoint[layout.model]
+    shapes = {k: tuple(v.shape) for k, v in model.items() if isinstance(v, torch.Tensor)}
+    states = checkpoint.get(OPTIMIZER_STATES, []) if layout.optimizers_in_list else [
+        checkpoint[k] for k in layout.optimizers
+    ]  # fmt: skip
+    return shapes, [_by_state_name(flat_keys(state)) for state in states]
 
 
 def _listed(title: str, items: list[str]) -> str:
@@ -225,10 +421,12 @@ def check_compatible(
     model_shapes: Mapping[str, tuple[int, ...]],
     strict: bool,
     optimizers: list[tuple[str, set[str]]] | None = None,
+    layout: Layout | None = None,
 ) -> None:
     """Raises :class:`CheckpointMismatchError` listing missing, unexpected and differently shaped tensors; then, for
-    ``optimizers`` (name and expected keys of each optimizer this run restores), missing and unexpected state."""
-    stored, stored_optimizers = _stored(path)
+    ``optimizers`` (name and expected keys of each optimizer this run restores), missing and unexpected state.
+    ``layout``: where the checkpoint keeps them (default: read from it, see :func:`read_layout`)."""
+    stored, stored_optimizers = _stored(path, layout or read_layout(path))
     missing = sorted(set(model_shapes) - set(stored)) if strict else []
     unexpected = sorted(set(stored) - set(model_shapes)) if strict else []
     reshaped = sorted(
@@ -349,14 +547,17 @@ def load(
     filepath: str | os.PathLike,
     model_shapes: Mapping[str, tuple[int, ...]],
     strict: bool,
-    read: Callable[[Path], dict[str, Any]],
+    read: Callable[[Path, Layout], dict[str, Any]],
     restore: Callable[[Any, Path], None] | None = None,
     optimizers: list[tuple[str, set[str]]] | None = None,
+    model_key: str | None = None,
+    optimizer_keys: tuple[str, ...] = (),
 ) -> dict[str, Any]:
-    """Repairs an interrupted save at the path (:func:`recover`), checks the checkpoint against the model and the
-    ``optimizers`` (name and expected state keys of each) on every rank (each reads the files itself: they may not
-    share a filesystem), and only then runs the collective ``read(path)``; restores this rank's random state.
-    Returns what ``read`` returned, without the random states and the collectives' state (handed to
+    """Repairs an interrupted save at the path (:func:`recover`), reads its :class:`Layout` (``model_key`` and
+    ``optimizer_keys``: a Fabric state's names, see :func:`read_layout`), checks the checkpoint against the model and
+    the ``optimizers`` (name and expected state keys of each) on every rank (each reads the files itself: they may
+    not share a filesystem), and only then runs the collective ``read(path, layout)``; restores this rank's random
+    state. Returns what ``read`` returned, without the random states and the collectives' state (handed to
     ``restore(state, path)``)."""
     path = Path(ranks.broadcast(filepath))
     agree_or_raise(_attempt(lambda: recover(path)) if ranks.is_global_zero else None)
@@ -366,14 +567,15 @@ def load(
             recover(path)
         if not path.exists():
             raise FileNotFoundError(f"ZeroPPStrategy: checkpoint {path} does not exist.")
-        check_compatible(path, model_shapes, strict, optimizers)
+        layout = read_layout(path, model_key, optimizer_keys)
+        check_compatible(path, model_shapes, strict, optimizers, layout)
     except (FileNotFoundError, CheckpointMismatchError) as err:
         problem = err
     agree_or_raise(problem)
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
-        loaded = read(path)
+        loaded = read(path, layout)
     except CheckpointMismatchError:
         raise
     except (Exception, CheckpointException) as err:  # an unreadable shard: the cause first, per rank

@@ -28,7 +28,7 @@ from . import checkpoint as ckpt
 from . import fsdp_hooks, hpz
 from . import kernels as tk
 from .comm import ZeroPPComms
-from .config import ModuleSelection, StateDictType, ZeroPPConfig, check_strategy_arguments
+from .config import CpuOffload, ModuleSelection, StateDictType, ZeroPPConfig, check_strategy_arguments, offloads
 from .ledger import CommLedger
 from .materialize import materialize_meta_tensors
 from .sharding import apply_zeropp, refuse_fsdp1
@@ -67,7 +67,7 @@ class ZeroPPCore:
         *,
         auto_wrap_policy: ModuleSelection,
         activation_checkpointing_policy: ModuleSelection,
-        cpu_offload: bool,
+        cpu_offload: CpuOffload,
         state_dict_type: StateDictType,
         process_group_backend: str | None,
         timeout: timedelta | None,
@@ -94,11 +94,6 @@ class ZeroPPCore:
             "activation_checkpointing", arguments["activation_checkpointing"], "activation_checkpointing_policy",
             arguments["activation_checkpointing_policy"],
         )  # fmt: skip
-        if config.weight_deltas and arguments["cpu_offload"]:
-            raise ValueError(
-                "ZeroPPStrategy: `weight_deltas=True` keeps 1/R of the weights on the device across steps, which"
-                " `cpu_offload=True` exists to avoid; turn one of them off."
-            )
         check_strategy_arguments(
             auto_wrap_policy=auto_wrap,
             activation_checkpointing_policy=checkpointing,
@@ -106,6 +101,11 @@ class ZeroPPCore:
             state_dict_type=arguments["state_dict_type"],
             process_group_backend=arguments["process_group_backend"],
         )
+        if config.weight_deltas and offloads(arguments["cpu_offload"]):
+            raise ValueError(
+                "ZeroPPStrategy: `weight_deltas=True` keeps 1/R of the weights on the device across steps, which"
+                " `cpu_offload=True` exists to avoid; turn one of them off."
+            )
         return cls(
             config,
             auto_wrap_policy=auto_wrap,
@@ -192,7 +192,7 @@ class ZeroPPCore:
             "world_size": self.topology.world_size,
             "reshard_after_forward": self.reshard_after_forward,
             "precision": precision,
-            "cpu_offload": self.cpu_offload,
+            "cpu_offload": offloads(self.cpu_offload),
         }
 
     def shard(
@@ -276,18 +276,33 @@ class ZeroPPCore:
         model: nn.Module,
         optimizers: list[torch.optim.Optimizer],
         strict: bool,
-        read: Callable[[Path], dict[str, Any]],
+        weights_only: bool | None,
+        model_key: str | None = None,
+        optimizer_keys: tuple[str, ...] = (),
     ) -> dict[str, Any]:
-        """Checks the checkpoint against ``model`` and ``optimizers``, then ``read(path)`` loads it (Lightning's
-        loader); restores the random states and the collectives' state, and reshards the model."""
-        shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        """Checks the checkpoint against ``model`` and ``optimizers`` and loads them from it, in any layout
+        :func:`~lightning_zeropp.checkpoint.read_layout` reads (``model_key`` / ``optimizer_keys``: a Fabric state's
+        names); restores the random states and the collectives' state, and reshards the model. Returns the rest of
+        the checkpoint, with a Fabric file's schedulers as the Trainer's ``lr_schedulers`` list."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        # the names checkpoints use (a compiled block's `_orig_mod.` left out), with global shapes
+        shapes = {k: tuple(v.shape) for k, v in get_model_state_dict(model).items()}
 
         def restore(states: Any, where: Path) -> None:
             if self._comms is not None:
                 ckpt.restore_comms(self._comms, states, where, where.is_dir(), ranks.world_size, ranks.global_rank)
 
+        def read(where: Path, layout: ckpt.Layout) -> dict[str, Any]:
+            loaded = ckpt.read_checkpoint(where, layout, model, optimizers, strict, weights_only)
+            if layout.schedulers is not None:
+                loaded[ckpt.SCHEDULERS_KEY] = [loaded.pop(key) for key in layout.schedulers if key in loaded]
+            for key in (ckpt.FABRIC_KEYS, ckpt.OPTIMIZER_STATES):
+                loaded.pop(key, None)
+            return loaded
+
         expected = [(type(o).__name__, keys) for o, keys in zip(optimizers, ckpt.optimizer_keys(model, optimizers))]
-        loaded = ckpt.load(ranks, path, shapes, strict, read, restore, expected)
+        loaded = ckpt.load(ranks, path, shapes, strict, read, restore, expected, model_key, optimizer_keys)
         reshard(model)
         if self._comms is not None:
             self._comms.weights_replaced()
@@ -335,7 +350,7 @@ class FrontDoor:
         return self._core.activation_checkpointing_policy
 
     @property
-    def cpu_offload(self) -> bool:
+    def cpu_offload(self) -> CpuOffload:
         return self._core.cpu_offload
 
     @property

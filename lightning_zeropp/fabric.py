@@ -31,17 +31,24 @@ from torch.optim.lr_scheduler import LRScheduler
 from typing_extensions import override
 
 from . import strategy as trainer_strategy
-from .checkpoint import COMMS_KEY, MODEL_KEY, RNG_KEY
+from .checkpoint import (
+    COMMS_KEY,
+    FABRIC_KEYS,
+    MODEL_KEY,
+    OPTIMIZER_STATES,
+    RNG_KEY,
+    SCHEDULERS_KEY,
+    index_keyed,
+    load_plain_weights,
+)
 from .checkpoint_files import is_checkpoint_file
-from .compat.lightning import FabricModelParallelBase, load_checkpoint, load_raw_module_state
+from .compat.lightning import FabricModelParallelBase
 from .core import FrontDoor, ZeroPPCore, bind_arguments, is_sharded, register_names, reshard
 
 __all__ = ["ZeroPPStrategy"]
 
-FABRIC_KEYS = "zeropp_fabric_keys"  # the names the Fabric state used for the model and the optimizers
 _VERSION_KEY = "pytorch-lightning_version"  # what marks a file as a Lightning checkpoint (replaceable by a save)
-_SCHEDULERS_KEY = "lr_schedulers"
-_RESERVED = (MODEL_KEY, "optimizer_states", _SCHEDULERS_KEY, RNG_KEY, COMMS_KEY, FABRIC_KEYS, _VERSION_KEY)
+_RESERVED = (MODEL_KEY, OPTIMIZER_STATES, SCHEDULERS_KEY, RNG_KEY, COMMS_KEY, FABRIC_KEYS, _VERSION_KEY)
 _RESHARD_HOOK = "_zeropp_fabric_reshard_hook"
 
 
@@ -94,7 +101,8 @@ class ZeroPPStrategy(FrontDoor, FabricModelParallelBase):
         )
         self._core = core
         self._user_parallelize = parallelize_fn
-        self._before_sharding: dict[int, tuple[weakref.ref, nn.Parameter]] = {}
+        # id of a parameter before sharding -> (it, the sharded parameter that replaced it), both weakly held
+        self._before_sharding: dict[int, tuple[weakref.ref, weakref.ref | None]] = {}
 
     # ------------------------------------------------------------------ setup
     @override
@@ -107,15 +115,19 @@ class ZeroPPStrategy(FrontDoor, FabricModelParallelBase):
         """Shards ``module`` in place and materializes what ``fabric.init_module(empty_init=True)`` left on the meta
         device. An optimizer built on its parameters before this call is pointed at the sharded ones when it is set
         up (:meth:`setup_optimizer`)."""
-        before = {name: p for name, p in module.named_parameters()}
+        # Sharding replaces each parameter on the module that holds it; a `parallelize_fn` may wrap the model (and
+        # so rename the parameters), but the modules that hold them stay: follow each by its holder and attribute.
+        before = [
+            (holder, name, p) for holder in module.modules() for name, p in holder.named_parameters(recurse=False)
+        ]
         precision = str(self.precision.precision)
         model, _ = self._core.shard(module, precision, self.root_device, "Fabric", None, self._user_parallelize)
         if not hasattr(model, _RESHARD_HOOK):
             setattr(model, _RESHARD_HOOK, model.register_forward_hook(_reshard_without_grad))
-        after = dict(model.named_parameters())
-        self._before_sharding = {
-            id(p): (weakref.ref(p), after[name]) for name, p in before.items() if name in after and after[name] is not p
-        }
+        for holder, name, p in before:
+            new = getattr(holder, name, None)
+            replaced = isinstance(new, nn.Parameter) and new is not p
+            self._before_sharding[id(p)] = (weakref.ref(p), weakref.ref(new) if replaced else None)
         self.barrier()
         return model
 
@@ -124,10 +136,22 @@ class ZeroPPStrategy(FrontDoor, FabricModelParallelBase):
         """Points an optimizer built before sharding (``fabric.setup(model, optimizer)``) at the sharded parameters;
         its param groups and their settings stay as they are."""
 
-        def sharded(p: Any) -> nn.Parameter | None:
-            entry = self._before_sharding.get(id(p))
-            return entry[1] if entry is not None and entry[0]() is p else None
+        def entry(p: Any) -> tuple[weakref.ref, weakref.ref | None] | None:
+            found = self._before_sharding.get(id(p))
+            return found if found is not None and found[0]() is p else None
 
+        def sharded(p: Any) -> nn.Parameter | None:
+            found = entry(p)
+            return found[1]() if found is not None and found[1] is not None else None
+
+        lost = [p for group in optimizer.param_groups for p in group["params"] if entry(p) and sharded(p) is None]
+        if lost:
+            raise ValueError(
+                f"ZeroPPStrategy: the optimizer holds {len(lost)} parameter(s) of the model as it was before sharding"
+                " that the sharded model no longer holds (did `parallelize_fn` copy modules?); it would train nothing."
+                " Build the optimizer after setting up the model: `model = fabric.setup_module(model)`, then"
+                " `optimizer = fabric.setup_optimizers(Optimizer(model.parameters()))`."
+            )
         held = [p for group in optimizer.param_groups for p in group["params"] if sharded(p) is not None]
         if any(optimizer.state.get(p) for p in held):  # checked first: a refused optimizer is left as it was
             raise ValueError(
@@ -166,8 +190,10 @@ class ZeroPPStrategy(FrontDoor, FabricModelParallelBase):
         storage_options: Any | None = None,
         filter: dict[str, Callable[[str, Any], bool]] | None = None,
     ) -> None:
-        """Writes the model, the optimizers and the rest of ``state`` in the Trainer strategy's layout: a sharded
-        folder (default) or one file, under a temporary name renamed into place when complete."""
+        """Writes the model, the optimizers and the rest of ``state`` under a temporary name renamed into place when
+        complete. A sharded folder (default) in the Trainer strategy's layout, so that it resumes in either front
+        door; a full file (``state_dict_type="full"``) under the state's own keys, as a plain ``Fabric`` writes it
+        (optimizer states keyed by parameter index), so that a plain ``Fabric`` (one device, DDP) loads it."""
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_model_state_dict,
@@ -179,29 +205,39 @@ class ZeroPPStrategy(FrontDoor, FabricModelParallelBase):
                 "ZeroPPStrategy.save_checkpoint(..., storage_options=...) is not supported: the strategy writes the"
                 " checkpoint itself (a sharded folder or one file), not through a CheckpointIO plugin."
             )
-        if filter is not None and self.state_dict_type == "sharded":
+        full = self.state_dict_type == "full"
+        if filter is not None and not full:
             raise NotImplementedError(
                 "ZeroPPStrategy: `fabric.save(..., filter=...)` needs `state_dict_type='full'`: a sharded checkpoint"
                 " must hold every tensor of the model and optimizers to load on another world size."
             )
         module_key, module, optimizers = _split_state(state, "save")
         schedulers = _schedulers(state)
-        options = StateDictOptions(full_state_dict=self.state_dict_type == "full", cpu_offload=True)
+        options = StateDictOptions(full_state_dict=full, cpu_offload=True)
         filters = filter or {}
-        checkpoint: dict[str, Any] = {
-            MODEL_KEY: _filtered(module_key, filters, get_model_state_dict(module, options=options)),
-            "optimizer_states": [
-                _filtered(key, filters, get_optimizer_state_dict(module, optimizer, options=options))
-                for key, optimizer in optimizers
-            ],
-            _SCHEDULERS_KEY: [scheduler.state_dict() for _, scheduler in schedulers],
-            FABRIC_KEYS: {
-                "model": module_key,
-                "optimizers": [key for key, _ in optimizers],
-                "lr_schedulers": [key for key, _ in schedulers],
-            },
-            _VERSION_KEY: lightning.__version__,
+        model_state = _filtered(module_key, filters, get_model_state_dict(module, options=options))
+        optimizer_states = []
+        for key, optimizer in optimizers:
+            optimizer_state = get_optimizer_state_dict(module, optimizer, options=options)
+            if full and self.is_global_zero:
+                optimizer_state = index_keyed(optimizer_state)
+            optimizer_states.append(_filtered(key, filters, optimizer_state))
+        names = {
+            "model": module_key,
+            "optimizers": [key for key, _ in optimizers],
+            "lr_schedulers": [key for key, _ in schedulers],
         }
+        if full:
+            _check_full_keys(names)
+            checkpoint: dict[str, Any] = {module_key: model_state, **dict(zip(names["optimizers"], optimizer_states))}
+            checkpoint.update({key: scheduler.state_dict() for key, scheduler in schedulers})
+        else:
+            checkpoint = {
+                MODEL_KEY: model_state,
+                OPTIMIZER_STATES: optimizer_states,
+                SCHEDULERS_KEY: [scheduler.state_dict() for _, scheduler in schedulers],
+            }
+        checkpoint.update({FABRIC_KEYS: names, _VERSION_KEY: lightning.__version__})
         for key, obj in state.items():
             if key == module_key or isinstance(obj, (Optimizer, LRScheduler)):
                 continue
@@ -240,27 +276,28 @@ class ZeroPPStrategy(FrontDoor, FabricModelParallelBase):
             self._load_weights(path, state, strict, weights_only)
             return {}
         module_key, module, optimizers = _split_state(state, "load")
-        into = {MODEL_KEY: module, **{f"optimizer_{i}": optimizer for i, (_, optimizer) in enumerate(optimizers)}}
         loaded = self._core.load(
-            self, path, module, [o for _, o in optimizers], strict,
-            lambda where: load_checkpoint(where, into, strict, weights_only),
+            self, path, module, [o for _, o in optimizers], strict, weights_only,
+            model_key=module_key, optimizer_keys=tuple(k for k, _ in optimizers),
         )  # fmt: skip
-        stored_schedulers = loaded.pop(_SCHEDULERS_KEY, [])
         schedulers = _schedulers(state)
-        if strict and len(stored_schedulers) != len(schedulers):
-            raise KeyError(
-                f"ZeroPPStrategy: the checkpoint {path} holds {len(stored_schedulers)} learning-rate scheduler(s), the"
-                f" state {len(schedulers)}; schedulers are matched by their order. Pass `strict=False` to load the"
-                " ones both have."
-            )
-        for (_, scheduler), scheduler_state in zip(schedulers, stored_schedulers):
-            scheduler.load_state_dict(scheduler_state)
-        for key in (FABRIC_KEYS, _VERSION_KEY, "optimizer_states"):
-            loaded.pop(key, None)
+        stored_schedulers = loaded.pop(SCHEDULERS_KEY, None)
+        if stored_schedulers is not None:  # this strategy's checkpoints: matched by order
+            if strict and len(stored_schedulers) != len(schedulers):
+                raise KeyError(
+                    f"ZeroPPStrategy: the checkpoint {path} holds {len(stored_schedulers)} learning-rate scheduler(s),"
+                    f" the state {len(schedulers)}; schedulers are matched by their order. Pass `strict=False` to load"
+                    " the ones both have."
+                )
+            for (_, scheduler), scheduler_state in zip(schedulers, stored_schedulers):
+                scheduler.load_state_dict(scheduler_state)
+        loaded.pop(_VERSION_KEY, None)
         for key, obj in state.items():
-            if key == module_key or isinstance(obj, (Optimizer, LRScheduler)):
+            if key == module_key or isinstance(obj, Optimizer):
                 continue
-            if key not in loaded:
+            if isinstance(obj, LRScheduler) and stored_schedulers is not None:
+                continue
+            if key not in loaded:  # a plain Fabric file keeps schedulers under their keys, as any other object
                 if strict:
                     raise KeyError(
                         f"ZeroPPStrategy: the state key {key!r} is not in the checkpoint {path} (it holds"
@@ -277,11 +314,9 @@ class ZeroPPStrategy(FrontDoor, FabricModelParallelBase):
     def _load_weights(self, path: Path, module: nn.Module, strict: bool, weights_only: bool | None) -> None:
         """The model's weights alone: from a checkpoint of this strategy, or a plain state-dict file."""
         if path.is_dir() or _is_lightning_file(path):
-            into = {MODEL_KEY: module}
-            read = lambda where: load_checkpoint(where, into, strict, weights_only)  # noqa: E731
-            self._core.load(self, path, module, [], strict, read)
+            self._core.load(self, path, module, [], strict, weights_only)
             return
-        load_raw_module_state(path, module, self.world_size, strict)
+        load_plain_weights(path, module, strict, weights_only)
         reshard(module)
 
     # ------------------------------------------------------------------ registry
@@ -323,6 +358,21 @@ def _filtered(key: str, filters: dict[str, Callable[[str, Any], bool]], value: A
     if key in filters and isinstance(value, dict):
         return {k: v for k, v in value.items() if filters[key](k, v)}
     return value
+
+
+def _check_full_keys(names: dict[str, Any]) -> None:
+    """A full file keeps the model and optimizers under the state's own keys; the Trainer layout's names would make
+    it read as a Trainer checkpoint."""
+    taken = [k for k in [names["model"], *names["optimizers"]] if k in _RESERVED or _numbered_optimizer(k)]
+    if taken:
+        raise ValueError(
+            f"ZeroPPStrategy: the state key {taken[0]!r} is reserved in a full checkpoint (the Trainer's layout uses"
+            " it); rename it, e.g. `fabric.save(path, {'model': model, 'optimizer': optimizer})`."
+        )
+
+
+def _numbered_optimizer(key: str) -> bool:
+    return key.startswith("optimizer_") and key[len("optimizer_") :].isdigit()
 
 
 def _is_lightning_file(path: Path) -> bool:

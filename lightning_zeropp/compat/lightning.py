@@ -7,19 +7,22 @@ strategy itself is written against this module's names only.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from .versions import LIGHTNING_VERSION, require
 
 require(LIGHTNING_VERSION >= (2, 6), "lightning", "ModelParallelStrategy with FSDP2 and distributed checkpoints")
 from lightning.fabric.strategies import ModelParallelStrategy as FabricModelParallelStrategy  # noqa: E402
 from lightning.fabric.strategies import Strategy as FabricStrategy  # noqa: E402
-from lightning.fabric.strategies import model_parallel as _fabric_model_parallel  # noqa: E402
+from lightning.fabric.strategies.strategy import _BackwardSyncControl  # noqa: E402
 from lightning.fabric.utilities.load import _METADATA_FILENAME  # noqa: E402
 from lightning.fabric.utilities.optimizer import _optimizers_to_device  # noqa: E402
 from lightning.pytorch.strategies.strategy import _ForwardRedirection  # noqa: E402
@@ -34,11 +37,9 @@ require(
 METADATA_FILENAME: str = _METADATA_FILENAME
 
 require(
-    hasattr(FabricModelParallelStrategy, "_setup_distributed")
-    and hasattr(_fabric_model_parallel, "_load_checkpoint")
-    and hasattr(_fabric_model_parallel, "_load_raw_module_state_from_path"),
+    hasattr(FabricModelParallelStrategy, "_setup_distributed"),
     "lightning",
-    "the Fabric strategy hooks and checkpoint loaders lightning_zeropp.fabric.ZeroPPStrategy builds on",
+    "the Fabric strategy hook lightning_zeropp.fabric.ZeroPPStrategy builds on",
 )
 
 __all__ = [
@@ -47,8 +48,6 @@ __all__ = [
     "ForwardRedirection",
     "ModelParallelBase",
     "disable_inference_mode",
-    "load_checkpoint",
-    "load_raw_module_state",
 ]
 
 
@@ -110,8 +109,30 @@ def disable_inference_mode(trainer: pl.Trainer) -> None:
         loop.inference_mode = False
 
 
+class _NoGradientSync(_BackwardSyncControl):
+    """``fabric.no_backward_sync(model, enabled)``: with ``enabled``, no gradient is reduced inside the context (each
+    sharded module accumulates its unsharded gradients); on exit every module reduces again. With ``enabled=False``
+    nothing changes. (Lightning's own control sets the modules to ``enabled`` on exit, so after
+    ``no_backward_sync(model, enabled=False)`` no gradient would ever be reduced again.)"""
+
+    @contextmanager
+    def no_backward_sync(self, module: nn.Module, enabled: bool) -> Iterator[None]:
+        units = [m for m in module.modules() if isinstance(m, FSDPModule)] if enabled else []
+        for unit in units:
+            unit.set_requires_gradient_sync(False, recurse=False)
+        try:
+            yield
+        finally:
+            for unit in units:
+                unit.set_requires_gradient_sync(True, recurse=False)
+
+
 class FabricModelParallelBase(FabricModelParallelStrategy):
     """Fabric's ``ModelParallelStrategy`` with the private parts lightning-zeropp builds on given public names."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._backward_sync_control = _NoGradientSync()
 
     def setup_distributed(self) -> None:
         """The device set up by the accelerator (Fabric's ``Strategy.setup_environment``), then the process-group
@@ -122,16 +143,3 @@ class FabricModelParallelBase(FabricModelParallelStrategy):
 
     def set_device_mesh(self, mesh: Any) -> None:
         self._device_mesh = mesh
-
-
-def load_checkpoint(path: Any, state: dict[str, Any], strict: bool, weights_only: bool | None) -> dict[str, Any]:
-    """Lightning's loader of a checkpoint in the Trainer's layout (a sharded folder or one file) into ``state``
-    (``{"state_dict": model, "optimizer_0": optimizer, ...}``); returns the rest of the checkpoint."""
-    return _fabric_model_parallel._load_checkpoint(
-        path=path, state=state, strict=strict, optimizer_states_from_list=True, weights_only=weights_only
-    )
-
-
-def load_raw_module_state(path: Any, module: nn.Module, world_size: int, strict: bool) -> None:
-    """Lightning's loader of a plain state-dict file (``torch.save(model.state_dict())``) into a sharded module."""
-    _fabric_model_parallel._load_raw_module_state_from_path(path, module=module, world_size=world_size, strict=strict)
