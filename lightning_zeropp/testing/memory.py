@@ -45,6 +45,7 @@ def measure_rank(rank: int, world: int, n_layer: int, n_embd: int, config: str, 
     class Peaks(Callback):
         def on_train_start(self, trainer, pl_module) -> None:
             peaks["setup"] = peak_rss()
+            trainer.should_stop = steps == 0  # setup alone: no step
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             peaks["first_step"] = peaks.get("first_step") or peak_rss()
@@ -52,7 +53,7 @@ def measure_rank(rank: int, world: int, n_layer: int, n_embd: int, config: str, 
     tokens = torch.randint(0, 256, (1, 65))
     strategy = ZeroPPStrategy(ranks_per_node=max(1, world // 2), **CONFIGS[config])
     trainer = Trainer(
-        accelerator="cpu", devices=world, strategy=strategy, max_steps=steps, logger=False,
+        accelerator="cpu", devices=world, strategy=strategy, max_steps=max(steps, 1), logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
         num_sanity_val_steps=0, callbacks=[Peaks()], use_distributed_sampler=False,
     )  # fmt: skip
@@ -62,8 +63,6 @@ def measure_rank(rank: int, world: int, n_layer: int, n_embd: int, config: str, 
         module.configure_model()  # the whole network on the meta device
     params = sum(p.numel() for p in module.parameters())
     assert all(p.is_meta for p in module.parameters())
-    if steps == 0:
-        trainer.fit_loop.epoch_loop.run = lambda *a, **k: None  # setup alone: no step
     trainer.fit(module, DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=1))
     local = sum(p.to_local().numel() * p.to_local().element_size() for p in module.parameters())
     return {"rank": rank, "params": params, "local_bytes": local, **peaks}
