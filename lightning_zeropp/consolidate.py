@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .checkpoint import MODEL_KEY, CheckpointMismatchError, save_full
+from .checkpoint import MODEL_KEY, CheckpointMismatchError, index_keyed, save_full
 from .compat.lightning import METADATA_FILENAME
 
 
@@ -31,22 +31,6 @@ def _to_plain(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(_to_plain(v) for v in value)
     return value
-
-
-def _rekey_optimizer(state: dict[str, Any]) -> dict[str, Any]:
-    """``{"state": {fqn: ...}, "param_groups": [{"params": [fqn, ...]}]}`` -> integer parameter ids."""
-    ids: dict[str, int] = {}
-    groups = []
-    for group in state.get("param_groups", []):
-        params = []
-        for name in group["params"]:
-            ids.setdefault(name, len(ids))
-            params.append(ids[name])
-        groups.append({**group, "params": params})
-    return {
-        "state": {ids[name]: s for name, s in state.get("state", {}).items() if name in ids},
-        "param_groups": groups,
-    }
 
 
 def load_sharded(src: Path, scratch: Path | None = None) -> dict[str, Any]:
@@ -65,7 +49,7 @@ def load_sharded(src: Path, scratch: Path | None = None) -> dict[str, Any]:
     checkpoint = torch.load(src / METADATA_FILENAME, map_location="cpu", weights_only=False)
     checkpoint["state_dict"] = _to_plain(stored.pop(MODEL_KEY))
     optimizer_keys = sorted((k for k in stored if k.startswith("optimizer_")), key=lambda k: int(k.split("_")[1]))
-    checkpoint["optimizer_states"] = [_rekey_optimizer(_to_plain(stored[k])) for k in optimizer_keys]
+    checkpoint["optimizer_states"] = [index_keyed(_to_plain(stored[k])) for k in optimizer_keys]
     return checkpoint
 
 
