@@ -96,6 +96,13 @@ def test_the_configurations_cover_aligned_blocks_and_error_feedback(report):
 
 
 def test_no_register_spills_and_no_local_memory(report):
+    """No spill instructions (counted in the sm_90 SASS), and on every target no stack frame and no local memory, which
+    is where spilled registers go. Every entry's figures were read: a kernel without a register count fails the gate
+    when it is compiled (``aot._code_facts``), and none may report zero registers here."""
+    unread = [_where(c) for c in report["compiled"] if not c["error"] and c["registers"] <= 0]
+    assert not unread, "\n".join(unread[:10])
+    paths = [c for c in report["compiled"] if c["arch"] == 90 and not c["error"]]
+    assert paths and all(c["sass_paths"] for c in paths)  # the sm_90 SASS was read (the spill count comes with it)
     spilled = [
         f"{_where(c)}: {c['spill_instructions']} spill instructions, stack {c['stack_bytes']} B,"
         f" local {c['local_bytes']} B"

@@ -222,12 +222,15 @@ def _code_facts(cubin: bytes, with_paths: bool) -> dict:
         path = Path(tmp) / "k.cubin"
         path.write_bytes(cubin)
         res = subprocess.run(
-            [compat.toolchain("cuobjdump"), "-res-usage", str(path)], capture_output=True, text=True
+            [compat.toolchain("cuobjdump"), "-res-usage", str(path)], capture_output=True, text=True, check=True
         ).stdout
         usage = dict(re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", res))
+        missing = [field for field in ("REG", "STACK", "LOCAL") if field not in usage]
+        if missing or int(usage["REG"]) == 0:  # a figure not read must not pass as "no spills"
+            raise ValueError(f"cuobjdump -res-usage printed no {missing or 'REG > 0'} for the kernel: {res[-500:]!r}")
         paths, spills = _sass_paths(path) if with_paths else ([], 0)
-    facts = {"registers": int(usage.get("REG", 0)), "stack": int(usage.get("STACK", 0)),
-             "local": int(usage.get("LOCAL", 0)), "spills": spills, "paths": paths}  # fmt: skip
+    facts = {"registers": int(usage["REG"]), "stack": int(usage["STACK"]), "local": int(usage["LOCAL"]),
+             "spills": spills, "paths": paths}  # fmt: skip
     cache.mkdir(parents=True, exist_ok=True)
     cached.write_text(json.dumps(facts))
     return facts
