@@ -7,6 +7,8 @@ strategy itself is written against this module's names only.
 
 from __future__ import annotations
 
+import signal
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -23,6 +25,7 @@ from lightning.fabric.strategies import model_parallel as _fabric_model_parallel
 from lightning.fabric.utilities.init import _materialize_distributed_module  # noqa: E402
 from lightning.fabric.utilities.load import _METADATA_FILENAME  # noqa: E402
 from lightning.pytorch.strategies.strategy import _ForwardRedirection  # noqa: E402
+from lightning.pytorch.trainer.connectors.signal_connector import _HandlersCompose, _SignalConnector  # noqa: E402
 
 require(
     hasattr(Strategy, "_setup_model") and hasattr(ModelParallelStrategy, "_setup_distributed"),
@@ -34,6 +37,15 @@ require(
 METADATA_FILENAME: str = _METADATA_FILENAME
 
 require(
+    hasattr(_SignalConnector, "_slurm_sigusr_handler_fn") and hasattr(_HandlersCompose, "__init__"),
+    "lightning",
+    "the SLURM auto-requeue signal handler ZeroPPStrategy runs at a step boundary",
+)
+
+# What ``Trainer.save_checkpoint`` names the barrier it calls right after ``strategy.save_checkpoint``.
+SAVE_CHECKPOINT_BARRIER = "Trainer.save_checkpoint"
+
+require(
     hasattr(FabricModelParallelStrategy, "_setup_distributed")
     and hasattr(_fabric_model_parallel, "_load_checkpoint")
     and hasattr(_fabric_model_parallel, "_load_raw_module_state_from_path"),
@@ -43,12 +55,14 @@ require(
 
 __all__ = [
     "METADATA_FILENAME",
+    "SAVE_CHECKPOINT_BARRIER",
     "FabricModelParallelBase",
     "ForwardRedirection",
     "ModelParallelBase",
     "disable_inference_mode",
     "load_checkpoint",
     "load_raw_module_state",
+    "requeue_handler",
 ]
 
 
@@ -129,3 +143,17 @@ def load_checkpoint(path: Any, state: dict[str, Any], strict: bool, weights_only
 def load_raw_module_state(path: Any, module: nn.Module, world_size: int, strict: bool) -> None:
     """Lightning's loader of a plain state-dict file (``torch.save(model.state_dict())``) into a sharded module."""
     _fabric_model_parallel._load_raw_module_state_from_path(path, module=module, world_size=world_size, strict=strict)
+
+
+def requeue_handler(signum: int) -> Callable[[int, Any], None] | None:
+    """The handler installed for ``signum`` if it is the one Lightning's SLURM auto-requeue installs (``Trainer.fit``
+    and the other entry points do, under ``SLURMEnvironment(auto_requeue=True)``, unless the signal already had a
+    handler): called as ``handler(signum, frame)``, it finalizes the loggers, saves ``hpc_ckpt_N.ckpt`` with
+    ``trainer.save_checkpoint`` on every rank, and runs ``scontrol requeue <job id>`` on rank 0. None otherwise."""
+    handler = signal.getsignal(signum)
+    if not isinstance(handler, _HandlersCompose):
+        return None
+    requeue = _SignalConnector._slurm_sigusr_handler_fn
+    if any(getattr(h, "__func__", None) is requeue for h in handler.signal_handlers):
+        return handler
+    return None
