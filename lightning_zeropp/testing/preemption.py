@@ -51,21 +51,21 @@ __all__ = [
 ]
 
 JOB_ID = "4242"
-STEPS = 6
+STEPS = 4
 BATCH = 2
 STRATEGY = dict(ranks_per_node=2, weight_deltas=True, weight_delta_refresh=2)
 """qwZ, hpZ and qgZ on, 4 ranks as 2 nodes x 2, weight deltas with an exact refresh every 2 steps: a resume at an
 even step rebuilds the node copies exactly where the uninterrupted run does, so the two stay bit-identical."""
 
 POINTS: dict[str, tuple[int, int]] = {
-    "forward": (3, 4),
-    "backward": (3, 4),
-    "optimizer_step": (3, 4),
-    "qgz_all_to_all": (3, 4),
-    "weight_delta_exchange": (3, 4),
-    "validation": (4, 4),  # validation runs after every second step; saved where it ends
-    "checkpoint_save": (4, 4),  # inside ModelCheckpoint's save after step 4; saved right after it
-    "last_step": (5, 6),
+    "forward": (1, 2),
+    "backward": (1, 2),
+    "optimizer_step": (1, 2),
+    "qgz_all_to_all": (1, 2),
+    "weight_delta_exchange": (1, 2),
+    "validation": (2, 2),  # validation runs after every second step; saved where it ends
+    "checkpoint_save": (2, 2),  # inside ModelCheckpoint's save after step 2; saved right after it
+    "last_step": (3, 4),
 }
 """Where ``SIGUSR1`` arrives: (the global step during which it arrives, the step boundary that must be saved). Even
 ranks get it there; odd ranks a late copy at the point's next occurrence (as when SLURM's signal reaches the tasks
@@ -75,10 +75,10 @@ CASES: dict[str, tuple[int, int]] = {
     **POINTS,
     # rank 1 alone calls trainer.save_checkpoint inside backward (as a signal handler of the user's would): the save
     # waits for the boundary, where the request is broadcast and every rank saves
-    "save_in_step": (3, 4),
-    # SIGUSR1 in the forward of step 3, then SIGTERM inside the requeue save on every rank: the save completes, the
+    "save_in_step": (1, 2),
+    # SIGUSR1 in the forward of step 1, then SIGTERM inside the requeue save on every rank: the save completes, the
     # run stops at the next batch and says what happened
-    "sigterm_during_save": (3, 4),
+    "sigterm_during_save": (1, 2),
 }
 _EVERY_SECOND_STEP = ("validation", "checkpoint_save")
 
@@ -329,9 +329,9 @@ def preemption_worker(
 def killed_save_worker(
     rank: int, world: int, out: str, bin_dir: str, init_path: str, data_path: str, timeout_s: float
 ) -> None:
-    """Two requeue signals on every rank (steps 1 and 3); the second requeue save is cut short: every rank is killed
-    (SIGKILL, what SLURM sends when the grace period is over) right after writing its shards, before the save is
-    complete. The process dies: nothing returns."""
+    """Two requeue signals on every rank (in steps 1 and 3: saves at steps 2 and 4); the second requeue save is cut
+    short: every rank is killed (SIGKILL, what SLURM sends when the grace period is over) right after writing its
+    shards, before the save is complete. The process dies: nothing returns."""
     root = Path(out)
     kill = raise_signal(signal.SIGKILL)
     usr1 = raise_signal(signal.SIGUSR1)
