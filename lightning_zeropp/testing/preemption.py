@@ -13,9 +13,12 @@ at any step, with no data loader state to restore.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import stat
+import sys
+import time
 import warnings
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
@@ -47,7 +50,9 @@ __all__ = [
     "fake_scontrol",
     "killed_save_worker",
     "preemption_worker",
+    "resume_worker",
     "slurm_task_environment",
+    "srun_task",
 ]
 
 JOB_ID = "4242"
@@ -230,10 +235,15 @@ def plan(case: str, rank: int, root: Path) -> dict[str, tuple[int | None, Callab
 
 
 class BatchCount(Callback):
-    """Counts the training batches a run trains (a resumed run: the steps after its checkpoint)."""
+    """Counts the training batches a run trains (a resumed run: the steps after its checkpoint), and the global step
+    training started from."""
 
     def __init__(self) -> None:
         self.batches = 0
+        self.start: int | None = None
+
+    def on_train_start(self, trainer: Trainer, pl_module: TinyLM) -> None:
+        self.start = trainer.global_step
 
     def on_train_batch_end(self, *args: Any) -> None:
         self.batches += 1
@@ -254,22 +264,31 @@ def _environment(values: dict[str, str]) -> Generator[None, None, None]:
 
 
 def _fit(
-    root: Path, init_path: str, data_path: str, rank: int, world: int, timeout_s: float, callbacks: list, **fit: Any
+    root: Path,
+    init_path: str,
+    data_path: str,
+    rank: int,
+    world: int,
+    timeout_s: float,
+    callbacks: list,
+    strategy_kwargs: dict[str, Any] = STRATEGY,
+    steps: int = STEPS,
+    **fit: Any,
 ) -> dict[str, torch.Tensor]:
-    """Trains TinyLM for :data:`STEPS` steps (from a checkpoint: the rest) with ``default_root_dir=root``; returns its
+    """Trains TinyLM for ``steps`` steps (from a checkpoint: the rest) with ``default_root_dir=root``; returns its
     final weights."""
     x, y = torch.load(data_path, weights_only=True)
     local = TensorDataset(x[rank::world], y[rank::world])
     train = DataLoader(local, batch_size=BATCH, sampler=EpochBatch(len(local), BATCH))
     val = DataLoader(TensorDataset(x[:4], y[:4]), batch_size=4)
-    strategy = ZeroPPStrategy(**STRATEGY, timeout=timedelta(seconds=timeout_s))
+    strategy = ZeroPPStrategy(**strategy_kwargs, timeout=timedelta(seconds=timeout_s))
     trainer = Trainer(
         accelerator="cpu",
         devices=world,
         num_nodes=1,
         strategy=strategy,
         precision="32-true",
-        max_steps=STEPS,
+        max_steps=steps,
         default_root_dir=str(root),
         logger=False,
         enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
@@ -367,3 +386,62 @@ def resume_worker(
         "resumed_from": STEPS - count.batches,
         "warnings": [str(w.message) for w in seen],
     }
+
+
+# ----------------------------------------------------------------------------------------------- a real SLURM job
+SLURM_STRATEGY = dict(ranks_per_node=2)
+"""qwZ, hpZ and qgZ, 4 ranks as 2 nodes x 2: a resume at any step continues bit-identically (the signal of a real
+job arrives whenever it does, so the saved step is not chosen)."""
+
+
+class Pace(Callback):
+    """Sleeps ``seconds`` inside every training forward (so that a signal sent from outside most likely arrives in the
+    middle of a step), and writes the global step reached to ``progress`` (rank 0)."""
+
+    def __init__(self, seconds: float, progress: Path) -> None:
+        self.seconds, self.progress = seconds, progress
+        self._hook: Any = None
+
+    def on_train_start(self, trainer: Trainer, pl_module: TinyLM) -> None:
+        def pause(module: Any, args: Any) -> None:
+            if torch.is_grad_enabled():
+                time.sleep(self.seconds)
+
+        self._hook = pl_module.net.blocks[1].register_forward_pre_hook(pause)
+
+    def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
+        if trainer.is_global_zero:
+            self.progress.write_text(str(trainer.global_step))
+
+    def teardown(self, trainer: Trainer, pl_module: TinyLM, stage: str) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+
+
+def srun_task(root: str, init_path: str, data_path: str, steps: int, pause_s: float, timeout_s: float) -> None:
+    """One task of an ``srun`` job step: trains (resuming from the newest ``hpc_ckpt_N`` if any, as Lightning does
+    under SLURM) and writes ``task{rank}-{restart}.json`` (the global step training started from, the batches it
+    trained, whether SIGTERM stopped it) and, on rank 0 of a run that finished, ``final.pt``."""
+    rank, world = int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"])
+    restart = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+    out = Path(root)
+    count = BatchCount()
+    report: dict[str, Any] = {"stopped": False}
+    try:
+        state = _fit(
+            out, init_path, data_path, rank, world, timeout_s, [count, Pace(pause_s, out / "progress")],
+            strategy_kwargs=SLURM_STRATEGY, steps=steps,
+        )  # fmt: skip
+        if rank == 0:
+            torch.save(state, out / "final.pt")
+    except SIGTERMException:
+        report["stopped"] = True
+        raise
+    finally:
+        report.update(start=count.start, batches=count.batches)
+        (out / f"task{rank}-{restart}.json").write_text(json.dumps(report))
+
+
+if __name__ == "__main__":
+    root_, init_, data_, steps_, pause_, timeout_ = sys.argv[1:7]
+    srun_task(root_, init_, data_, int(steps_), float(pause_), float(timeout_))
