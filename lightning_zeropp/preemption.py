@@ -127,6 +127,7 @@ class Preemption:
             return
         self.requeue, self.signum = handler, signum
         self.received = self.handled = 0
+        self.saved = None
         signal.signal(signum, self._count)
 
     def _count(self, signum: int, frame: Any) -> None:

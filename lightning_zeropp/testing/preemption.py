@@ -47,6 +47,7 @@ __all__ = [
     "STEPS",
     "EpochBatch",
     "Signals",
+    "fabric_save_in_step_worker",
     "fake_scontrol",
     "killed_save_worker",
     "preemption_worker",
@@ -386,6 +387,38 @@ def resume_worker(
         "resumed_from": STEPS - count.batches,
         "warnings": [str(w.message) for w in seen],
     }
+
+
+def fabric_save_in_step_worker(rank: int, world: int, out: str) -> dict[str, Any]:
+    """A Fabric loop whose optimizer's step pre-hook calls ``fabric.save`` (as a signal handler arriving then would):
+    returns the error, and whether a save after the step (the loop's own) then works."""
+    import torch.nn.functional as F
+    from lightning.fabric import Fabric
+
+    from lightning_zeropp.fabric import ZeroPPStrategy as FabricZeroPPStrategy
+
+    from .models import make_batches
+
+    fabric = Fabric(accelerator="cpu", devices=world, strategy=FabricZeroPPStrategy(), precision="32-true")
+    fabric.launch()
+    torch.manual_seed(0)
+    model = TinyLM()
+    model.configure_model()
+    model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = make_batches(2)
+    state = {"model": model, "optimizer": optimizer}
+    hook = optimizer.optimizer.register_step_pre_hook(lambda *a: fabric.save(Path(out, "in_step"), state))
+    logits = model(x)
+    fabric.backward(F.cross_entropy(logits.view(-1, logits.size(-1)), y.reshape(-1)))
+    error = None
+    try:
+        optimizer.step()
+    except RuntimeError as err:
+        error = str(err)
+    hook.remove()
+    optimizer.step()  # the step the hook interrupted
+    fabric.save(Path(out, "between_steps"), state)
+    return {"error": error, "saved": sorted(p.name for p in Path(out).iterdir())}
 
 
 # ----------------------------------------------------------------------------------------------- a real SLURM job
