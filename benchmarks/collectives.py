@@ -4,7 +4,7 @@ Calls the strategy's own functions (``exact_reduce_scatter``, ``qgz.quantized_re
 all-gather, ``qwz.quantized_all_gather`` and the weight deltas' exchange and node-copy gather) on a bf16 buffer the size
 of one unit, ``--reps`` times, and reports the mean per call on rank 0 (ranks synchronise before and after). On
 loopback this measures the CPU cost the quantizers add; bytes are not the bottleneck here. Also the one collective the
-strategy adds per step boundary under SLURM auto-requeue (16 bytes; ``100 x --reps`` calls).
+strategy adds per step boundary under SLURM auto-requeue (24 bytes; ``100 x --reps`` calls).
 
     python benchmarks/collectives.py [--params 800000] [--world 4] [--per-node 2] [--json PATH]
 """
@@ -67,11 +67,11 @@ def _worker(rank: int, world: int, per_node: int, params: int, reps: int) -> dic
         "weight deltas: INT4 delta exchange alone": lambda: deltas._send_delta(copy, shard, unit, groups),
         "weight deltas: node-copy gather alone (nothing changed)": lambda: all_gather_flat(gathered, copy.slice, hpz),
         # what the strategy adds per step boundary under SLURM auto-requeue (lightning_zeropp/preemption.py)
-        "preemption agreement: all-reduce MAX of 2 int64": lambda: dist.all_reduce(
-            torch.zeros(2, dtype=torch.int64), op=dist.ReduceOp.MAX, group=groups.world
+        "preemption agreement: all-reduce MAX of 3 int64": lambda: dist.all_reduce(
+            torch.zeros(3, dtype=torch.int64), op=dist.ReduceOp.MAX, group=groups.world
         ),
     }
-    many = {"preemption agreement: all-reduce MAX of 2 int64": 100}  # tiny: more calls for a stable mean
+    many = {"preemption agreement: all-reduce MAX of 3 int64": 100}  # tiny: more calls for a stable mean
     times = {}
     for name, call in cases.items():
         call()

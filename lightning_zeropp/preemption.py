@@ -10,24 +10,30 @@ using (``aten.addmm.default got mixed torch.Tensor and DTensor``).
 :class:`Preemption` moves that work to step boundaries::
 
     signal (any rank, any moment) ──> count += 1                        (nothing else inside the handler)
-    boundary (every rank) ──────────> all_reduce(MAX, [count, who asked to save])   16 bytes, world group
+    boundary (every rank) ──────────> all_reduce(MAX, [count, who asked to save, SIGTERMs])   24 bytes, world group
                                       count > handled: Lightning's handler on every rank, here:
                                           loggers finalized, hpc_ckpt_N.ckpt saved (one step, one path),
                                           then rank 0 runs `scontrol requeue <job id>`
+                                      a SIGTERM anywhere: Lightning's SIGTERM handler on every rank, here
 
 - Once Lightning has installed its handler, the strategy puts one in its place that only counts the signal
   (:meth:`Preemption.take_over`); Lightning's is kept, run at the boundary, and put back at teardown.
 - Boundaries (:class:`Boundaries`): after a training batch whose optimizer stepped, at the end of a validation run of
-  ``fit``, at the end of training, and after each batch of ``validate``/``test``/``predict``. Every rank reaches each
-  of them, so the all-reduce always finds its peers. It runs only while the strategy holds the signal: outside
-  auto-requeue no collective is added.
+  ``fit``, at the end of training, and after each batch of ``validate``/``test``/``predict``; between the batches of a
+  validation run of ``fit`` for SIGTERM only (the saves wait for the run's end). Every rank reaches each of them, so
+  the all-reduce always finds its peers. It runs only while the strategy holds the signal: outside auto-requeue no
+  collective is added.
 - The count is combined by MAX: a rank whose copy of the signal arrives after the save (a late copy) does not start a
   second one, and a signal that reaches one rank only is enough for all of them.
 - ``save_checkpoint`` called while a step is in flight (:meth:`Preemption.in_flight`: a step method, backward, an
   optimizer step, a save) is recorded and returns; it runs at the next boundary, on every rank: with the agreement,
   the request of the lowest rank that made one is broadcast; without it, every rank must have asked, as for any save.
-- ``SIGTERM`` during a save is held until the save is over on this rank, then given to the handler that was there
-  (Lightning's: the loop stops at the next batch), so a save is never cut by the handler's own collectives.
+- ``SIGTERM`` (SLURM sends it at the time limit, on ``scancel``, and right after ``scontrol requeue``) is counted in
+  the same way while the strategy holds the requeue signal, and exchanged in the same all-reduce: at the boundary
+  every rank runs Lightning's SIGTERM handler at once (it broadcasts a flag from rank 0 inside the handler; run
+  wherever a rank happens to be, that broadcast meets other collectives and the ranks wait for each other until
+  SIGKILL), and the loop stops at the end of the batch. Outside auto-requeue, a SIGTERM during a save is held until
+  the save is over, so a save is never cut by the handler's collectives.
 """
 
 from __future__ import annotations
@@ -69,6 +75,9 @@ class Preemption:
         self.handled = 0  # the most any rank had received at the last boundary: those are answered
         self.requeueing = False
         self.saved: tuple[str, int] | None = None  # the last requeue checkpoint of this run: path, global step
+        self.terminate: Callable[[int, Any], None] | None = None  # Lightning's SIGTERM handler, while held
+        self.terms = 0  # SIGTERMs this rank received while the strategy held the signal
+        self.terms_handled = 0
 
     # ------------------------------------------------------------------ in flight
     @property
@@ -119,23 +128,33 @@ class Preemption:
     # ------------------------------------------------------------------ the signal
     def take_over(self, signum: int | None) -> None:
         """If Lightning's auto-requeue handler is installed for ``signum``, puts a handler in its place that only
-        counts the signal. Idempotent."""
+        counts the signal, and does the same for SIGTERM: Lightning's SIGTERM handler broadcasts a flag from rank 0
+        inside the handler, which meets whatever collective the other ranks are in (seen: ranks 1-3 waiting in that
+        broadcast while rank 0 waited in a step's all-reduce, until SIGKILL). Idempotent."""
         if self.requeue is not None or signum is None or not _main_thread():
             return
         handler = requeue_handler(signum)
         if handler is None:
             return
         self.requeue, self.signum = handler, signum
-        self.received = self.handled = 0
+        self.received = self.handled = self.terms = self.terms_handled = 0
         self.saved = None
         signal.signal(signum, self._count)
+        terminate = signal.getsignal(signal.SIGTERM)
+        if callable(terminate):
+            self.terminate = terminate
+            signal.signal(signal.SIGTERM, self._count_term)
 
+    # nothing else in these two: a signal handler runs in the middle of whatever this rank was doing (logging included)
     def _count(self, signum: int, frame: Any) -> None:
-        # nothing else here: a signal handler runs in the middle of whatever this rank was doing (logging included)
         self.received += 1
 
+    def _count_term(self, signum: int, frame: Any) -> None:
+        self.terms += 1
+
     def release(self) -> None:
-        """Puts Lightning's handler back (teardown); Lightning then restores what was there before the run."""
+        """Puts Lightning's handlers back (teardown; Lightning then restores what was there before the run), and gives
+        Lightning's SIGTERM handler a SIGTERM that arrived after the last boundary."""
         if self.requeue is None:
             return
         assert self.signum is not None
@@ -146,23 +165,41 @@ class Preemption:
                 f"ZeroPPStrategy: the requeue signal ({signal.Signals(self.signum).name}) arrived after the run's last"
                 " step boundary; no checkpoint was saved for it and the job was not requeued."
             )
+        terminate, self.terminate = self.terminate, None
+        if terminate is not None:
+            if _main_thread() and signal.getsignal(signal.SIGTERM) == self._count_term:
+                signal.signal(signal.SIGTERM, terminate)
+            if self.terms > self.terms_handled:
+                terminate(signal.SIGTERM, None)
         self.requeue = self.signum = None
         self.deferred.clear()
 
     # ------------------------------------------------------------------ boundaries
-    def boundary(self, trainer: pl.Trainer, exchange: Exchange, broadcast: Broadcast, world_size: int, rank: int):
+    def boundary(
+        self,
+        trainer: pl.Trainer,
+        exchange: Exchange,
+        broadcast: Broadcast,
+        world_size: int,
+        rank: int,
+        saves: bool = True,
+    ) -> None:
         """Every rank is between steps: run the saves asked for during the step and, if a requeue signal arrived on
-        any rank, Lightning's requeue handler (save, then ``scontrol requeue``). Collective while the strategy holds
-        the signal."""
+        any rank, Lightning's requeue handler (save, then ``scontrol requeue``); then, if a SIGTERM arrived on any
+        rank, Lightning's SIGTERM handler. Collective while the strategy holds the signal. ``saves=False`` (between
+        the batches of a validation run inside ``fit``): SIGTERM only, the saves wait for the validation's end."""
         if self.busy:
             return
-        requests, self.deferred = self.deferred, []
-        answer = False
+        requests, answer, terms = [], False, 0
+        if saves:
+            requests, self.deferred = self.deferred, []
         if self.requeue is not None:
-            signals, asked = exchange([self.received, world_size - rank if requests else 0])
+            signals, asked, terms = exchange(
+                [self.received if saves else 0, world_size - rank if requests else 0, self.terms]
+            )
             if asked:
                 requests = broadcast(requests, world_size - asked)
-            answer = signals > self.handled
+            answer = saves and signals > self.handled
             self.handled = max(self.handled, signals)
         for path, weights_only in requests:
             trainer.save_checkpoint(path, weights_only=weights_only)
@@ -177,6 +214,13 @@ class Preemption:
                 self.requeue(self.signum, None)
             finally:
                 self.requeueing = False
+            # `scontrol requeue` makes SLURM send SIGTERM at once, often before the next boundary: look again now
+            terms = exchange([0, 0, self.terms])[2]
+        if terms > self.terms_handled and self.terminate is not None:
+            # every rank at once: Lightning's handler (its broadcast included) sets `trainer.received_sigterm`, and
+            # the loop stops at the end of this batch on every rank
+            self.terms_handled = terms
+            self.terminate(signal.SIGTERM, None)
 
     def record_save(self, path: str, global_step: int) -> None:
         if self.requeueing:
@@ -202,7 +246,7 @@ class Preemption:
 class Boundaries(Callback):
     """Calls ``boundary()`` of the strategy where every rank is between steps (see the module's docstring)."""
 
-    def __init__(self, boundary: Callable[[pl.Trainer], None], preemption: Preemption) -> None:
+    def __init__(self, boundary: Callable[..., None], preemption: Preemption) -> None:
         self.boundary = boundary
         self.preemption = preemption
 
@@ -221,6 +265,8 @@ class Boundaries(Callback):
     def _evaluation_batch_end(self, trainer: pl.Trainer) -> None:
         if trainer.state.fn != TrainerFn.FITTING:
             self.boundary(trainer)
+        elif not trainer.sanity_checking:  # inside fit: SIGTERM only (Lightning stops after any validation batch)
+            self.boundary(trainer, saves=False)
 
     def on_validation_batch_end(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
         self._evaluation_batch_end(trainer)

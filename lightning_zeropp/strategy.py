@@ -228,13 +228,14 @@ class ZeroPPStrategy(FrontDoor, ModelParallelBase):
         if isinstance(env, SLURMEnvironment) and env.auto_requeue:
             self._preemption.take_over(env.requeue_signal)
 
-    def _at_boundary(self, trainer: pl.Trainer) -> None:
+    def _at_boundary(self, trainer: pl.Trainer, saves: bool = True) -> None:
         self._preemption.boundary(
             trainer,
             lambda values: self._core.agree_max(values, self.root_device),
             self._core.broadcast_object,
             self.world_size,
             self.global_rank,
+            saves,
         )
 
     @override

@@ -1,7 +1,7 @@
 """The rules of :mod:`lightning_zeropp.preemption`, on simulated ranks in one process (no collectives): which boundary
 answers a requeue signal, that a late copy of the signal starts no second save, whose save request every rank runs,
-what the barrier after a deferred save does, and SIGTERM held during a save. ``tests/test_preemption.py`` runs them
-on real ranks."""
+what the barrier after a deferred save does, SIGTERM answered on every rank at once, and SIGTERM held during a save.
+``tests/test_preemption.py`` runs them on real ranks."""
 
 from __future__ import annotations
 
@@ -23,14 +23,15 @@ class FakeTrainer:
 
     def __init__(self) -> None:
         self.saved: list[tuple[str, bool]] = []
+        self.terms = 0
 
     def save_checkpoint(self, path: str, weights_only: bool = False) -> None:
         self.saved.append((path, weights_only))
 
 
 def _job(holding: bool = True) -> tuple[list[Preemption], list[FakeTrainer], list[int]]:
-    """``WORLD`` ranks' Preemption objects; with ``holding``, each holds the requeue signal with a fake requeue
-    handler that counts its calls per rank."""
+    """``WORLD`` ranks' Preemption objects; with ``holding``, each holds the requeue signal and SIGTERM with fake
+    handlers: the requeue handler saves and counts its calls per rank, the SIGTERM one counts into ``trainer.terms``."""
     ranks = [Preemption() for _ in range(WORLD)]
     trainers = [FakeTrainer() for _ in range(WORLD)]
     requeued = [0] * WORLD
@@ -43,23 +44,28 @@ def _job(holding: bool = True) -> tuple[list[Preemption], list[FakeTrainer], lis
                 requeued[r] += 1
 
             p.requeue = requeue
+            p.terminate = lambda signum, frame, t=trainers[r]: setattr(t, "terms", t.terms + 1)
     return ranks, trainers, requeued
 
 
-def _boundary(ranks: list[Preemption], trainers: list[FakeTrainer]) -> int:
-    """Every rank reaches a boundary; the exchange is the MAX over ranks, as the all-reduce computes it. Returns how
-    many exchanges each rank made."""
-    sent = [[p.received, WORLD - r if p.deferred else 0] for r, p in enumerate(ranks)]
+def _boundary(ranks: list[Preemption], trainers: list[FakeTrainer], saves: bool = True) -> int:
+    """Every rank reaches a boundary; each exchange is the MAX over ranks, as the all-reduce computes it (the ranks
+    run one after the other here, so every exchange sees the values of before the boundary). Returns how many
+    exchanges rank 0 made."""
+    sent = [
+        [p.received if saves else 0, WORLD - r if p.deferred and saves else 0, p.terms] for r, p in enumerate(ranks)
+    ]
     agreed = [max(column) for column in zip(*sent)]
     lists = [list(p.deferred) for p in ranks]
-    calls = [0]
-
-    def exchange(values):
-        calls[0] += 1
-        return agreed
-
+    calls = [0] * WORLD
     for r, p in enumerate(ranks):
-        p.boundary(trainers[r], exchange, lambda obj, src: lists[src], WORLD, r)
+
+        def exchange(values, r=r):
+            calls[r] += 1
+            return agreed
+
+        p.boundary(trainers[r], exchange, lambda obj, src: lists[src], WORLD, r, saves)
+    assert len(set(calls)) == 1, f"the ranks made different numbers of exchanges: {calls}"
     return calls[0]
 
 
@@ -119,6 +125,42 @@ def test_no_boundary_inside_a_step_and_only_the_save_barrier_is_skipped():
         ranks[0].defer("x.ckpt", False)
     assert not ranks[0].skips(SAVE_CHECKPOINT_BARRIER), "skipped a barrier outside a step"
     assert requeued == [0] * WORLD
+
+
+def test_sigterm_on_one_rank_reaches_every_rank_at_the_boundary_after_the_requeue():
+    ranks, trainers, requeued = _job()
+    ranks[1].terms += 1
+    assert _boundary(ranks, trainers) == 1
+    assert [t.terms for t in trainers] == [1] * WORLD and requeued == [0] * WORLD
+    ranks[0].received += 1
+    ranks[3].terms += 1  # SLURM's SIGTERM after the requeue: looked for again right after it, one more exchange
+    assert _boundary(ranks, trainers) == 2
+    assert requeued == [1] * WORLD and [t.terms for t in trainers] == [1] * WORLD  # the same count: answered
+    ranks[2].terms += 2
+    _boundary(ranks, trainers)
+    assert [t.terms for t in trainers] == [2] * WORLD
+
+
+def test_between_validation_batches_only_sigterm_is_answered():
+    ranks, trainers, requeued = _job()
+    ranks[0].received += 1
+    with ranks[2].in_flight():
+        ranks[2].defer("asked.ckpt", weights_only=False)
+    ranks[2].terms += 1
+    _boundary(ranks, trainers, saves=False)
+    assert [t.terms for t in trainers] == [1] * WORLD
+    assert requeued == [0] * WORLD and [t.saved for t in trainers] == [[]] * WORLD, "saved inside a validation run"
+    _boundary(ranks, trainers)  # the validation run's end
+    assert requeued == [1] * WORLD
+    assert [t.saved for t in trainers] == [[("asked.ckpt", False), ("hpc_ckpt_1.ckpt", False)]] * WORLD
+
+
+def test_release_gives_a_late_sigterm_to_lightnings_handler():
+    ranks, trainers, _ = _job()
+    ranks[0].terms += 1
+    for p in ranks:
+        p.release()
+    assert [t.terms for t in trainers] == [1, 0, 0, 0]
 
 
 def test_take_over_leaves_a_handler_of_the_users_alone():
