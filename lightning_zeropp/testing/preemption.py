@@ -8,7 +8,9 @@ reference), with ``SIGUSR1`` raised inside a chosen point of a chosen step (:cla
 (``ckpt_path=None``: under SLURM, Lightning picks the newest ``hpc_ckpt_N.ckpt``, as a requeued job does).
 
 The data are one batch per epoch, chosen by the epoch (:class:`EpochBatch`): a resume continues with the right batch
-at any step, with no data loader state to restore.
+at any step, with no data loader state to restore. :func:`killed_save_worker` and :func:`resume_worker` kill every
+rank inside a requeue save and resume after it; :func:`srun_task` is one task of a real ``srun`` job step
+(``python -m lightning_zeropp.testing.preemption ROOT INIT DATA STEPS PAUSE TIMEOUT``, ``tests/test_slurm.py``).
 """
 
 from __future__ import annotations
@@ -82,8 +84,8 @@ CASES: dict[str, tuple[int, int]] = {
     # rank 1 alone calls trainer.save_checkpoint inside backward (as a signal handler of the user's would): the save
     # waits for the boundary, where the request is broadcast and every rank saves
     "save_in_step": (1, 2),
-    # SIGUSR1 in the forward of step 1, then SIGTERM inside the requeue save on every rank: the save completes, the
-    # run stops at the next batch and says what happened
+    # SIGUSR1 in the forward of step 1, then SIGTERM inside the requeue save on every rank: the save completes, then
+    # the run stops at the end of that batch and says what happened
     "sigterm_during_save": (1, 2),
 }
 _EVERY_SECOND_STEP = ("validation", "checkpoint_save")
