@@ -194,3 +194,32 @@ def test_temporary_names_hold_no_checkpoint_number():
     for name in ("hpc_ckpt_12.ckpt", "last.ckpt", "a%5Fb_c.ckpt", "epoch=0-step=3.ckpt"):
         tmp = temporary_name(Path("/x") / name).name
         assert "_" not in tmp and target_name(tmp) == name, (name, tmp)
+
+
+def test_boundaries_after_an_optimizer_step_not_between_micro_batches():
+    """With gradient accumulation only the batch that steps the optimizer ends at a boundary; inside fit, a validation
+    batch is a boundary for SIGTERM only, and sanity checking is none."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    from lightning_zeropp.preemption import Boundaries
+
+    calls = []
+    p = Preemption()
+    hooks = Boundaries(lambda trainer, saves=True: calls.append(saves), p)
+    fitting = SimpleNamespace(optimizers=[object()], state=SimpleNamespace(fn=TrainerFn.FITTING), sanity_checking=False)
+    hooks.on_train_batch_end(fitting, None, None, None, 0)  # a micro-batch that accumulated
+    assert calls == []
+    p.stepped = True
+    hooks.on_train_batch_end(fitting, None, None, None, 1)
+    assert calls == [True] and not p.stepped
+    hooks.on_validation_batch_end(fitting, None, None, None, 0)
+    hooks.on_validation_end(fitting, None)
+    assert calls == [True, False, True]
+    sanity = SimpleNamespace(**{**vars(fitting), "sanity_checking": True})
+    hooks.on_validation_batch_end(sanity, None, None, None, 0)
+    hooks.on_validation_end(sanity, None)
+    testing = SimpleNamespace(optimizers=[], state=SimpleNamespace(fn=TrainerFn.TESTING), sanity_checking=False)
+    hooks.on_test_batch_end(testing, None, None, None, 0)
+    assert calls == [True, False, True, True]
