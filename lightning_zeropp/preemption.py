@@ -32,8 +32,8 @@ using (``aten.addmm.default got mixed torch.Tensor and DTensor``).
   the same way while the strategy holds the requeue signal, and exchanged in the same all-reduce: at the boundary
   every rank runs Lightning's SIGTERM handler at once (it broadcasts a flag from rank 0 inside the handler; run
   wherever a rank happens to be, that broadcast meets other collectives and the ranks wait for each other until
-  SIGKILL), and the loop stops at the end of the batch. Outside auto-requeue, a SIGTERM during a save is held until
-  the save is over, so a save is never cut by the handler's collectives.
+  SIGKILL), and the loop stops at the end of the batch. A SIGTERM during a save is held until the save is over, then
+  given to the handler that was there (outside auto-requeue: Lightning's), so a save is never cut by its collectives.
 """
 
 from __future__ import annotations
