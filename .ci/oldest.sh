@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The oldest dependencies pyproject.toml allows (torch 2.9.0, Lightning 2.6.0, and the triton torch 2.9 ships), in a
 # virtual environment of their own, running the tests that touch what changes between versions: the compat layer,
-# FSDP2's hooks, the strategy's lifecycle and steps, checkpoints, qgZ, the kernels (interpreted).
+# FSDP2's hooks, the strategy's lifecycle and steps, checkpoints, preemption (Lightning's SLURM signal handler), qgZ,
+# the kernels (interpreted).
 # PyPI's torch 2.9.0 for Linux x86-64 is the CUDA build (it runs on the CPU): about 4 GB to download, 7 GB on disk.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,4 +23,5 @@ PY
     tests/test_private_api.py tests/test_config.py tests/test_step_hooks.py tests/test_zero3.py \
     tests/test_checkpoint.py tests/test_checkpoint_paths.py tests/test_checkpoint_errors.py tests/test_reliability.py \
     tests/test_qgz.py tests/test_kernels.py tests/test_fabric.py tests/test_weight_deltas.py \
-    tests/test_big_model.py tests/test_lightning_contract.py tests/test_fabric_contract.py
+    tests/test_big_model.py tests/test_lightning_contract.py tests/test_fabric_contract.py \
+    tests/test_preemption.py tests/test_preemption_rules.py

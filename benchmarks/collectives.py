@@ -3,7 +3,8 @@
 Calls the strategy's own functions (``exact_reduce_scatter``, ``qgz.quantized_reduce_scatter``, the exact
 all-gather, ``qwz.quantized_all_gather`` and the weight deltas' exchange and node-copy gather) on a bf16 buffer the size
 of one unit, ``--reps`` times, and reports the mean per call on rank 0 (ranks synchronise before and after). On
-loopback this measures the CPU cost the quantizers add; bytes are not the bottleneck here.
+loopback this measures the CPU cost the quantizers add; bytes are not the bottleneck here. Also the one collective the
+strategy adds per step boundary under SLURM auto-requeue (24 bytes; ``100 x --reps`` calls).
 
     python benchmarks/collectives.py [--params 800000] [--world 4] [--per-node 2] [--json PATH]
 """
@@ -65,16 +66,26 @@ def _worker(rank: int, world: int, per_node: int, params: int, reps: int) -> dic
         ),
         "weight deltas: INT4 delta exchange alone": lambda: deltas._send_delta(copy, shard, unit, groups),
         "weight deltas: node-copy gather alone (nothing changed)": lambda: all_gather_flat(gathered, copy.slice, hpz),
+        # what the strategy adds per step boundary under SLURM auto-requeue (lightning_zeropp/preemption.py)
+        "preemption agreement: all-reduce MAX of 3 int64": lambda: dist.all_reduce(
+            torch.zeros(3, dtype=torch.int64), op=dist.ReduceOp.MAX, group=groups.world
+        ),
     }
+    # for comparison: what Lightning's training loop already does at every batch of a multi-rank run
+    cases["Lightning's SIGTERM flag: broadcast of 1 int64 (every batch, any strategy)"] = lambda: dist.broadcast(
+        torch.zeros(1, dtype=torch.int64), src=0
+    )
+    many = {name: 100 for name in list(cases)[-2:]}  # tiny: more calls for a stable mean
     times = {}
     for name, call in cases.items():
         call()
         dist.barrier()
+        calls = reps * many.get(name, 1)
         start = time.perf_counter()
-        for _ in range(reps):
+        for _ in range(calls):
             call()
         dist.barrier()
-        times[name] = (time.perf_counter() - start) / reps
+        times[name] = (time.perf_counter() - start) / calls
     dist.destroy_process_group()
     return times
 
@@ -94,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{args.params} parameters, {args.world} ranks as {args.world // args.per_node} nodes x {args.per_node}")
     print("| collective | ms per call |\n|---|---|")
     for name, seconds in times.items():
-        print(f"| {name} | {seconds * 1e3:.1f} |")
+        print(f"| {name} | {seconds * 1e3:.1f} |" if seconds >= 1e-3 else f"| {name} | {seconds * 1e3:.3f} |")
     if args.json:
         args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "seconds": times}, indent=2))
 

@@ -35,7 +35,15 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from .checkpoint_files import check_replaceable, recover, remove, replace_atomically, save_full, temporary_name
+from .checkpoint_files import (
+    check_replaceable,
+    interrupted_saves,
+    recover,
+    remove,
+    replace_atomically,
+    save_full,
+    temporary_name,
+)
 from .collectives import agree_or_raise
 from .compat.lightning import METADATA_FILENAME
 
@@ -561,6 +569,12 @@ def load(
     ``restore(state, path)``)."""
     path = Path(ranks.broadcast(filepath))
     agree_or_raise(_attempt(lambda: recover(path)) if ranks.is_global_zero else None)
+    if ranks.is_global_zero and (unfinished := interrupted_saves(path.parent, path)):
+        rank_zero_warn(
+            f"ZeroPPStrategy: loading {path}. Next to it, the save of {', '.join(unfinished)} is incomplete: a process"
+            " was killed while saving (for example by SIGKILL at the end of SLURM's grace period), or a save is still"
+            " running. An incomplete save never replaces a checkpoint; the next save to that name removes it."
+        )
     problem: Exception | None = None
     try:
         if not os.path.lexists(path):  # a filesystem of this node's own: repair its copy too

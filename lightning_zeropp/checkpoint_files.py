@@ -1,11 +1,12 @@
 """Checkpoint files on disk: temporary names, swapping a finished checkpoint into place, recognising a checkpoint,
 and repairing what a killed save left behind.
 
-A save writes ``.<name>.partial-*`` next to the target and swaps it in with one ``renameat2(RENAME_EXCHANGE)`` where
-the system has it; elsewhere the previous checkpoint is moved aside (``.<name>.old-*``) first, and a process killed
-between the two renames leaves the path empty until :func:`recover` (run before every save and load) puts the newest
-complete checkpoint back. Only a checkpoint, an empty file or (sharded) an empty folder is ever replaced
-(:func:`check_replaceable`); nothing else at the path is deleted.
+A save writes ``.<name>.partial-*`` next to the target (``<name>`` with ``_`` written ``%5F``, so that Lightning's
+search for ``hpc_ckpt_N`` never reads a temporary as a checkpoint) and swaps it in with one
+``renameat2(RENAME_EXCHANGE)`` where the system has it; elsewhere the previous checkpoint is moved aside
+(``.<name>.old-*``) first, and a process killed between the two renames leaves the path empty until :func:`recover`
+(run before every save and load) puts the newest complete checkpoint back. Only a checkpoint, an empty file or
+(sharded) an empty folder is ever replaced (:func:`check_replaceable`); nothing else at the path is deleted.
 """
 
 from __future__ import annotations
@@ -20,18 +21,39 @@ import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from .compat.lightning import METADATA_FILENAME
 
 
+def _stem(path: Path) -> str:
+    """The hidden prefix of ``path``'s temporaries: ``.<name>`` with ``%`` and ``_`` percent-encoded.
+
+    Lightning finds the newest ``hpc_ckpt_N.ckpt`` (the SLURM requeue checkpoint) by reading the digits after
+    ``hpc_ckpt_`` (or ``ckpt_``) in every name of the folder, hidden ones included: a temporary named
+    ``.hpc_ckpt_3.ckpt.partial-ab12cd34`` left by a killed save would read as checkpoint 31234, which does not exist,
+    and the requeued job would fail to resume. Without ``_`` a temporary never matches; the encoding is one-to-one.
+    """
+    return "." + path.name.replace("%", "%25").replace("_", "%5F")
+
+
+def target_name(temporary: str) -> str | None:
+    """The name of the checkpoint a temporary (``.<name>.partial-*`` or ``.<name>.old-*``) belongs to, else None."""
+    for kind in (".partial-", ".old-"):
+        stem, found, _ = temporary.rpartition(kind)
+        if found and stem.startswith(".") and "_" not in stem:
+            return unquote(stem[1:])
+    return None
+
+
 def temporary_name(path: Path) -> Path:
-    return path.with_name(f".{path.name}.partial-{uuid.uuid4().hex[:8]}")
+    return path.with_name(f"{_stem(path)}.partial-{uuid.uuid4().hex[:8]}")
 
 
 def _aside_name(path: Path) -> Path:
-    return path.with_name(f".{path.name}.old-{uuid.uuid4().hex[:8]}")
+    return path.with_name(f"{_stem(path)}.old-{uuid.uuid4().hex[:8]}")
 
 
 _RENAME_EXCHANGE = 2
@@ -144,7 +166,7 @@ def _temporaries(path: Path) -> list[Path]:
     found = [
         p
         for p in path.parent.iterdir()
-        if p.name.startswith(f".{path.name}.partial-") or p.name.startswith(f".{path.name}.old-")
+        if p.name.startswith(f"{_stem(path)}.partial-") or p.name.startswith(f"{_stem(path)}.old-")
     ]
     return sorted(found, key=lambda p: p.lstat().st_mtime_ns, reverse=True)
 
@@ -174,6 +196,19 @@ def recover(path: Path) -> list[str]:
     if done:
         rank_zero_warn(f"ZeroPPStrategy: an earlier save to {path} was interrupted; " + "; ".join(done) + ".")
     return done
+
+
+def interrupted_saves(folder: Path, other_than: Path) -> list[str]:
+    """Names of the checkpoints in ``folder`` (``other_than`` excepted) whose save was killed before it was complete:
+    an incomplete ``.<name>.partial-*`` is there. The next save to that name, or load from it, removes it."""
+    if not folder.is_dir():
+        return []
+    found = set()
+    for p in folder.iterdir():
+        name = target_name(p.name)
+        if name is not None and name != other_than.name and ".partial-" in p.name and not is_checkpoint(p):
+            found.add(name)
+    return sorted(found)
 
 
 def remove(path: Path) -> None:

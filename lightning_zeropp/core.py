@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins.environments import ClusterEnvironment, SLURMEnvironment
 from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation, rank_zero_warn
 from torch import nn
@@ -31,6 +32,7 @@ from .comm import ZeroPPComms
 from .config import CpuOffload, ModuleSelection, StateDictType, ZeroPPConfig, check_strategy_arguments, offloads
 from .ledger import CommLedger
 from .materialize import materialize_meta_tensors
+from .preemption import Preemption
 from .sharding import apply_zeropp, refuse_fsdp1
 from .topology import ProcessGroups, Topology, check_launch
 
@@ -179,6 +181,24 @@ class ZeroPPCore:
         if self._comms is not None:
             self._comms.optimizer_stepped()
 
+    def agree_max(self, values: list[int], device: torch.device) -> list[int]:
+        """The largest of every rank's ``values``, element by element: one all-reduce (MAX) of int64 on the
+        strategy's world group (its ``timeout`` applies), recorded in the ledger as ``preemption_agreement``."""
+        if self._comms is None or self.topology.world_size == 1:
+            return list(values)
+        flags = torch.tensor(values, dtype=torch.int64, device=device)
+        self.ledger.record_all_gather("preemption_agreement", list(range(self.topology.world_size)), 8 * len(values))
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._comms.groups.world)
+        return [int(v) for v in flags.tolist()]
+
+    def broadcast_object(self, obj: Any, src: int) -> Any:
+        """``obj`` of rank ``src`` on every rank (on the strategy's world group)."""
+        if self._comms is None or self.topology.world_size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, group=self._comms.groups.world)
+        return box[0]
+
     # ------------------------------------------------------------------ sharding
     @property
     def reshard_after_forward(self) -> bool | int:
@@ -316,6 +336,7 @@ class FrontDoor:
 
     front_door: str
     _core: ZeroPPCore
+    _preemption: Preemption
 
     @property
     def zeropp_config(self) -> ZeroPPConfig:
@@ -377,6 +398,12 @@ class FrontDoor:
         With weight deltas, the weights are checked right before the update (after the closure, which runs the
         forward and backward, if there is one) and right after it, so that only the step's own changes are sent as
         deltas."""
+        with self._preemption.in_flight():  # a save asked for meanwhile waits for the step boundary
+            output = self._run_optimizer_step(optimizer, *args, **kwargs)
+        self._preemption.stepped = True
+        return output
+
+    def _run_optimizer_step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         comms = self._core.comms
         if comms is None or comms.deltas is None:
             output = super().optimizer_step(optimizer, *args, **kwargs)  # type: ignore[misc]

@@ -44,6 +44,7 @@ from .checkpoint import (
 from .checkpoint_files import is_checkpoint_file
 from .compat.lightning import FabricModelParallelBase
 from .core import FrontDoor, ZeroPPCore, bind_arguments, is_sharded, register_names, reshard
+from .preemption import Preemption
 
 __all__ = ["ZeroPPStrategy"]
 
@@ -100,6 +101,7 @@ class ZeroPPStrategy(FrontDoor, FabricModelParallelBase):
             timeout=core.timeout,
         )
         self._core = core
+        self._preemption = Preemption()
         self._user_parallelize = parallelize_fn
         # id of a parameter before sharding -> (it, the sharded parameter that replaced it), both weakly held
         self._before_sharding: dict[int, tuple[weakref.ref, weakref.ref | None]] = {}
@@ -181,6 +183,11 @@ class ZeroPPStrategy(FrontDoor, FabricModelParallelBase):
         norm = super().clip_gradients_norm(module, optimizer, max_norm, norm_type, error_if_nonfinite)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
+    @override
+    def backward(self, tensor: torch.Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
+        with self._preemption.in_flight():
+            super().backward(tensor, module, *args, **kwargs)
+
     # ------------------------------------------------------------------ checkpoints
     @override
     def save_checkpoint(
@@ -193,28 +200,41 @@ class ZeroPPStrategy(FrontDoor, FabricModelParallelBase):
         """Writes the model, the optimizers and the rest of ``state`` under a temporary name renamed into place when
         complete. A sharded folder (default) in the Trainer strategy's layout, so that it resumes in either front
         door; a full file (``state_dict_type="full"``) under the state's own keys, as a plain ``Fabric`` writes it
-        (optimizer states keyed by parameter index), so that a plain ``Fabric`` (one device, DDP) loads it."""
+        (optimizer states keyed by parameter index), so that a plain ``Fabric`` (one device, DDP) loads it. Refused
+        during a backward, an optimizer step or another save (from a signal handler): the loop has no step boundary
+        the save could wait for, and reading the state then would reshard weights the step is using."""
+        if storage_options is not None:
+            raise TypeError(
+                "ZeroPPStrategy.save_checkpoint(..., storage_options=...) is not supported: the strategy writes the"
+                " checkpoint itself (a sharded folder or one file), not through a CheckpointIO plugin."
+            )
+        if self._preemption.busy:
+            raise RuntimeError(
+                f"ZeroPPStrategy: fabric.save({str(path)!r}, ...) was called while a backward, an optimizer step or a"
+                " save of the sharded model is running (from a signal handler?). Save between steps: let the handler"
+                " set a flag, and call fabric.save after optimizer.step() when it is set, on every rank."
+            )
+        if filter is not None and self.state_dict_type == "sharded":
+            raise NotImplementedError(
+                "ZeroPPStrategy: `fabric.save(..., filter=...)` needs `state_dict_type='full'`: a sharded checkpoint"
+                " must hold every tensor of the model and optimizers to load on another world size."
+            )
+        with self._preemption.saving():
+            self._write_checkpoint(path, state, filter or {})
+
+    def _write_checkpoint(
+        self, path: str | os.PathLike, state: dict[str, Any], filters: dict[str, Callable[[str, Any], bool]]
+    ) -> None:
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_model_state_dict,
             get_optimizer_state_dict,
         )
 
-        if storage_options is not None:
-            raise TypeError(
-                "ZeroPPStrategy.save_checkpoint(..., storage_options=...) is not supported: the strategy writes the"
-                " checkpoint itself (a sharded folder or one file), not through a CheckpointIO plugin."
-            )
         full = self.state_dict_type == "full"
-        if filter is not None and not full:
-            raise NotImplementedError(
-                "ZeroPPStrategy: `fabric.save(..., filter=...)` needs `state_dict_type='full'`: a sharded checkpoint"
-                " must hold every tensor of the model and optimizers to load on another world size."
-            )
         module_key, module, optimizers = _split_state(state, "save")
         schedulers = _schedulers(state)
         options = StateDictOptions(full_state_dict=full, cpu_offload=True)
-        filters = filter or {}
         model_state = _filtered(module_key, filters, get_model_state_dict(module, options=options))
         optimizer_states = []
         for key, optimizer in optimizers:

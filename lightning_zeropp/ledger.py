@@ -29,6 +29,7 @@ KINDS = (
     "weight_delta_refresh",  # weight_deltas: a shard itself, exact, to the same holders (first step, refreshes)
     "weight_all_gather_node_copy",  # weight_deltas: forward, the node copy's slices (inside the hpZ group)
     "weight_delta_agreement",  # weight_deltas: one byte per unit per forward, so every rank does the same
+    "preemption_agreement",  # SLURM auto-requeue: 24 bytes per step boundary, so every rank saves at the same one
 )
 
 

@@ -10,9 +10,12 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -32,6 +35,7 @@ from .config import (
     StateDictType,
 )
 from .core import SUPPORTED_PRECISIONS, FrontDoor, ZeroPPCore, register_names, reshard
+from .preemption import Boundaries, Preemption
 
 __all__ = ["SUPPORTED_PRECISIONS", "ZeroPPStrategy"]
 
@@ -166,6 +170,9 @@ class ZeroPPStrategy(FrontDoor, ModelParallelBase):
             timeout=timeout,
         )
         self._steps: _StepRedirection | None = None
+        self._preemption = Preemption()
+        self._boundaries = Boundaries(self._at_boundary, self._preemption)
+        self._callbacks_list: list | None = None
 
     # ------------------------------------------------------------------ setup
     @override
@@ -177,6 +184,9 @@ class ZeroPPStrategy(FrontDoor, ModelParallelBase):
         self._core.check_device(str(self.precision_plugin.precision), self.root_device)
         disable_inference_mode(trainer)
         self.base_setup(trainer)  # converts the precision, calls shard_model, then sets up the optimizers
+        if self._boundaries not in trainer.callbacks:  # last: after ModelCheckpoint's saves of the same hook
+            trainer.callbacks.append(self._boundaries)
+        self._callbacks_list = trainer.callbacks
 
     @override
     def shard_model(self, model: nn.Module) -> nn.Module:
@@ -216,26 +226,114 @@ class ZeroPPStrategy(FrontDoor, ModelParallelBase):
         finally:
             self.model.set_requires_gradient_sync(True)
 
+    # ------------------------------------------------------------------ preemption (see lightning_zeropp.preemption)
+    def _take_over_requeue_signal(self) -> None:
+        """Under SLURM auto-requeue, once Lightning has installed its requeue handler: the signal is only counted,
+        and Lightning's handler runs at the next step boundary on every rank."""
+        env = self.cluster_environment
+        if isinstance(env, SLURMEnvironment) and env.auto_requeue:
+            self._preemption.take_over(env.requeue_signal)
+
+    def _at_boundary(self, trainer: pl.Trainer, saves: bool = True) -> None:
+        self._preemption.boundary(
+            trainer,
+            lambda values: self._core.agree_max(values, self.root_device),
+            self._core.broadcast_object,
+            self.world_size,
+            self.global_rank,
+            saves,
+        )
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if self._preemption.skips(name):  # the barrier of a save that waits for the step boundary
+            return
+        # The Trainer's first call once Lightning has installed its signal handlers ("run-stage"): from here on, no
+        # requeue signal reaches Lightning's handler before a boundary.
+        self._take_over_requeue_signal()
+        super().barrier(name)
+
+    @override
+    def on_train_start(self) -> None:
+        self._take_over_requeue_signal()
+
+    @override
+    def on_validation_start(self) -> None:
+        self._take_over_requeue_signal()
+
+    @override
+    def on_test_start(self) -> None:
+        self._take_over_requeue_signal()
+
+    @override
+    def on_predict_start(self) -> None:
+        self._take_over_requeue_signal()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        if isinstance(exception, SIGTERMException):
+            step = self.lightning_module.trainer.global_step if self.lightning_module is not None else 0
+            rank_zero_warn(self._preemption.sigterm_report(step))
+
+    @override
+    def teardown(self) -> None:
+        self._preemption.release()
+        if self._callbacks_list is not None and self._boundaries in self._callbacks_list:
+            self._callbacks_list.remove(self._boundaries)
+        self._callbacks_list = None
+        super().teardown()
+
     # ------------------------------------------------------------------ checkpoints
     @override
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: str | os.PathLike, storage_options: Any | None = None
     ) -> None:
         """Writes to a temporary name and renames it into place when complete, so an interrupted save never
-        damages the checkpoint already at ``filepath``."""
+        damages the checkpoint already at ``filepath``.
+
+        Called while a step is in flight (from a signal handler, or a hook inside the step), the save is recorded
+        and runs at the next step boundary on every rank: the ranks are at different points of their step, and the
+        save would reshard weights the step is using. A SIGTERM during the save is held until it is over.
+        """
         if storage_options is not None:
             raise TypeError(
                 "ZeroPPStrategy.save_checkpoint(..., storage_options=...) is not supported: the strategy writes the"
                 " checkpoint itself (a sharded folder or one file), not through a CheckpointIO plugin."
             )
-        self._core.save(self, checkpoint, filepath, self.checkpoint_io.save_checkpoint)
+        if self._preemption.busy:
+            self._preemption.defer(str(filepath), weights_only="optimizer_states" not in checkpoint)
+            return
+        step = int(checkpoint.get("global_step", 0))
+        with self._preemption.saving() as held:
+            try:
+                self._core.save(self, checkpoint, filepath, self.checkpoint_io.save_checkpoint)
+            except Exception as err:
+                if not held:
+                    raise
+                raise RuntimeError(
+                    f"ZeroPPStrategy: SIGTERM arrived while saving {filepath} (SLURM sends it at the time limit, on"
+                    f" scancel and after `scontrol requeue`), and the save failed: {err}"
+                ) from err
+        self._preemption.record_save(str(filepath), step)
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The model's state (sharded, or full on rank 0); empty while a step is in flight: reading it would reshard
+        the weights under the running step (a save asked for then is collected again at the step boundary)."""
+        if self._preemption.busy:
+            return {}
+        return super().lightning_module_state_dict()
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """The optimizer's state as the checkpoint stores it: this rank's shards (sharded), or on rank 0 the whole
         state keyed by parameter index as an unsharded optimizer's ``state_dict()`` is (full; numbered in the order
-        of the param groups, so that DDP or one device loads it, whatever the order of the groups)."""
+        of the param groups, so that DDP or one device loads it, whatever the order of the groups). Empty while a
+        step is in flight (see :meth:`lightning_module_state_dict`)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        if self._preemption.busy:
+            return {}
 
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer.optimizer
@@ -259,7 +357,13 @@ class ZeroPPStrategy(FrontDoor, ModelParallelBase):
     # the root's own parameters). Always route the steps through ``forward`` (see ``_StepRedirection``).
     def _step(self, method_name: str, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         assert self._steps is not None and self.lightning_module is not None
-        return self._steps.run(self.lightning_module, method_name, *args, **kwargs)
+        with self._preemption.in_flight():
+            return self._steps.run(self.lightning_module, method_name, *args, **kwargs)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        with self._preemption.in_flight():  # outside an optimizer step on the micro-batches of an accumulation
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:

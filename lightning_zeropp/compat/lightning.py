@@ -7,7 +7,8 @@ strategy itself is written against this module's names only.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import signal
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -26,6 +27,7 @@ from lightning.fabric.strategies.strategy import _BackwardSyncControl  # noqa: E
 from lightning.fabric.utilities.load import _METADATA_FILENAME  # noqa: E402
 from lightning.fabric.utilities.optimizer import _optimizers_to_device  # noqa: E402
 from lightning.pytorch.strategies.strategy import _ForwardRedirection  # noqa: E402
+from lightning.pytorch.trainer.connectors.signal_connector import _HandlersCompose, _SignalConnector  # noqa: E402
 
 require(
     hasattr(ModelParallelStrategy, "_setup_distributed"),
@@ -37,6 +39,15 @@ require(
 METADATA_FILENAME: str = _METADATA_FILENAME
 
 require(
+    hasattr(_SignalConnector, "_slurm_sigusr_handler_fn") and hasattr(_HandlersCompose, "__init__"),
+    "lightning",
+    "the SLURM auto-requeue signal handler ZeroPPStrategy runs at a step boundary",
+)
+
+# What ``Trainer.save_checkpoint`` names the barrier it calls right after ``strategy.save_checkpoint``.
+SAVE_CHECKPOINT_BARRIER = "Trainer.save_checkpoint"
+
+require(
     hasattr(FabricModelParallelStrategy, "_setup_distributed"),
     "lightning",
     "the Fabric strategy hook lightning_zeropp.fabric.ZeroPPStrategy builds on",
@@ -44,10 +55,12 @@ require(
 
 __all__ = [
     "METADATA_FILENAME",
+    "SAVE_CHECKPOINT_BARRIER",
     "FabricModelParallelBase",
     "ForwardRedirection",
     "ModelParallelBase",
     "disable_inference_mode",
+    "requeue_handler",
 ]
 
 
@@ -143,3 +156,17 @@ class FabricModelParallelBase(FabricModelParallelStrategy):
 
     def set_device_mesh(self, mesh: Any) -> None:
         self._device_mesh = mesh
+
+
+def requeue_handler(signum: int) -> Callable[[int, Any], None] | None:
+    """The handler installed for ``signum`` if it is the one Lightning's SLURM auto-requeue installs (``Trainer.fit``
+    and the other entry points do, under ``SLURMEnvironment(auto_requeue=True)``, unless the signal already had a
+    handler): called as ``handler(signum, frame)``, it finalizes the loggers, saves ``hpc_ckpt_N.ckpt`` with
+    ``trainer.save_checkpoint`` on every rank, and runs ``scontrol requeue <job id>`` on rank 0. None otherwise."""
+    handler = signal.getsignal(signum)
+    if not isinstance(handler, _HandlersCompose):
+        return None
+    requeue = _SignalConnector._slurm_sigusr_handler_fn
+    if any(getattr(h, "__func__", None) is requeue for h in handler.signal_handlers):
+        return handler
+    return None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 from collections.abc import Callable
 from typing import Any
 
@@ -9,7 +11,7 @@ from lightning.pytorch import Trainer
 
 from lightning_zeropp.spawn import free_port, run_local_ranks
 
-__all__ = ["free_port", "lightning_trainer", "spawn"]
+__all__ = ["free_port", "lightning_trainer", "slurm_missing", "spawn"]
 
 
 def spawn(fn: Callable, world_size: int, *args: Any, **kwargs: Any) -> list[Any]:
@@ -44,3 +46,16 @@ def lightning_trainer(world_size: int, strategy: Any, num_nodes: int = 1, **kwar
     )
     defaults.update(kwargs)
     return Trainer(**defaults)
+
+
+def slurm_missing() -> str | None:
+    """Why no job can be launched with ``srun`` here (None: SLURM is installed and has an idle node)."""
+    if shutil.which("srun") is None or shutil.which("sinfo") is None:
+        return "SLURM is not installed (srun/sinfo missing); .ci/run installs and starts it"
+    try:
+        states = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=20).stdout
+    except subprocess.TimeoutExpired:
+        return "SLURM does not answer (sinfo timed out); start it with .ci/slurm_up.sh"
+    if not any(s.startswith(("idle", "mixed")) for s in states.split()):
+        return f"no idle SLURM node (sinfo states: {states.split() or 'none'}); start it with .ci/slurm_up.sh"
+    return None
