@@ -1,10 +1,15 @@
 """Run a function on several local processes that act as the ranks of a job (gloo on CPU).
 
-Used by the tests and the benchmarks: ``run_local_ranks(fn, world_size, ...)`` starts one process per rank
-(multiprocessing "spawn"), sets the variables a launcher would (MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK,
-LOCAL_WORLD_SIZE, NODE_RANK), runs ``fn(rank, world_size, *args)`` and returns every rank's return value. A rank
-that raises fails the call with its traceback, one that dies without a result with the end of its stderr; ranks
-that hang are killed after ``timeout`` seconds, so nothing hangs.
+Used by the tests and the benchmarks: ``run_local_ranks(fn, world_size, ...)`` starts one process per rank, sets the
+variables a launcher would (MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK), runs
+``fn(rank, world_size, *args)`` and returns every rank's return value. A rank that raises fails the call with its
+traceback, one that dies without a result with the end of its stderr; ranks that hang are killed after ``timeout``
+seconds, so nothing hangs.
+
+Ranks are forked from a server process (multiprocessing "forkserver") that imported torch and Lightning once: a
+fresh interpreter per rank ("spawn") would import them again each time, several seconds of CPU per rank. The server
+has done nothing but import (no thread pool, no process group, no device), so a fork of it is as clean as a new
+process; each rank gets the caller's environment as it is at the call, as a spawned one would.
 """
 
 from __future__ import annotations
@@ -37,9 +42,12 @@ def _entry(
     port: int,
     out: str,
     args: tuple,
+    caller_env: dict[str, str],
     env: dict[str, str],
     sys_path: list[str],
 ) -> None:
+    os.environ.clear()  # the caller's environment at the call, not the server's at its start
+    os.environ.update(caller_env)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -82,6 +90,19 @@ def _tail(out: str, rank: int, lines: int = 25) -> str:
     return "\n".join(["    " + line for line in text.splitlines()[-lines:]]) or "    (nothing)"
 
 
+# What every rank imports anyway; what imports at its own time (Triton's kernels decide interpreted or compiled when
+# they are defined, from TRITON_INTERPRET) stays out.
+_PRELOAD = ["torch", "torch.distributed", "lightning.pytorch", "lightning.fabric"]
+
+
+def _context():
+    if "forkserver" not in mp.get_all_start_methods():  # not on Windows
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)  # takes effect when the server starts (the first call)
+    return ctx
+
+
 def run_local_ranks(
     fn: Callable,
     world_size: int,
@@ -92,13 +113,15 @@ def run_local_ranks(
     sys_path: list[str] | None = None,
 ) -> list[Any]:
     """Runs ``fn(rank, world_size, *args)`` on ``world_size`` processes; returns the per-rank results."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     ranks_per_machine = ranks_per_machine or world_size
     port = free_port()
+    caller_env = dict(os.environ)
     with tempfile.TemporaryDirectory() as out:
         procs = [
             ctx.Process(
-                target=_entry, args=(fn, r, world_size, ranks_per_machine, port, out, args, env or {}, sys_path or [])
+                target=_entry,
+                args=(fn, r, world_size, ranks_per_machine, port, out, args, caller_env, env or {}, sys_path or []),
             )
             for r in range(world_size)
         ]
