@@ -74,6 +74,11 @@ def _load_renameat2() -> Callable[..., int] | None:
 _renameat2 = _load_renameat2()
 
 
+def exchange_available() -> bool:
+    """Whether this system has the exchange rename (``renameat2`` with ``RENAME_EXCHANGE``, Linux)."""
+    return _renameat2 is not None
+
+
 def exchange(a: Path, b: Path) -> bool:
     """Swaps the two existing names ``a`` and ``b`` (files or folders) in one atomic step. False where the system or
     filesystem has no exchange rename; raises other errors."""

@@ -13,7 +13,15 @@ import torch
 from lightning_zeropp import kernels as tk
 from lightning_zeropp.kernels.layout import Blocks
 from lightning_zeropp.testing.distributed import spawn
-from lightning_zeropp.testing.workers import reference_training, relative_error, save_inputs, train_worker
+from lightning_zeropp.testing.workers import (
+    reference_training,
+    relative_error,
+    save_inputs,
+    scaled_update,
+    train_worker,
+    update_errors,
+    update_problems,
+)
 
 SEGMENTS = [300, 3, 0, 128, 5, 1, 257]
 
@@ -165,6 +173,7 @@ def test_error_feedback_residual_is_what_quantization_lost(decay):
 
 # --------------------------------------------------------------------------------------------------- training
 STEPS, BATCH = 10, 2
+WHOLE_BOUND = {2: 0.18, 3: 0.22}  # 1.3x the measured whole-model update error: 0.140 (2 x 2), 0.168 (3 x 2)
 
 
 @pytest.fixture(scope="module")
@@ -190,14 +199,17 @@ def test_default_strategy_moves_every_parameter(data, nodes, capsys):
     results = spawn(train_worker, world, dict(ranks_per_node=2), init_path, data_path, BATCH, STEPS)
     state = results[0]["state"]
     assert all(not r["unaligned_blocks"] for r in results), results[0]["unaligned_blocks"]
-    frozen = sorted(n for n in ref if torch.equal(state[n], init[n]))
-    errors = {n: relative_error(state[n] - init[n], ref[n] - init[n]) for n in ref}
+    errors, whole = update_errors(state, ref, init)
     with capsys.disabled():
-        print(f"\n{nodes} nodes x 2: per-parameter update error vs one process (relative L2)\n{_report(errors)}")
-    assert not frozen, f"parameters that never moved: {frozen}"
-    worst = max(errors, key=errors.get)
-    # measured: worst 0.43 (2 x 2), 0.59 (3 x 2); with flat blocks the LayerNorms after attention stay at 1.0
-    assert errors[worst] < 0.8, f"{worst}: update error {errors[worst]:.3f}\n{_report(errors)}"
+        print(f"\n{nodes} nodes x 2: update error vs one process (relative L2), whole model {whole:.4f}")
+        print(_report(errors))
+    # measured: worst parameter 0.43 (2 x 2), 0.59 (3 x 2), whole model 0.140 / 0.168; with flat blocks the
+    # LayerNorms after attention stay at 1.0
+    bounds = dict(per_parameter=0.8, whole=WHOLE_BOUND[nodes])
+    assert update_problems(state, ref, init, **bounds) == [], _report(errors)
+    # the bounds can fail: an update halved (a gradient averaged over twice the ranks) or none at all is caught
+    assert any("whole model" in p for p in update_problems(scaled_update(state, init, 0.5), ref, init, **bounds))
+    assert update_problems(init, ref, init, **bounds)
 
 
 @pytest.mark.multiprocess

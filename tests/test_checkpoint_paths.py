@@ -92,7 +92,15 @@ def _killed_save(path: Path, kind: str, k: int, fallback: bool) -> int:
     if pid == 0:  # the child: instrument, save, exit
         try:
             killer = _Killer(k)
-            files.exchange = (lambda a, b: False) if fallback else killer.wrap(files.exchange)
+            exchange = files.exchange
+
+            def recorded_exchange(a, b):  # leaves a mark beside the folder when the exchange rename did the swap
+                done = exchange(a, b)
+                if done:
+                    (path.parent.parent / f"{path.parent.name}.exchanged").touch()
+                return done
+
+            files.exchange = (lambda a, b: False) if fallback else killer.wrap(recorded_exchange)
             os.replace = killer.wrap(os.replace)
             files.remove = killer.wrap(files.remove)
             torch.save = killer.wrap(torch.save, torn=True)  # the metadata file, the full file
@@ -127,6 +135,11 @@ def test_a_save_killed_at_any_point_leaves_a_checkpoint(tmp_path, kind, fallback
         assert value in allowed, (k, value)
         assert sorted(p.name for p in folder.iterdir()) == ([] if not path.exists() else ["last.ckpt"]), k
         if code == 0:
+            # a folder replaced in the "exchange" cases was swapped by the exchange rename itself, not silently by the
+            # fallback (a file is replaced by one plain rename either way)
+            exchanged = (tmp_path / f"k{k}.exchanged").exists()
+            swapped = kind == "sharded" and previous and not fallback
+            assert exchanged == (swapped and files.exchange_available()), (k, exchanged)
             break
         points += 1
     else:

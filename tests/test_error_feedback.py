@@ -36,7 +36,10 @@ def test_error_feedback_halves_the_accumulated_update_error(tmp_path, capsys):
     with capsys.disabled():
         print(f"\nupdate error over {STEPS} steps: {without:.3f} without, {with_feedback:.3f} with error feedback"
               f" (ratio {with_feedback / without:.2f})")  # fmt: skip
-    # measured: 0.176 without, 0.088 with (ratio 0.50); decay 1.0 gives 0.075 (0.43)
+    # measured: 0.176 without, 0.088 with (ratio 0.50); decay 1.0 gives 0.075 (0.43). Absolute bounds too: a
+    # regression of qgZ itself (a worse error without feedback) must not pass by keeping the ratio
+    assert without < 0.23, without  # 1.3x 0.176
+    assert with_feedback < 0.115, with_feedback  # 1.3x 0.088
     assert with_feedback < 0.65 * without
 
 

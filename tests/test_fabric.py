@@ -22,14 +22,18 @@ from lightning_zeropp.testing.workers import (
     fabric_train_worker,
     full_state,
     reference_training,
-    relative_error,
     save_inputs,
+    scaled_update,
     train_worker,
+    update_errors,
+    update_problems,
 )
 
 WORLD, BATCH, STEPS = 4, 2, 3
 EXACT = dict(quantize_weights=False, quantize_gradients=False)
 TWO_NODES = {"num_nodes": 2}
+EXACT_TOLERANCE = 1e-4  # of each update: fp32 sums in another order than one process (measured up to 1.2e-5)
+WHOLE_BOUND = 0.12  # 1.3x the measured whole-model update error of full ZeRO++ over 3 steps (0.091)
 
 
 @pytest.fixture(scope="module")
@@ -40,12 +44,15 @@ def inputs(tmp_path_factory):
 
 
 def _assert_parity(state, reference, init, tolerance):
-    """Every parameter moved from its initial value, and each is within ``tolerance`` of the reference (relative to
-    the parameter's own magnitude): one frozen or wrong parameter fails, whatever the others do."""
+    """Every parameter of the run moved from its initial value, and each one's update is within ``tolerance`` of the
+    reference's update (the largest difference over the largest element of the update, which is what a step changes;
+    the parameter's own magnitude would hide a wrong update of a large parameter): one frozen or wrong parameter
+    fails, whatever the others do."""
     assert set(state) == set(reference)
     for name, want in reference.items():
-        assert not torch.equal(want, init[name]), f"{name} never moved in the reference"
-        err = float((state[name] - want).abs().max() / want.abs().max().clamp_min(1e-12))
+        assert not torch.equal(state[name], init[name]), f"{name} never moved"
+        update = (want - init[name]).abs().max().clamp_min(1e-12)
+        err = float((state[name] - want).abs().max() / update)
         assert err <= tolerance, (name, err)
 
 
@@ -81,11 +88,12 @@ def test_fabric_and_trainer_train_bit_identical(inputs):
         assert fabric[rank]["ledger"] == trainer[rank]["ledger"], rank
         assert fabric[rank]["ledger"]["gradient_all_to_all_inter"][1] > 0
     reference, _ = reference_training(init_path, x, y, WORLD * BATCH, STEPS)
-    init = _init(init_path)
-    for name, want in reference.items():  # each parameter's update, as the Trainer's tests bound it (0.8)
-        state = fabric[0]["state"][name]
-        assert not torch.equal(state, init[name]), f"{name} never moved"
-        assert relative_error(state - init[name], want - init[name]) < 0.8, name
+    init, state = _init(init_path), fabric[0]["state"]
+    # each parameter's update within 0.8 of the exact one's (as the Trainer's tests), the whole model's near the
+    # measured 0.091; a halved update (a gradient averaged over twice the ranks) fails the same bounds
+    bounds = dict(per_parameter=0.8, whole=WHOLE_BOUND)
+    assert update_problems(state, reference, init, **bounds) == [], update_errors(state, reference, init)
+    assert any("whole model" in p for p in update_problems(scaled_update(state, init, 0.5), reference, init, **bounds))
 
 
 @pytest.mark.multiprocess
@@ -100,7 +108,7 @@ def test_accumulation_sends_gradients_once_and_clipping_uses_the_global_norm(inp
         fabric_train_worker, WORLD, kwargs, init_path, data_path, BATCH, STEPS, options, ranks_per_machine=2
     )
     reference, _ = reference_training(init_path, x, y, WORLD * BATCH, STEPS, accumulate=2, clip=("norm", 0.05))
-    _assert_parity(results[0]["state"], reference, _init(init_path), 1e-5)
+    _assert_parity(results[0]["state"], reference, _init(init_path), EXACT_TOLERANCE)
     norms = results[0]["norms"]
     assert min(norms) > 0.05, norms  # clipping acted at every step
     for rank, result in enumerate(results):
@@ -163,7 +171,7 @@ def test_zero3_with_the_optimizer_built_first_equals_one_process(round_trips):
     """ZeRO-3 on 2 nodes x 2, the optimizer built before ``fabric.setup(model, optimizer)`` (with Lightning's own
     ``ModelParallelStrategy`` that optimizer would train nothing): every parameter equals one process's."""
     inputs, _, on4, *_ = round_trips
-    _assert_parity(on4[0]["state"], _reference_on(inputs, [0, 1]), _init(inputs[1]), 1e-5)
+    _assert_parity(on4[0]["state"], _reference_on(inputs, [0, 1]), _init(inputs[1]), EXACT_TOLERANCE)
     for rank, result in enumerate(on4):
         ledger = result["ledger"]
         assert "weight_all_gather_secondary" not in ledger and ledger["weight_all_gather_backward"][1] > 0, rank
@@ -176,11 +184,11 @@ def test_checkpoints_round_trip_between_fabric_and_trainer(round_trips):
     init = _init(inputs[1])
     # Fabric sharded, on 4 ranks -> Fabric on 2: continues at step 2 (its "step" came back), exactly
     assert [r["step"] for r in on2] == [3, 3]
-    _assert_parity(on2[0]["state"], _reference_on(inputs, [0, 1, 2]), init, 1e-5)
+    _assert_parity(on2[0]["state"], _reference_on(inputs, [0, 1, 2]), init, EXACT_TOLERANCE)
     # Fabric's one file -> the Trainer: weights, optimizer and scheduler resume; its loop starts at batch 0
-    _assert_parity(trained[0]["state"], _reference_on(inputs, [0, 1, 2, 0]), init, 1e-5)
+    _assert_parity(trained[0]["state"], _reference_on(inputs, [0, 1, 2, 0]), init, EXACT_TOLERANCE)
     # the Trainer's sharded folder -> Fabric: model and optimizer by position, Trainer's counters returned
-    _assert_parity(back[0]["state"], _reference_on(inputs, [0, 1, 2, 0, 0]), init, 1e-5)
+    _assert_parity(back[0]["state"], _reference_on(inputs, [0, 1, 2, 0, 0]), init, EXACT_TOLERANCE)
     for rank, result in enumerate(back):
         assert result["rest"]["global_step"] == 1 and "loops" in result["rest"]["keys"], result["rest"]
         assert "zeropp_rng_states" not in result["rest"]["keys"]
@@ -373,7 +381,7 @@ def test_empty_init_evaluation_stepped_optimizer_and_parallelize_fn(inputs):
         assert right["secondary"] > 0  # hpZ on the user's units
         assert isinstance(wrong, str) and "'net.blocks.0'" in wrong and "reshard_after_forward" in wrong, wrong
         assert out["load_raw_file"] and out["load_raw_folder"], rank
-    _assert_parity(results[0]["parallelize_fn"]["right"]["state"], reference, _init(init_path), 1e-5)
+    _assert_parity(results[0]["parallelize_fn"]["right"]["state"], reference, _init(init_path), EXACT_TOLERANCE)
 
 
 def test_a_launch_that_differs_names_fabric():

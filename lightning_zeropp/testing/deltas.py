@@ -16,7 +16,34 @@ from torch import nn
 from .models import TinyLM
 from .workers import full_state, ledger_table
 
-__all__ = ["ForwardWeights", "SwapInForValidation", "deltas_worker", "trainer_swap_worker"]
+__all__ = ["ForwardWeights", "SwapInForValidation", "WireCounter", "deltas_worker", "trainer_swap_worker"]
+
+
+class WireCounter:
+    """Counts, while active, the bytes this rank hands ``torch.distributed.all_to_all_single`` for each peer (by
+    global rank): what really goes on the wire, independent of the strategy's ledger. Weight deltas send through it."""
+
+    def __init__(self) -> None:
+        self.sent: dict[int, int] = {}
+        self.calls = 0
+        self._original: Any = None
+
+    def __enter__(self) -> WireCounter:
+        self._original = original = dist.all_to_all_single
+
+        def counting(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+            ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+            splits = input_split_sizes or [input.numel() // len(ranks)] * len(ranks)
+            for peer, count in zip(ranks, splits, strict=True):
+                self.sent[peer] = self.sent.get(peer, 0) + count * input.element_size()
+            self.calls += 1
+            return original(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
+
+        dist.all_to_all_single = counting
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        dist.all_to_all_single = self._original
 
 
 class ForwardWeights:
@@ -144,8 +171,9 @@ def deltas_worker(
         optimizer.zero_grad()
         state["step"] += 1
 
-    for _ in range(steps):
-        step()
+    with WireCounter() as wire:
+        for _ in range(steps):
+            step()
     probe_x = lx[:batch_size]
     probes: dict[str, Any] = {}
     trained = full_state(model.module)
@@ -177,6 +205,7 @@ def deltas_worker(
         "state": trained if rank == 0 else None,  # after the training steps, before the probes
         "errors": errors,
         "measured": measured,
+        "wire_sent": dict(wire.sent),
         "ledger": ledger_table(strategy.comm_ledger),
         "counts": {} if deltas is None else dict(deltas.counts),
         "slices": slices,

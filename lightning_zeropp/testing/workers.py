@@ -24,6 +24,9 @@ __all__ = [
     "padded_shard_numel",
     "reference_training",
     "relative_error",
+    "scaled_update",
+    "update_errors",
+    "update_problems",
     "save_inputs",
     "fabric_train_worker",
     "full_state",
@@ -44,25 +47,35 @@ class LossRecorder(Callback):
 
 
 class WeightProbe(Callback):
-    """Checks that every Linear in the blocks computes backward with bit-identical weights to its forward."""
+    """Checks that every module holding parameters (the blocks' Linears and LayerNorms, the embeddings and the final
+    norm of the root unit, the head tied to the token embedding) computes backward with bit-identical weights to its
+    forward, every parameter of it."""
 
     def __init__(self) -> None:
         self.compared, self.mismatched = 0, 0
-        self.seen: dict[int, torch.Tensor] = {}
+        self.mismatches: list[str] = []
+        self.seen: dict[int, dict[str, torch.Tensor]] = {}
 
     def on_train_start(self, trainer, pl_module) -> None:
-        for module in pl_module.net.blocks.modules():
-            if isinstance(module, torch.nn.Linear):
+        for name, module in pl_module.named_modules():
+            if any(True for _ in module.parameters(recurse=False)) and module is not pl_module:
                 module.register_forward_hook(self.forward_hook)
-                module.register_full_backward_pre_hook(self.backward_hook)
+                module.register_full_backward_pre_hook(self._backward_hook(name))
 
     def forward_hook(self, module, args, output) -> None:
         if torch.is_grad_enabled():
-            self.seen[id(module)] = module.weight.detach().clone()
+            self.seen[id(module)] = {n: p.detach().clone() for n, p in module.named_parameters(recurse=False)}
 
-    def backward_hook(self, module, grad_output) -> None:
-        self.compared += 1
-        self.mismatched += int(not torch.equal(self.seen.pop(id(module)), module.weight.detach()))
+    def _backward_hook(self, name: str):
+        def hook(module, grad_output) -> None:
+            seen = self.seen.pop(id(module))
+            for pname, p in module.named_parameters(recurse=False):
+                self.compared += 1
+                if not torch.equal(seen[pname], p.detach()):
+                    self.mismatched += 1
+                    self.mismatches.append(f"{name}.{pname}")
+
+        return hook
 
 
 def save_inputs(tmp: Path, n_samples: int, seed: int = 0) -> tuple[str, str, torch.Tensor, torch.Tensor]:
@@ -169,6 +182,7 @@ def train_worker(
         "ledger": ledger_table(strategy.comm_ledger),
         "weights_compared": probe.compared,
         "weights_mismatched": probe.mismatched,
+        "weights_mismatches": probe.mismatches[:8],
         "unaligned_blocks": unaligned,
     }
 
@@ -189,6 +203,43 @@ def ledger_table(ledger: Any) -> dict[str, tuple[int, int, int]]:
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     """``|a - b| / |b|`` in the L2 norm, in fp32."""
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+def update_errors(
+    state: dict[str, torch.Tensor], reference: dict[str, torch.Tensor], init: dict[str, torch.Tensor]
+) -> tuple[dict[str, float], float]:
+    """How far a run's updates (``state - init``) are from the reference's: per parameter, and over the whole model
+    (every parameter's update in one vector), each as :func:`relative_error`."""
+    per = {n: relative_error(state[n] - init[n], reference[n] - init[n]) for n in reference}
+    got = torch.cat([(state[n] - init[n]).float().flatten() for n in reference])
+    want = torch.cat([(reference[n] - init[n]).float().flatten() for n in reference])
+    return per, relative_error(got, want)
+
+
+def update_problems(
+    state: dict[str, torch.Tensor],
+    reference: dict[str, torch.Tensor],
+    init: dict[str, torch.Tensor],
+    per_parameter: float,
+    whole: float,
+) -> list[str]:
+    """What is wrong with a run's updates against the reference's: a parameter that never moved, one whose update
+    error exceeds ``per_parameter``, a whole-model error above ``whole``. The per-parameter bound catches one starved
+    parameter among many; the whole-model bound, set near the measured error, catches what a loose per-parameter bound
+    lets through (an update scaled by 0.5 scores 0.5 on every parameter)."""
+    per, total = update_errors(state, reference, init)
+    problems = [f"{n}: never moved" for n in reference if torch.equal(state[n], init[n])]
+    problems += [f"{n}: update error {e:.3f} > {per_parameter}" for n, e in per.items() if e > per_parameter]
+    if total > whole:
+        problems.append(f"whole model: update error {total:.4f} > {whole}")
+    return problems
+
+
+def scaled_update(
+    state: dict[str, torch.Tensor], init: dict[str, torch.Tensor], factor: float
+) -> dict[str, torch.Tensor]:
+    """``init + factor * (state - init)``: a negative control (a gradient averaged over twice the ranks is 0.5)."""
+    return {n: init[n] + factor * (state[n] - init[n]) for n in state}
 
 
 def padded_shard_numel(shape: torch.Size, world_size: int) -> int:
