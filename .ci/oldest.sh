@@ -20,9 +20,4 @@ python -m venv "$venv"
 import lightning, torch, triton
 print(f"oldest.sh: torch {torch.__version__}, lightning {lightning.__version__}, triton {triton.__version__}")
 PY
-"$venv/bin/python" -m pytest -p no:cacheprovider -q \
-    tests/test_private_api.py tests/test_config.py tests/test_step_hooks.py tests/test_zero3.py \
-    tests/test_checkpoint.py tests/test_checkpoint_paths.py tests/test_checkpoint_errors.py tests/test_reliability.py \
-    tests/test_qgz.py tests/test_kernels.py tests/test_fabric.py tests/test_weight_deltas.py \
-    tests/test_big_model.py tests/test_lightning_contract.py tests/test_fabric_contract.py \
-    tests/test_preemption.py tests/test_preemption_rules.py
+"$venv/bin/python" -m pytest -p no:cacheprovider -q -m version_sensitive tests

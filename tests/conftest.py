@@ -1,7 +1,37 @@
+"""The suite's two tiers: ``python -m pytest tests -m "not slow"`` (every module's unit tests, in a few minutes) and
+``python -m pytest tests`` (everything). A test is ``slow`` when it spawns ranks (``multiprocess``), needs a cluster
+or SLURM (``cluster``, ``slurm``), or takes more than about 5 s (marked so by hand). A test outside the slow tier
+that tries to spawn ranks fails with the marker it lacks, so the fast tier can never grow a spawn unnoticed."""
+
 import os
 
+import pytest
 import torch
 
 # Without a GPU the Triton kernels run in Triton's interpreter; it must be chosen before triton is imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+_SLOW_BY_NATURE = ("multiprocess", "cluster", "slurm")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if any(item.get_closest_marker(name) for name in _SLOW_BY_NATURE):
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(autouse=True)
+def _fast_tests_spawn_nothing(request, monkeypatch):
+    if request.node.get_closest_marker("slow"):
+        return
+    import lightning_zeropp.spawn
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(
+            f"{request.node.nodeid} spawns ranks but is not marked `multiprocess` (hence `slow`): mark it, so that"
+            ' `pytest -m "not slow"` stays fast.'
+        )
+
+    monkeypatch.setattr(lightning_zeropp.spawn, "run_local_ranks", refuse)
+    monkeypatch.setattr("lightning_zeropp.testing.distributed.run_local_ranks", refuse)

@@ -21,7 +21,7 @@ from lightning_zeropp.testing.distributed import lightning_trainer, spawn
 from lightning_zeropp.testing.models import TINY, TinyTransformer, make_batches
 from lightning_zeropp.testing.workers import full_state
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.version_sensitive]
 
 PRECISIONS = {"32-true": torch.float32, "bf16-mixed": torch.float32, "bf16-true": torch.bfloat16,
               "16-true": torch.float16}  # fmt: skip

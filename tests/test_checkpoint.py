@@ -18,7 +18,7 @@ from lightning_zeropp.testing.distributed import lightning_trainer, spawn
 from lightning_zeropp.testing.models import TINY, TinyLM
 from lightning_zeropp.testing.workers import LossRecorder, save_inputs
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.version_sensitive]
 
 BATCH = 2
 WIDER = TINY["n_embd"] + TINY["n_head"]  # a model that differs from TINY in width only

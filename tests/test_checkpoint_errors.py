@@ -20,6 +20,8 @@ from lightning_zeropp import checkpoint as ckpt
 from lightning_zeropp.testing.distributed import lightning_trainer, spawn
 from lightning_zeropp.testing.models import TinyLM, make_batches
 
+pytestmark = pytest.mark.version_sensitive
+
 
 class OneRank:
     world_size = 1

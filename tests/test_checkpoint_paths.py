@@ -26,7 +26,7 @@ from lightning_zeropp.compat.lightning import METADATA_FILENAME
 from lightning_zeropp.testing.distributed import lightning_trainer, spawn
 from lightning_zeropp.testing.models import TinyLM, make_batches
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.version_sensitive]
 
 
 class OneRank:

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("triton")
+# every test compiles kernels (minutes cold) or starts a fresh interpreter importing torch and Triton
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 REQUIRED_ARCHS = {80, 90}

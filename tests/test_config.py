@@ -9,6 +9,8 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy, size_based_auto_wrap_p
 
 from lightning_zeropp import ZeroPPConfig, ZeroPPStrategy
 
+pytestmark = pytest.mark.version_sensitive
+
 BAD = [
     (dict(weight_bits=5), ValueError, r"`weight_bits=5`.*8, 4"),
     (dict(gradient_bits=2), ValueError, r"`gradient_bits=2`.*4, 8"),

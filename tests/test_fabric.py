@@ -29,6 +29,8 @@ from lightning_zeropp.testing.workers import (
     update_problems,
 )
 
+pytestmark = pytest.mark.version_sensitive
+
 WORLD, BATCH, STEPS = 4, 2, 3
 EXACT = dict(quantize_weights=False, quantize_gradients=False)
 TWO_NODES = {"num_nodes": 2}

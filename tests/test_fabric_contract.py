@@ -51,6 +51,8 @@ from lightning_zeropp.testing.contract import (
 )
 from lightning_zeropp.testing.distributed import spawn
 
+pytestmark = pytest.mark.version_sensitive
+
 WORLD = 2
 TIMEOUT = timedelta(seconds=150)  # not torch's default (30 minutes): it bounds a hang of these tests too
 EXACT = dict(quantize_weights=False, quantize_gradients=False)

@@ -238,6 +238,7 @@ def _run(code: str, **env: str) -> str:
     return done.stdout
 
 
+@pytest.mark.slow  # a fresh interpreter importing torch
 def test_auto_on_cpu_never_loads_the_triton_launchers():
     """Without TRITON_INTERPRET, CPU tensors take the twins and the Triton side of the package is never imported
     (Lightning itself may import triton: what matters is that our launchers and compat.triton are not)."""
@@ -261,6 +262,7 @@ def test_auto_on_cpu_never_loads_the_triton_launchers():
     assert '`backend="triton"` needs CUDA tensors, but got a cpu tensor' in refusal
 
 
+@pytest.mark.slow  # a fresh interpreter importing torch
 def test_without_triton_auto_runs_and_triton_says_why():
     """Where triton cannot be imported (it installs on Linux x86-64 only): the package imports, "auto" and "torch"
     run on the CPU, and asking for "triton" raises ImportError with the reason."""

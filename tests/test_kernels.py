@@ -29,6 +29,7 @@ pytestmark = [
     pytest.mark.skipif(
         os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 (set by conftest without a GPU)"
     ),
+    pytest.mark.version_sensitive,
 ]
 DEVICE = "cpu"
 
@@ -63,6 +64,7 @@ def test_reduce(N, K, n, in_bits, out_bits):
     check_reduce(DEVICE, N, K, n, in_bits, out_bits)
 
 
+@pytest.mark.slow  # about 14 s in the interpreter
 @pytest.mark.parametrize("bits", [8, 4])
 def test_stochastic_rounding(bits):
     check_stochastic(DEVICE, bits)

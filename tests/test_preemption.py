@@ -32,7 +32,7 @@ from lightning_zeropp.testing.preemption import (
 )
 from lightning_zeropp.testing.workers import save_inputs
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.version_sensitive]
 
 WORLD = 4
 TIMEOUT_S = 60.0  # the strategy's: a hang ends the job after it, and fails the test

@@ -15,6 +15,8 @@ from lightning_zeropp.checkpoint_files import target_name, temporary_name
 from lightning_zeropp.compat.lightning import SAVE_CHECKPOINT_BARRIER
 from lightning_zeropp.preemption import Preemption
 
+pytestmark = pytest.mark.version_sensitive
+
 WORLD = 4
 
 

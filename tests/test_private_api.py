@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.version_sensitive
+
 ROOT = Path(__file__).resolve().parents[1]
 COMPAT = ROOT / "lightning_zeropp" / "compat"
 OWN_PACKAGES = ("lightning_zeropp",)

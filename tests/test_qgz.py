@@ -22,7 +22,7 @@ import torch
 from lightning_zeropp import kernels as tk
 from lightning_zeropp.testing.distributed import spawn
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.version_sensitive]
 
 CASES = [  # (chunk numel, stages, op, premul, dtype, intra bits, inter bits, block)
     (1, 2, "avg", None, torch.float32, 8, 4, 128),

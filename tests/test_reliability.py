@@ -15,10 +15,11 @@ from lightning_zeropp.testing.faults import fault_worker, launch_worker, loader
 from lightning_zeropp.testing.models import TinyLM, make_batches
 from lightning_zeropp.topology import check_launch
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = pytest.mark.version_sensitive
 
 
 # ----------------------------------------------------------------------------------------------- a frozen rank
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("fault", ["freeze", "die"])
 def test_a_frozen_or_dead_rank_ends_the_job(tmp_path, fault):
     """Every survivor raises within ``timeout`` + 30 s of a peer freezing (SIGSTOP) or dying, at 2 nodes x 2 with
@@ -66,6 +67,7 @@ def test_matching_launches_pass(env, num_nodes, devices, local_rank, node_rank):
     check_launch(num_nodes, devices, local_rank, node_rank, env)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(("ranks_per_machine", "num_nodes", "devices"), [(2, 1, 2), (4, 2, 2)])
 def test_launch_mismatch_is_refused_on_every_rank(ranks_per_machine, num_nodes, devices):
     """The environment says 2 x 2 and the Trainer 1 x 2 (half the ranks would train alone), or the environment 1 x 4
@@ -94,6 +96,7 @@ def _fsdp1_worker(rank: int, world: int) -> str:
     return "trained"
 
 
+@pytest.mark.multiprocess
 def test_fsdp1_model_is_refused():
     for error in spawn(_fsdp1_worker, 2, timeout=120):
         assert "FullyShardedDataParallel" in error.splitlines()[0] and "net.blocks.0" in error, error
@@ -118,6 +121,7 @@ def _groups_worker(rank: int, world: int) -> list[tuple[str, int]]:
     return counts
 
 
+@pytest.mark.multiprocess
 def test_repeated_runs_keep_one_set_of_groups():
     """After each run the strategy's groups are destroyed: fit, validate and new Trainers on a model leave the
     process with the same number of groups as after the first run (1 + 1 + 1 + 1 of ours per rank live during a

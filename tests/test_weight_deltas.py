@@ -34,6 +34,8 @@ from lightning_zeropp.testing.workers import (
 )
 from lightning_zeropp.topology import Topology
 
+pytestmark = pytest.mark.version_sensitive
+
 BATCH, STEPS = 2, 20
 # Tolerances from measured errors (32-true, TinyLM's SGD at lr 0.3 with momentum 0.9, qgZ off, 20 steps), as
 # (worst parameter's update, whole model's update) relative to one process's: INT4 deltas 2 x 2: 0.358, 0.064 (the
@@ -158,6 +160,7 @@ def _wire_to_other_nodes(result: dict, rank: int, per_node: int) -> int:
     return sum(n for peer, n in result["wire_sent"].items() if peer // per_node != rank // per_node)
 
 
+@pytest.mark.multiprocess
 def test_trainer_2x2_tracks_one_process_and_sends_one_delta_per_node(data):
     init_path, data_path, init, ref_state, _ = data[4]
     kwargs = dict(ranks_per_node=2, weight_deltas=True, quantize_gradients=False, weight_delta_refresh=7)
@@ -177,6 +180,7 @@ def test_trainer_2x2_tracks_one_process_and_sends_one_delta_per_node(data):
         assert "weight_all_gather" not in ledger and "weight_all_gather_backward" not in ledger
 
 
+@pytest.mark.multiprocess
 def test_fabric_2x2_copies_are_identical_and_outside_changes_refresh_exactly(data):
     init_path, data_path, init, ref_state, folder = data[4]
     kwargs = dict(ranks_per_node=2, weight_deltas=True, quantize_gradients=False)
@@ -210,6 +214,7 @@ def test_fabric_2x2_copies_are_identical_and_outside_changes_refresh_exactly(dat
     assert memory["weight_deltas_node_copy"] == 2 * memory["weight_deltas_tracked_copy"] > 0  # G = 2 shards per slice
 
 
+@pytest.mark.multiprocess
 def test_fabric_3x2_int8_deltas_track_one_process_with_identical_copies(data):
     init_path, data_path, init, ref_state, _ = data[6]
     kwargs = dict(ranks_per_node=2, weight_deltas=True, weight_delta_bits=8, quantize_gradients=False)
@@ -234,6 +239,7 @@ def test_fabric_3x2_int8_deltas_track_one_process_with_identical_copies(data):
         assert max(r["errors"]) <= FORWARD_ERROR_TOL[8]
 
 
+@pytest.mark.multiprocess
 def test_trainer_ema_swap_callback_is_followed_by_exact_refreshes(data):
     """A callback swaps scaled weights in at validation start and the trained ones back at its end (in place, as EMA
     callbacks do): the validation forward and the next training forward each use exactly the weights in place."""

@@ -13,7 +13,7 @@ from lightning_zeropp.testing.workers import (
     unit_shard_numels,
 )
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.version_sensitive]
 
 WORLD, PER_NODE, BATCH, STEPS = 4, 2, 2, 3
 
