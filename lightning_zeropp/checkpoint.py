@@ -471,8 +471,8 @@ def save(
     """Writes ``checkpoint`` (Lightning's dict, the model and optimizer states as the strategy collected them) to a
     temporary name and renames it onto ``filepath`` when complete. Collective: every rank calls it; if any rank fails,
     every rank raises. ``save_file`` writes one file (the ``full`` format, on rank 0). ``comms_state``: this rank's
-    :meth:`ZeroPPComms.state_dict`; its residuals are written by each rank into a sharded checkpoint, or gathered
-    into the one file."""
+    :meth:`ZeroPPComms.state_dict`; its tensors are written by each rank into a sharded checkpoint (the state keeps a
+    note of each), or gathered with it into the one file."""
     path = Path(ranks.broadcast(filepath))
 
     def prepare() -> None:  # before anything is written: repair an interrupted save, refuse to replace a non-checkpoint
@@ -481,12 +481,10 @@ def save(
 
     agree_or_raise(_attempt(prepare) if ranks.is_global_zero else None)
     checkpoint[RNG_KEY] = gather_rng_states(ranks.world_size)  # every rank's, so a resume continues each stream
-    residuals = _split_residuals(comms_state) if comms_state is not None else {}
-    if "error_feedback" in (comms_state or {}) and state_dict_type == "full":
-        comms_state["error_feedback"]["residuals"] = {u: r.cpu() for u, r in residuals.items()}
-        residuals = {}
+    rank_tensors: dict[str, torch.Tensor] = {}
     if comms_state is not None:
-        checkpoint[COMMS_KEY] = _gather_to_zero(comms_state, ranks)
+        full = state_dict_type == "full"
+        checkpoint[COMMS_KEY] = _gather_to_zero(_stash(comms_state, None if full else rank_tensors), ranks)
     if state_dict_type == "full":
         error = _attempt(lambda: save_full(checkpoint, path, save_file)) if ranks.is_global_zero else None
         agree_or_raise(error, f"ZeroPPStrategy: saving the checkpoint {path}", after=_UNTOUCHED)
@@ -497,8 +495,8 @@ def save(
     tmp = Path(ranks.broadcast(str(temporary_name(path)) if ranks.is_global_zero else None))
     tensors = {MODEL_KEY: checkpoint.pop(MODEL_KEY)}
     tensors.update({f"optimizer_{i}": state for i, state in enumerate(checkpoint.pop("optimizer_states", []))})
-    if residuals:  # each rank its own, under its rank: rank-local tensors, not shards of one global tensor
-        tensors[COMMS_KEY] = {f"rank{ranks.global_rank}": residuals}
+    if rank_tensors:  # each rank its own, under its rank: rank-local tensors, not shards of one global tensor
+        tensors[COMMS_KEY] = {f"rank{ranks.global_rank}": rank_tensors}
     try:
         dcp_save(tensors, checkpoint_id=tmp)  # every rank writes its shards; fails on all if one does
     except CheckpointException as err:  # a BaseException: it would slip past `except Exception` in user code
@@ -605,14 +603,53 @@ def load(
 
 
 # ----------------------------------------------------------------------------------------------- collectives' state
-def _split_residuals(comms_state: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """Takes the residual tensors out of ``comms_state`` (leaving their shapes); returns them by unit."""
-    feedback = comms_state.get("error_feedback")
-    if feedback is None:
+_STORED = "zeropp_stored_tensor"  # a note standing for a per-rank tensor of a sharded checkpoint
+
+
+def _stash(state: Any, tensors: dict[str, torch.Tensor] | None, key: tuple[str, ...] = ()) -> Any:
+    """``state`` with its tensors on the CPU (``tensors`` None: they are written with it), or each replaced by a note
+    of its name, shape and dtype, the tensor put into ``tensors`` under that name (written by DCP)."""
+    if isinstance(state, torch.Tensor):
+        if tensors is None:
+            return state.detach().cpu()
+        name = "/".join(key)
+        tensors[name] = state.detach()
+        return {_STORED: name, "shape": list(state.shape), "dtype": str(state.dtype).removeprefix("torch.")}
+    if isinstance(state, dict):
+        return {k: _stash(v, tensors, (*key, str(k))) for k, v in state.items()}
+    return state
+
+
+def _notes(state: Any) -> dict[str, dict[str, Any]]:
+    """The notes :func:`_stash` left in ``state``, by tensor name."""
+    if not isinstance(state, dict):
         return {}
-    residuals = feedback.pop("residuals")
-    feedback["shapes"] = {unit: tuple(r.shape) for unit, r in residuals.items()}
-    return residuals
+    if _STORED in state:
+        return {state[_STORED]: state}
+    return {name: note for value in state.values() for name, note in _notes(value).items()}
+
+
+def _unstash(state: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """``state`` with each note replaced by its tensor from ``tensors`` (a note without one stays)."""
+    if not isinstance(state, dict):
+        return state
+    if _STORED in state:
+        return tensors.get(state[_STORED], state)
+    return {k: _unstash(v, tensors) for k, v in state.items()}
+
+
+def _upgraded(state: dict[str, Any]) -> dict[str, Any]:
+    """A collectives' state as earlier versions wrote it (the step count with the residuals, a sharded file's
+    residuals named by unit alone) in today's form."""
+    feedback = state.get("error_feedback")
+    if feedback is None or "steps" not in feedback:
+        return state
+    feedback = dict(feedback)
+    state = {**state, "steps": feedback.pop("steps"), "error_feedback": feedback}
+    if "shapes" in feedback:
+        shapes = feedback.pop("shapes")
+        feedback["residuals"] = {u: {_STORED: u, "shape": list(s), "dtype": "float32"} for u, s in shapes.items()}
+    return state
 
 
 def _gather_to_zero(state: dict[str, Any], ranks: Ranks) -> list[dict[str, Any]] | None:
@@ -627,40 +664,22 @@ def _gather_to_zero(state: dict[str, Any], ranks: Ranks) -> list[dict[str, Any]]
 def restore_comms(
     comms: Any, states: list[dict[str, Any]] | None, path: Path, sharded: bool, world_size: int, rank: int
 ) -> None:
-    """Gives ``comms`` (a :class:`~lightning_zeropp.comm.ZeroPPComms`) its state from a checkpoint: the counters
-    always; the error feedback residuals when the checkpoint was written by a job of the same shape (ranks per node,
-    nodes, pipeline stages, blocks), else they start from zero, with one warning. Collective for a sharded checkpoint
-    with residuals (every rank reads its own)."""
+    """Hands ``comms`` (a :class:`~lightning_zeropp.comm.ZeroPPComms`) this rank's state from a checkpoint, with the
+    per-rank tensors of a sharded one read back (collective: every rank reads its own) when the checkpoint was
+    written by as many ranks; :meth:`ZeroPPComms.load_state_dict` decides what of it applies."""
     if not states:
         return
+    states = [_upgraded(state) for state in states]
     mine = states[rank] if len(states) == world_size else states[0]
-    comms.gradient_calls = int(mine["gradient_calls"])
-    feedback = mine.get("error_feedback")
-    if comms.feedback is None:
-        return
-    comms.feedback.clear()
-    if feedback is None:
-        rank_zero_warn(
-            f"ZeroPPStrategy: the checkpoint {path} has no error feedback residuals (it was saved without"
-            " `gradient_error_feedback`); they start from zero."
-        )
-        return
-    comms.feedback.steps = int(feedback["steps"])
-    if len(states) != world_size or mine["layout"] != comms.layout():
-        rank_zero_warn(
-            f"ZeroPPStrategy: the checkpoint {path} was written by {len(states)} ranks laid out as {mine['layout']};"
-            f" this job has {world_size} ranks laid out as {comms.layout()}. The error feedback residuals belong to"
-            " that layout and are dropped (they start from zero); everything else resumes as saved."
-        )
-        return
-    residuals = feedback.get("residuals")
-    if residuals is None and sharded:
+    tensors: dict[str, torch.Tensor] = {}
+    if sharded and len(states) == world_size and any(_notes(state) for state in states):
         from torch.distributed.checkpoint import load as dcp_load
 
-        target = {u: torch.empty(shape, dtype=torch.float32) for u, shape in feedback["shapes"].items()}
-        dcp_load({COMMS_KEY: {f"rank{rank}": target}}, checkpoint_id=path)
-        residuals = target
-    comms.feedback.load_state_dict({"residuals": residuals or {}, "periods": feedback["periods"]})
+        tensors = {
+            name: torch.empty(note["shape"], dtype=getattr(torch, note["dtype"])) for name, note in _notes(mine).items()
+        }
+        dcp_load({COMMS_KEY: {f"rank{rank}": tensors}}, checkpoint_id=path)
+    comms.load_state_dict(_unstash(mine, tensors), source=f"the checkpoint {path}")
 
 
 def gather_rng_states(world_size: int) -> list[dict[str, Any]]:

@@ -38,8 +38,9 @@ from .topology import ProcessGroups
 class ZeroPPComms:
     """Shared by every sharded module of one model; owns the groups, the ledger, the technique switches and the
     state the collectives keep: the count of gradient reductions that seeds stochastic rounding, the optimizer steps
-    taken, the error feedback residuals, whether the raw-bytes warning was given. :meth:`state_dict` is what a
-    checkpoint keeps of it."""
+    taken (the one count error feedback resets and weight delta refreshes follow), the error feedback residuals, the
+    weight deltas' node copies, whether the raw-bytes warning was given. :meth:`state_dict` / :meth:`load_state_dict`
+    are what a checkpoint keeps of it."""
 
     def __init__(self, config: ZeroPPConfig, groups: ProcessGroups, ledger: CommLedger) -> None:
         self.config = config
@@ -54,6 +55,7 @@ class ZeroPPComms:
                 " no inter-node traffic to save, so gradients use the exact reduce-scatter."
             )
         self.gradient_calls = 0
+        self.steps = 0  # optimizer steps taken
         self.feedback = (
             ErrorFeedback(config.error_feedback_decay, config.error_feedback_reset)
             if config.gradient_error_feedback and self.use_qgz
@@ -66,16 +68,19 @@ class ZeroPPComms:
                 f"ZeroPPStrategy: weight_deltas is on but the job has one hpZ group (hpz_partition_size={R} of {W}"
                 " ranks): every rank already gathers from its own node, so the forward all-gather stays as it is."
             )
-        self.units: list[UnitBlocks] = []  # the model's sharded units, set by fsdp_hooks.install
+        self.units: list[UnitBlocks] = []  # the model's sharded units (:meth:`use_units`)
         self._warned_raw_bytes = False
 
-    @property
-    def groups(self) -> ProcessGroups:
-        """The job's groups; rebuilt on first use after :meth:`release_groups` (collective, as every call needing
+    def ensure_groups(self) -> ProcessGroups:
+        """The job's groups, built again if :meth:`release_groups` destroyed them (collective, as every call needing
         them is: a sharded model used after ``Trainer.fit`` returned, or the next run of the same strategy)."""
         if self._groups is None:
             self._groups = ProcessGroups.build(self.topology, self._group_timeout)
         return self._groups
+
+    def use_units(self, units: list[UnitBlocks]) -> None:
+        """The sharded units of the model whose collectives these are (``fsdp_hooks.install`` made them)."""
+        self.units = list(units)
 
     def release_groups(self) -> None:
         """Destroys the groups (the strategy's teardown): a process that runs many Trainers keeps at most one set.
@@ -95,14 +100,15 @@ class ZeroPPComms:
         async_op: bool,
         unit: UnitBlocks | None = None,
     ) -> dist.Work | None:
-        role = self.groups.role_of(fsdp_group)
-        group, ranks = self.groups.group(role), self.groups.ranks(role)
+        groups = self.ensure_groups()
+        role = groups.role_of(fsdp_group)
+        group, ranks = groups.group(role), groups.ranks(role)
         if role == "hpz":
             return hpz.secondary_all_gather(output, input, group, ranks, self.ledger, async_op)
         # Inside autograd's backward: this is the re-gather of a resharded module.
         backward = in_backward()
         if self.deltas is not None and not backward and unit is not None and input.is_floating_point():
-            self.deltas.all_gather(output, input, unit, self.groups)
+            self.deltas.all_gather(output, input, unit, groups, self.steps)
             return None
         kind = "weight_all_gather_backward" if backward else "weight_all_gather"
         if self.config.quantize_weights and self._quantizable(input):
@@ -134,10 +140,11 @@ class ZeroPPComms:
         op,
         unit: UnitBlocks | None = None,
     ) -> None:
-        role = self.groups.role_of(fsdp_group)
+        groups = self.ensure_groups()
+        role = groups.role_of(fsdp_group)
         if role != "world":  # FSDP reduces over the whole data-parallel group; anything else is a sharding error
             raise RuntimeError(
-                f"ZeroPPStrategy: FSDP asked to reduce gradients over the {role} group {self.groups.ranks(role)}"
+                f"ZeroPPStrategy: FSDP asked to reduce gradients over the {role} group {groups.ranks(role)}"
                 " instead of all ranks; the model was sharded with a mesh other than the strategy's."
             )
         base_op, premul = split_reduce_op(op)
@@ -149,20 +156,20 @@ class ZeroPPComms:
             if self.feedback is not None:
                 pieces = [(start, size) for start, size, _ in qgz.stages(chunk, self.config, blocks)]
                 name = unit.name if unit is not None else "<unit>"
-                residuals = self.feedback.pieces(name, self.topology.num_nodes, chunk, pieces, input.device)
+                residuals = self.feedback.pieces(name, self.topology.num_nodes, chunk, pieces, input.device, self.steps)
             qgz.quantized_reduce_scatter(
-                output, input, base_op, premul, self.groups, self.ledger, self.config, call=call, blocks=blocks,
+                output, input, base_op, premul, groups, self.ledger, self.config, call=call, blocks=blocks,
                 residuals=residuals,
             )  # fmt: skip
             return
-        exact_reduce_scatter(output, input, base_op, premul, self.groups, self.ledger)
+        exact_reduce_scatter(output, input, base_op, premul, groups, self.ledger)
 
     # ----------------------------------------------------------------- state
     def begin_forward(self, device: torch.device) -> None:
         """The root's forward pre-hook: with weight deltas, every rank agrees what each unit's forward all-gather
         does (collective: one small all-reduce per forward pass)."""
         if self.deltas is not None:
-            self.deltas.agree(self.units, self.groups.world, device)
+            self.deltas.agree(self.units, self.ensure_groups().world, device, self.steps)
 
     def optimizer_updating(self) -> None:
         """Called right before an optimizer step changes the weights (after its closure ran)."""
@@ -172,8 +179,7 @@ class ZeroPPComms:
     def optimizer_stepped(self) -> None:
         """Counts an optimizer step (the error feedback's reset period follows optimizer steps; weight deltas
         note which weights the step changed)."""
-        if self.feedback is not None:
-            self.feedback.steps += 1
+        self.steps += 1
         if self.deltas is not None:
             self.deltas.after_update(self.units)
 
@@ -189,13 +195,47 @@ class ZeroPPComms:
         out.update({f"weight_deltas_{k}": v for k, v in deltas.items()})
         return out
 
-    def state_dict(self) -> dict[str, Any]:
-        """What a resume needs to continue exactly: this rank's residuals and the counters; ``layout`` says which
-        job shape they belong to."""
-        state: dict[str, Any] = {"layout": self.layout(), "gradient_calls": self.gradient_calls}
+    def state_dict(self, node_copies: bool = True) -> dict[str, Any]:
+        """What a resume needs to continue exactly: the counters, this rank's error feedback residuals and (with
+        ``node_copies``) its part of the weight deltas' node copies; ``layout`` says which job shape the per-rank
+        tensors belong to. Without the node copies, the first forward after a resume rebuilds them exactly."""
+        state: dict[str, Any] = {"layout": self.layout(), "gradient_calls": self.gradient_calls, "steps": self.steps}
         if self.feedback is not None:
-            state["error_feedback"] = {"steps": self.feedback.steps, **self.feedback.state_dict()}
+            state["error_feedback"] = self.feedback.state_dict()
+        if self.deltas is not None and node_copies:
+            state["weight_deltas"] = self.deltas.state_dict(self.units)
         return state
+
+    def load_state_dict(self, state: dict[str, Any], source: str = "the checkpoint") -> None:
+        """What :meth:`state_dict` returned (``source`` names it in warnings), once the weights saved with it are
+        loaded: the counters always; the per-rank tensors only if they belong to this job's layout, else (and where
+        the checkpoint has none) residuals start from zero and node copies are rebuilt by the next forward."""
+        self.gradient_calls = int(state["gradient_calls"])
+        feedback = state.get("error_feedback")
+        self.steps = int(state.get("steps", 0))
+        if self.deltas is not None:
+            self.deltas.clear()
+        if self.feedback is not None:
+            self.feedback.clear()
+        if state["layout"] != self.layout():
+            if self.feedback is not None or self.deltas is not None:
+                rank_zero_warn(
+                    f"ZeroPPStrategy: {source} was written by {_ranks(state['layout'])} ranks laid out as"
+                    f" {state['layout']}; this job has {_ranks(self.layout())} ranks laid out as {self.layout()}."
+                    " The error feedback residuals and weight delta copies belong to that layout and are dropped"
+                    " (residuals start from zero, copies are rebuilt exactly); everything else resumes as saved."
+                )
+            return
+        if self.feedback is not None:
+            if feedback is None:
+                rank_zero_warn(
+                    f"ZeroPPStrategy: {source} has no error feedback residuals (it was saved without"
+                    " `gradient_error_feedback`); they start from zero."
+                )
+            else:
+                self.feedback.load_state_dict(feedback)
+        if self.deltas is not None and "weight_deltas" in state:
+            self.deltas.load_state_dict(state["weight_deltas"], self.units)
 
     def layout(self) -> dict[str, Any]:
         """What the residuals' shapes and meaning depend on: ranks per node and nodes, stages, blocks."""
@@ -207,6 +247,10 @@ class ZeroPPComms:
             "gradient_block_size": c.gradient_block_size,
             "block_alignment": c.block_alignment,
         }
+
+
+def _ranks(layout: dict[str, Any]) -> int:
+    return int(layout["ranks_per_node"]) * int(layout["num_nodes"])
 
 
 def exact_reduce_scatter(

@@ -29,6 +29,7 @@ from . import checkpoint as ckpt
 from . import fsdp_hooks, hpz
 from . import kernels as tk
 from .comm import ZeroPPComms
+from .compat.torch import ForwardHooks
 from .config import CpuOffload, ModuleSelection, StateDictType, ZeroPPConfig, check_strategy_arguments, offloads
 from .ledger import CommLedger
 from .materialize import materialize_meta_tensors
@@ -37,7 +38,7 @@ from .sharding import apply_zeropp, refuse_fsdp1
 from .topology import ProcessGroups, Topology, check_launch
 
 SUPPORTED_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-true")
-_SHARDED_MARK = "_zeropp_sharding_layout"
+_SHARDED = "_zeropp_sharded"  # the one attribute sharding sets on the user's model: its ShardedModel
 _CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(ZeroPPConfig))
 
 
@@ -52,6 +53,51 @@ def bind_arguments(signature_of: Callable, owner: str, args: tuple, kwargs: dict
     arguments = dict(bound.arguments)
     arguments.pop(next(iter(arguments)))  # self
     return arguments
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """What the sharding of a model depends on; a model sharded otherwise cannot be adopted by a strategy."""
+
+    front_door: str
+    world_size: int
+    reshard_after_forward: bool | int
+    precision: str
+    cpu_offload: bool
+
+    def differences(self, now: Layout) -> list[str]:
+        return [
+            f"{f.name}: {getattr(self, f.name)!r} then, {getattr(now, f.name)!r} now"
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) != getattr(now, f.name)
+        ]
+
+
+@dataclasses.dataclass(eq=False)
+class ShardedModel:
+    """What sharding made of one model, owned by the core that sharded (or adopted) it; the model holds it as one
+    attribute so that a later strategy can adopt the model (a second ``Trainer``, Fabric's setup of a model sharded
+    before).
+
+    ``root_hooks``: the forward hooks sharding added to the root module (FSDP2's root hooks and the two below), which
+    the Trainer's step redirection runs around a step; ``comms``: the collectives every unit calls.
+    """
+
+    layout: Layout
+    comms: ZeroPPComms
+    root_hooks: ForwardHooks
+
+    def begin_forward(self, module: nn.Module, args: Any) -> None:
+        """The root's first forward pre-hook: the collectives prepare the forward pass (with weight deltas, every
+        rank agrees which node copies to update), before FSDP2's root pre-hook gathers the root's weights."""
+        if self.comms.deltas is not None:
+            self.comms.begin_forward(next((p.device for p in module.parameters()), torch.device("cpu")))
+
+    def enter_step(self, module: nn.Module, args: Any) -> None:
+        """The root's last forward pre-hook: inside a step that runs only ``root_hooks`` around it (the Trainer's
+        redirection), the module's other hooks (the user's) run from here on."""
+        if self.root_hooks.selecting:
+            self.root_hooks.switch_to_others()
 
 
 class ZeroPPCore:
@@ -169,7 +215,7 @@ class ZeroPPCore:
             self._ledger = CommLedger(topology)
             self._comms = ZeroPPComms(self.config, ProcessGroups.build(topology, self.timeout), self._ledger)
         assert self._comms is not None and self.mesh is not None
-        self._comms.groups  # noqa: B018  (rebuilt here if the last run's teardown released them)
+        self._comms.ensure_groups()  # built again if the last run's teardown released them
         return self.mesh
 
     def release(self) -> None:
@@ -188,7 +234,7 @@ class ZeroPPCore:
             return list(values)
         flags = torch.tensor(values, dtype=torch.int64, device=device)
         self.ledger.record_all_gather("preemption_agreement", list(range(self.topology.world_size)), 8 * len(values))
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._comms.groups.world)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._comms.ensure_groups().world)
         return [int(v) for v in flags.tolist()]
 
     def broadcast_object(self, obj: Any, src: int) -> Any:
@@ -196,7 +242,7 @@ class ZeroPPCore:
         if self._comms is None or self.topology.world_size == 1:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=src, group=self._comms.groups.world)
+        dist.broadcast_object_list(box, src=src, group=self._comms.ensure_groups().world)
         return box[0]
 
     # ------------------------------------------------------------------ sharding
@@ -205,15 +251,10 @@ class ZeroPPCore:
         """What every ``fully_shard`` call of this strategy passes: an int (the hpZ partition size) when hpZ is on."""
         return hpz.reshard_after_forward(self.topology.hpz_partition_size, self.topology.world_size)
 
-    def layout(self, precision: str, front_door: str) -> dict[str, Any]:
+    def layout(self, precision: str, front_door: str) -> Layout:
         """What the sharding of a model depends on; a model sharded differently cannot be adopted."""
-        return {
-            "front_door": front_door,
-            "world_size": self.topology.world_size,
-            "reshard_after_forward": self.reshard_after_forward,
-            "precision": precision,
-            "cpu_offload": offloads(self.cpu_offload),
-        }
+        return Layout(front_door, self.topology.world_size, self.reshard_after_forward, precision,
+                      offloads(self.cpu_offload))  # fmt: skip
 
     def shard(
         self,
@@ -221,54 +262,50 @@ class ZeroPPCore:
         precision: str,
         device: torch.device,
         front_door: str,
-        register: Callable[[Callable[[], None]], Any] | None = None,
         parallelize_fn: Callable[[nn.Module, DeviceMesh], nn.Module] | None = None,
-    ) -> tuple[nn.Module, Any]:
+    ) -> tuple[nn.Module, ShardedModel]:
         """Shards ``model`` in place (ZeRO-3 on FSDP2, collectives through ZeRO++) and materializes what is left on
-        the meta device; returns the model and what ``register`` returned.
+        the meta device; returns the model and its :class:`ShardedModel`.
 
-        ``register(shard)`` is the front door's wrapper around the sharding call (it may record the hooks sharding
-        registers); it must call ``shard()``. ``parallelize_fn(model, mesh)``: the user's own ``fully_shard`` calls
-        instead of the default units; they must pass :attr:`reshard_after_forward` (hpZ), and the root is sharded
-        here if they left it. A model sharded earlier by a strategy with the same layout is adopted: its
-        collectives are routed through this core.
+        ``parallelize_fn(model, mesh)``: the user's own ``fully_shard`` calls instead of the default units; they must
+        pass :attr:`reshard_after_forward` (hpZ), and the root is sharded here if they left it. A model sharded
+        earlier by a strategy with the same layout is adopted: its collectives are routed through this core.
         """
         assert self._comms is not None and self.mesh is not None
         refuse_fsdp1(model)
         layout = self.layout(precision, front_door)
-        if getattr(model, _SHARDED_MARK, None) is not None:
-            return model, self._adopt(model, layout)
-        comms, mesh = self._comms, self.mesh
-
-        def shard() -> None:
-            nonlocal model
-            kwargs = dict(
-                mesh=mesh,
-                comms=comms,
-                reshard_after_forward=layout["reshard_after_forward"],
-                precision=precision,
-                auto_wrap_policy=self.auto_wrap_policy,
-                activation_checkpointing_policy=self.activation_checkpointing_policy,
-                cpu_offload=self.cpu_offload,
-            )
-            if parallelize_fn is None:
-                apply_zeropp(model, **kwargs)
-            else:
-                model = _user_parallelized(model, parallelize_fn, mesh)
-                apply_zeropp(model, **kwargs, already_sharded=True)
-            # before FSDP2's own root pre-hook (which gathers the root's weights)
-            model.register_forward_pre_hook(_begin_forward, prepend=True)
-
-        payload = register(shard) if register is not None else shard()
-        setattr(model, _SHARDED_MARK, (layout, payload, self._comms))
+        sharded: ShardedModel | None = getattr(model, _SHARDED, None)
+        if sharded is not None:
+            self._adopt(model, sharded, layout)
+            return model, sharded
+        root_hooks = ForwardHooks(model)  # the hooks added from here on are the root's sharding hooks
+        if parallelize_fn is not None:
+            parallelized = _user_parallelized(model, parallelize_fn, self.mesh)
+            if parallelized is not model:
+                model, root_hooks = parallelized, ForwardHooks(parallelized)
+        apply_zeropp(
+            model,
+            mesh=self.mesh,
+            reshard_after_forward=layout.reshard_after_forward,
+            precision=precision,
+            auto_wrap_policy=self.auto_wrap_policy,
+            activation_checkpointing_policy=self.activation_checkpointing_policy,
+            cpu_offload=self.cpu_offload,
+            already_sharded=parallelize_fn is not None,
+        )
+        self._comms.use_units(fsdp_hooks.install(model, self._comms))
+        sharded = ShardedModel(layout, self._comms, root_hooks)
+        model.register_forward_pre_hook(sharded.begin_forward, prepend=True)  # before FSDP2's root pre-hook
+        model.register_forward_pre_hook(sharded.enter_step)  # after it
+        root_hooks.keep_added()
+        setattr(model, _SHARDED, sharded)
         materialize_meta_tensors(model, device)
-        return model, payload
+        return model, sharded
 
-    def _adopt(self, model: nn.Module, layout: dict[str, Any]) -> Any:
+    def _adopt(self, model: nn.Module, sharded: ShardedModel, layout: Layout) -> None:
         """A model sharded by an earlier strategy (an earlier Trainer): route its collectives through ours."""
         assert self._comms is not None
-        sharded_as, payload, earlier = getattr(model, _SHARDED_MARK)
-        differences = [f"{k}: {sharded_as[k]!r} then, {v!r} now" for k, v in layout.items() if sharded_as[k] != v]
+        differences = sharded.layout.differences(layout)
         if differences:
             raise ValueError(
                 "ZeroPPStrategy: this model was sharded by an earlier strategy with other settings ("
@@ -276,17 +313,17 @@ class ZeroPPCore:
                 + "). Build a fresh model and load a checkpoint instead: sharded checkpoints load on any world size"
                 " and settings."
             )
-        if earlier is not self._comms:  # the earlier strategy's groups (rebuilt if the model was called after its run)
-            earlier.release_groups()
-        fsdp_hooks.install(model, self._comms)
-        setattr(model, _SHARDED_MARK, (layout, payload, self._comms))
+        if sharded.comms is not self._comms:  # the earlier strategy's groups (rebuilt if the model ran after its run)
+            sharded.comms.release_groups()
+        self._comms.use_units(fsdp_hooks.install(model, self._comms))
+        sharded.comms = self._comms
         reshard(model)
-        return payload
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, ranks: ckpt.Ranks, checkpoint: dict[str, Any], path: str | os.PathLike, save_file: Callable) -> None:
         """Writes Lightning's checkpoint dict (``state_dict``, ``optimizer_states``, the rest) atomically."""
-        comms_state = self._comms.state_dict() if self._comms is not None else None
+        sharded = self.state_dict_type == "sharded"  # a full file leaves out the per-rank weight delta node copies
+        comms_state = self._comms.state_dict(node_copies=sharded) if self._comms is not None else None
         ckpt.save(ranks, checkpoint, path, self.state_dict_type, save_file, comms_state)
 
     def load(
@@ -322,10 +359,10 @@ class ZeroPPCore:
             return loaded
 
         expected = [(type(o).__name__, keys) for o, keys in zip(optimizers, ckpt.optimizer_keys(model, optimizers))]
+        if self._comms is not None:  # node copies are rebuilt, unless the checkpoint restores them
+            self._comms.weights_replaced()
         loaded = ckpt.load(ranks, path, shapes, strict, read, restore, expected, model_key, optimizer_keys)
         reshard(model)
-        if self._comms is not None:
-            self._comms.weights_replaced()
         return loaded
 
 
@@ -470,19 +507,9 @@ def register_names(registry: Any, strategy_class: type) -> None:
     )
 
 
-def _begin_forward(module: nn.Module, args: Any) -> None:
-    """The sharded root's first forward pre-hook: the collectives prepare the forward pass (with weight deltas,
-    every rank agrees which node copies to update)."""
-    mark = getattr(module, _SHARDED_MARK, None)
-    if mark is None or mark[2].deltas is None:
-        return
-    device = next((p.device for p in module.parameters()), torch.device("cpu"))
-    mark[2].begin_forward(device)
-
-
 def is_sharded(model: nn.Module) -> bool:
     """Whether ``model`` was sharded by a ZeroPPStrategy (either front door)."""
-    return getattr(model, _SHARDED_MARK, None) is not None
+    return getattr(model, _SHARDED, None) is not None
 
 
 def reshard(model: nn.Module | None) -> None:

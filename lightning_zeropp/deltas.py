@@ -70,7 +70,6 @@ class WeightDeltas:
         self.topology = topology
         self.ledger = ledger
         self.refresh_every = config.weight_delta_refresh
-        self.steps = 0
         self._copies: dict[str, _UnitCopy] = {}
         W, R = topology.world_size, topology.hpz_partition_size
         self.groups_of_holders = G = W // R
@@ -84,13 +83,14 @@ class WeightDeltas:
     def _copy(self, unit: UnitBlocks) -> _UnitCopy:
         return self._copies.setdefault(unit.name, _UnitCopy())
 
-    def _period(self) -> int:
-        return self.steps // self.refresh_every if self.refresh_every else 0
+    def _period(self, step: int) -> int:
+        return step // self.refresh_every if self.refresh_every else 0
 
-    def local_code(self, unit: UnitBlocks) -> int:
-        """What this rank would do at ``unit``'s next forward all-gather, from what it knows alone."""
+    def local_code(self, unit: UnitBlocks, step: int) -> int:
+        """What this rank would do at ``unit``'s next forward all-gather, from what it knows alone (``step``: the
+        optimizer steps taken so far, which set the refresh period)."""
         copy = self._copy(unit)
-        if copy.slice is None or copy.stale or copy.period != self._period():
+        if copy.slice is None or copy.stale or copy.period != self._period(step):
             return REFRESH
         versions = unit_versions(unit.module)
         if versions == copy.synced:
@@ -99,13 +99,13 @@ class WeightDeltas:
             return DELTA
         return REFRESH
 
-    def agree(self, units: list[UnitBlocks], group: dist.ProcessGroup, device: torch.device) -> None:
+    def agree(self, units: list[UnitBlocks], group: dist.ProcessGroup, device: torch.device, step: int) -> None:
         """Collective: every rank takes, per unit, the largest of the ranks' codes (refresh > delta > skip), so all
         run the same collectives; any code is correct for a unit whose weights did not change, skip only for one
         whose weights changed on no rank."""
         if not units:
             return
-        codes = torch.tensor([self.local_code(u) for u in units], dtype=torch.uint8, device=device)
+        codes = torch.tensor([self.local_code(u, step) for u in units], dtype=torch.uint8, device=device)
         ranks = list(range(self.topology.world_size))
         self.ledger.record_all_gather("weight_delta_agreement", ranks, codes.numel())
         dist.all_reduce(codes, op=dist.ReduceOp.MAX, group=group)
@@ -123,7 +123,6 @@ class WeightDeltas:
 
     def after_update(self, units: list[UnitBlocks]) -> None:
         """Right after an optimizer step: the units' weights now differ from the copy by what the step did."""
-        self.steps += 1
         for unit in units:
             copy = self._copy(unit)
             if not copy.stale:
@@ -137,19 +136,23 @@ class WeightDeltas:
             copy.agreed = None
 
     # ----------------------------------------------------------------- the forward all-gather
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor, unit: UnitBlocks, groups: ProcessGroups) -> None:
+    def all_gather(
+        self, output: torch.Tensor, input: torch.Tensor, unit: UnitBlocks, groups: ProcessGroups, step: int
+    ) -> None:
         """FSDP's forward all-gather of ``unit``: brings this rank's slice of the node copy up to date (skip, delta or
         refresh, as agreed), then gathers the slices of the hpZ group into ``output``."""
         copy = self._copy(unit)
-        code = copy.agreed if copy.agreed is not None else self.local_code(unit)
+        code = copy.agreed if copy.agreed is not None else self.local_code(unit, step)
         copy.agreed = None
+        if copy.slice is not None and copy.slice.device != input.device:  # restored from a checkpoint on the CPU
+            copy.slice, copy.tracked = copy.slice.to(input.device), _to(copy.tracked, input.device)
         S, G = input.numel(), self.groups_of_holders
         if copy.slice is None or copy.slice.numel() != G * S or copy.slice.dtype != input.dtype:
             code = REFRESH  # the shapes and dtype are the same on every rank: so is this
         versions = unit_versions(unit.module)
         if code == REFRESH:
             self._refresh(copy, input, groups)
-            copy.period = self._period()
+            copy.period = self._period(step)
         elif code == DELTA:
             self._send_delta(copy, input, unit, groups)
         copy.synced, copy.stepped, copy.stale = versions, None, False
@@ -235,6 +238,53 @@ class WeightDeltas:
 
     def clear(self) -> None:
         self._copies.clear()
+
+    # ----------------------------------------------------------------- checkpoints
+    def state_dict(self, units: list[UnitBlocks]) -> dict[str, Any]:
+        """This rank's part of the node copies, by unit: its ``slice`` of the copy, the ``tracked`` copy of its own
+        shard, the refresh ``period``, and how the copy relates to the weights now (``relation``: ``"synced"``, equal
+        to them; ``"stepped"``, behind them by the last optimizer step, whose delta the next forward sends;
+        ``"stale"``, to be refreshed); and the forward all-gathers' ``counts``."""
+        saved: dict[str, Any] = {}
+        for unit in units:
+            copy = self._copies.get(unit.name)
+            if copy is None or copy.slice is None or copy.tracked is None:
+                continue
+            versions = unit_versions(unit.module)
+            relation = "stale"
+            if not copy.stale and versions == copy.synced:
+                relation = "synced"
+            elif not copy.stale and versions == copy.stepped:
+                relation = "stepped"
+            saved[unit.name] = {
+                "slice": copy.slice, "tracked": copy.tracked, "period": copy.period, "relation": relation,
+            }  # fmt: skip
+        return {"units": saved, "counts": dict(self.counts)}
+
+    def load_state_dict(self, state: dict[str, Any], units: list[UnitBlocks]) -> None:
+        """What :meth:`state_dict` returned, once the weights it was saved with are loaded into ``units``: a
+        ``"synced"`` or ``"stepped"`` copy relates so to the weights as they are now; a unit without one is
+        refreshed by its next forward."""
+        self._copies.clear()
+        saved = state["units"]
+        for unit in units:
+            if unit.name not in saved:
+                continue
+            entry = saved[unit.name]
+            versions = unit_versions(unit.module)
+            self._copies[unit.name] = _UnitCopy(
+                slice=entry["slice"].clone(),
+                tracked=entry["tracked"].clone(),
+                synced=versions if entry["relation"] == "synced" else None,
+                stepped=versions if entry["relation"] == "stepped" else None,
+                stale=entry["relation"] == "stale",
+                period=int(entry["period"]),
+            )
+        self.counts = {name: int(state["counts"].get(name, 0)) for name in self.counts}
+
+
+def _to(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    return None if tensor is None else tensor.to(device)
 
 
 def _add_into(copy: torch.Tensor, delta: torch.Tensor) -> None:

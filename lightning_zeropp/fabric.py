@@ -123,7 +123,7 @@ class ZeroPPStrategy(FrontDoor, FabricModelParallelBase):
             (holder, name, p) for holder in module.modules() for name, p in holder.named_parameters(recurse=False)
         ]
         precision = str(self.precision.precision)
-        model, _ = self._core.shard(module, precision, self.root_device, "Fabric", None, self._user_parallelize)
+        model, _ = self._core.shard(module, precision, self.root_device, "Fabric", self._user_parallelize)
         if not hasattr(model, _RESHARD_HOOK):
             setattr(model, _RESHARD_HOOK, model.register_forward_hook(_reshard_without_grad))
         for holder, name, p in before:

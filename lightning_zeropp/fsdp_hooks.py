@@ -51,13 +51,15 @@ class ZeroPPReduceScatter(_OnComms, ReduceScatter):
         self.comms.reduce_scatter(output_tensor, input_tensor, group, op, self.unit)
 
 
-def install(model: torch.nn.Module, comms: ZeroPPComms) -> None:
+def install(model: torch.nn.Module, comms: ZeroPPComms) -> list[UnitBlocks]:
     """Routes the collectives of every ``FSDPModule`` in ``model`` through ``comms``, each with its unit's blocks
-    (the unit is named by its module path, which also keys its error feedback residual in checkpoints)."""
-    comms.units = []
+    (the unit is named by its module path, which also keys its error feedback residual in checkpoints); returns
+    the units, in module order."""
+    units = []
     for name, module in model.named_modules():
         if isinstance(module, FSDPModule):
             unit = UnitBlocks(module, name, comms.config)
-            comms.units.append(unit)
+            units.append(unit)
             module.set_custom_all_gather(ZeroPPAllGather(comms, unit))
             module.set_custom_reduce_scatter(ZeroPPReduceScatter(comms, unit))
+    return units

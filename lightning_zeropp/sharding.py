@@ -1,8 +1,8 @@
-"""Applies ZeRO-3 sharding with FSDP2 to a model and routes its collectives through ZeRO++.
+"""Applies ZeRO-3 sharding with FSDP2 to a model (the core then routes its collectives through ZeRO++).
 
 Order matters: activation checkpointing first (it must see the plain blocks), then ``fully_shard`` bottom-up (a
-parent's ``fully_shard`` skips parameters its sharded children already manage), the root last, and only then the
-custom collectives, which every sharded module shares.
+parent's ``fully_shard`` skips parameters its sharded children already manage), the root last; only then the
+custom collectives (``fsdp_hooks.install``), which every sharded module shares.
 """
 
 from __future__ import annotations
@@ -14,8 +14,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel, MixedPrecisionPolicy, fully_shard
 
-from . import fsdp_hooks
-from .comm import ZeroPPComms
 from .compat.torch import checkpoint_in_place, unit_mesh_sizes
 from .config import CpuOffload, ModulePolicy, ModuleSelection, offload_policy
 
@@ -95,7 +93,6 @@ def apply_zeropp(
     model: nn.Module,
     *,
     mesh: DeviceMesh,
-    comms: ZeroPPComms,
     reshard_after_forward: bool | int,
     precision: str,
     auto_wrap_policy: ModuleSelection,
@@ -106,8 +103,7 @@ def apply_zeropp(
     """Shards ``model`` in place; returns the sharded modules, root last.
 
     ``already_sharded``: the user's ``parallelize_fn`` called ``fully_shard`` on the units it chose; they are checked
-    against the strategy's layout (``mesh``, ``reshard_after_forward``), the root is sharded if it is not yet, and
-    the collectives are installed on all of them.
+    against the strategy's layout (``mesh``, ``reshard_after_forward``), and the root is sharded if it is not yet.
     """
     kwargs = {
         "mesh": mesh,
@@ -117,7 +113,7 @@ def apply_zeropp(
     }
     if already_sharded:
         targets = _check_user_units(model, mesh, reshard_after_forward)
-        return _shard_root_and_install(model, targets, kwargs, comms)
+        return _shard_root(model, targets, kwargs)
     if any(isinstance(m, FSDPModule) for m in model.modules()):
         raise TypeError(
             "ZeroPPStrategy shards the model itself, but it already holds modules wrapped with `fully_shard`."
@@ -138,21 +134,17 @@ def apply_zeropp(
 
     for module in targets:
         fully_shard(module, **kwargs)
-    return _shard_root_and_install(model, targets, kwargs, comms)
+    return _shard_root(model, targets, kwargs)
 
 
-def _shard_root_and_install(
-    model: nn.Module, targets: list[nn.Module], kwargs: dict, comms: ZeroPPComms
-) -> list[nn.Module]:
+def _shard_root(model: nn.Module, targets: list[nn.Module], kwargs: dict) -> list[nn.Module]:
     # The steps run inside the root's forward with its hooks firing once (strategy._StepRedirection), so a
     # root that cast its inputs would cast the whole batch, labels included. The units below still cast theirs,
     # and bf16-mixed autocast covers the root's own layers.
     if not isinstance(model, FSDPModule):
         root_policy = dataclasses.replace(kwargs["mp_policy"], cast_forward_inputs=False)
         fully_shard(model, **{**kwargs, "mp_policy": root_policy})
-    sharded = [*targets, model]
-    fsdp_hooks.install(model, comms)
-    return sharded
+    return [*targets, model]
 
 
 def refuse_fsdp1(model: nn.Module) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Generator
+from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal
@@ -45,10 +45,11 @@ class _StepRedirection(ForwardRedirection):
 
     ``fully_shard`` is applied in place to the LightningModule, so the step runs inside the root's ``forward``: FSDP2's
     pre-forward (lazy init, unshard) and post-forward (reshard, pre-backward hooks on the loss) wrap it. Around that
-    outer call, the root runs only the forward hooks ``fully_shard`` registered (:class:`ForwardHooks`); the last of
-    its pre-hooks switches to the other hooks (the user's) before the step method runs, and ``on_after_inner_forward``
-    switches back before the post-hooks. So a step's ``self(x)`` runs the user's forward hooks with ``x``, as a plain
-    call would, and not FSDP2's: a nested post-forward would reshard the root and defeat hpZ for its parameters.
+    outer call, the root runs only the forward hooks sharding registered (:class:`ForwardHooks`); the last of its
+    pre-hooks (``ShardedModel.enter_step``) switches to the other hooks (the user's) before the step method runs, and
+    ``on_after_inner_forward`` switches back before the post-hooks. So a step's ``self(x)`` runs the user's forward
+    hooks with ``x``, as a plain call would, and not FSDP2's: a nested post-forward would reshard the root and defeat
+    hpZ for its parameters.
     """
 
     def __init__(self, hooks: ForwardHooks) -> None:
@@ -61,16 +62,6 @@ class _StepRedirection(ForwardRedirection):
     def run(self, module: pl.LightningModule, method_name: str, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         with self.hooks.only_recorded():
             return self(module, module, method_name, *args, **kwargs)
-
-
-def _enter_step(hooks: ForwardHooks):
-    """The root's last pre-hook: inside a redirected step, from here on only the user's hooks run."""
-
-    def hook(module: nn.Module, args: Any) -> None:
-        if hooks.selecting:
-            hooks.switch_to_others()
-
-    return hook
 
 
 class ZeroPPStrategy(FrontDoor, ModelParallelBase):
@@ -191,19 +182,9 @@ class ZeroPPStrategy(FrontDoor, ModelParallelBase):
     @override
     def shard_model(self, model: nn.Module) -> nn.Module:
         """Shards the model in place (dtype already converted: the shards hold the converted values)."""
-
-        def record(shard: Callable[[], None]) -> ForwardHooks:
-            def shard_and_enter() -> None:
-                shard()
-                model.register_forward_pre_hook(_enter_step(hooks))  # after FSDP2's root pre-hook
-
-            hooks = ForwardHooks(model)
-            hooks.record(shard_and_enter)
-            return hooks
-
         precision = str(self.precision_plugin.precision)
-        model, hooks = self._core.shard(model, precision, self.root_device, "Trainer", record)
-        self._steps = _StepRedirection(hooks)
+        model, sharded = self._core.shard(model, precision, self.root_device, "Trainer")
+        self._steps = _StepRedirection(sharded.root_hooks)
         self.barrier()
         return model
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from lightning.pytorch import Callback
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.utils.data import DataLoader, TensorDataset
@@ -25,7 +26,9 @@ WIDER = TINY["n_embd"] + TINY["n_head"]  # a model that differs from TINY in wid
 EXACT = dict(hpz_partition_size=2, quantize_weights=False, quantize_gradients=False)
 # error feedback residuals and the stochastic rounding's call count must come back for a resume to continue exactly
 FEEDBACK = dict(gradient_error_feedback=True, gradient_rounding="stochastic")
-MODES = {"exact": EXACT, "quantized": {}, "feedback": FEEDBACK}
+# ... and so must the weight deltas' node copies (the steps after the resume send deltas, as uninterrupted ones do)
+DELTAS = dict(FEEDBACK, weight_deltas=True)
+MODES = {"exact": EXACT, "quantized": {}, "feedback": FEEDBACK, "deltas": DELTAS}
 
 
 def _loaders(rank, world, data_path):
@@ -35,11 +38,23 @@ def _loaders(rank, world, data_path):
     return train, every
 
 
-def _trainer(world, strategy_kwargs, per_node, **kwargs):
+class _SaveAtEpochEnd(Callback):
+    """Saves where ModelCheckpoint would, inside the run: what the collectives keep across steps (weight deltas' node
+    copies) still exists then; a run's teardown frees it."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        trainer.save_checkpoint(self.path)
+
+
+def _trainer(world, strategy_kwargs, per_node, save_to=None, **kwargs):
     recorder = LossRecorder()
     strategy = ZeroPPStrategy(ranks_per_node=per_node, **strategy_kwargs)
     kwargs.setdefault("limit_val_batches", 1.0)
-    trainer = lightning_trainer(world, strategy, callbacks=[recorder], use_distributed_sampler=False, **kwargs)
+    callbacks = [recorder] if save_to is None else [recorder, _SaveAtEpochEnd(save_to)]
+    trainer = lightning_trainer(world, strategy, callbacks=callbacks, use_distributed_sampler=False, **kwargs)
     return trainer, recorder
 
 
@@ -55,9 +70,11 @@ def _resume_worker(rank, world, init_path, data_path, ckpt, strategy_kwargs, eva
     trainer.fit(TinyLM(init_path, dropout=dropout), train)
 
     torch.manual_seed(rank)
-    trainer, first = _trainer(world, strategy_kwargs, 2, max_epochs=1)
+    in_run = strategy_kwargs.get("weight_deltas", False)
+    trainer, first = _trainer(world, strategy_kwargs, 2, save_to=ckpt if in_run else None, max_epochs=1)
     trainer.fit(TinyLM(init_path, dropout=dropout), train)
-    trainer.save_checkpoint(ckpt)
+    if not in_run:
+        trainer.save_checkpoint(ckpt)
 
     torch.manual_seed(12345)  # a resumed job starts elsewhere: the checkpoint must bring the streams back
     trainer, resumed = _trainer(world, strategy_kwargs, 2, max_epochs=2)
@@ -76,8 +93,9 @@ def _resume_worker(rank, world, init_path, data_path, ckpt, strategy_kwargs, eva
         ("sharded", "quantized", 0.0),
         ("sharded", "feedback", 0.0),
         ("full", "feedback", 0.0),
+        ("sharded", "deltas", 0.0),
     ],
-    ids=["sharded-dropout", "full-dropout", "sharded-quantized", "sharded-feedback", "full-feedback"],
+    ids=["sharded-dropout", "full-dropout", "sharded-quantized", "sharded-feedback", "full-feedback", "sharded-deltas"],
 )
 def test_resume_continues_exactly(tmp_path, state_dict_type, mode, dropout):
     init_path, data_path, *_ = save_inputs(tmp_path, 4 * 2 * BATCH)

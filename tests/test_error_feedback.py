@@ -77,7 +77,7 @@ def _save_then_load_elsewhere(rank, world, per_node, init_path, data_path, ckpt,
     return {
         "warnings": [str(w.message) for w in caught if "error feedback" in str(w.message)],
         "residual_bytes": strategy.comms.feedback.nbytes,
-        "steps": strategy.comms.feedback.steps,
+        "steps": strategy.comms.steps,
     }
 
 
@@ -99,21 +99,19 @@ def test_residuals_reset_every_period_and_restore_as_saved():
 
     fb = ErrorFeedback(decay=0.8, reset=3)
     stages = [(0, 4), (4, 2)]
-    first = fb.pieces("block", 2, 6, stages, torch.device("cpu"))
+    cpu = torch.device("cpu")
+    first = fb.pieces("block", 2, 6, stages, cpu, step=0)
     assert [tuple(p.shape) for p in first] == [(2, 4), (2, 2)]
     for p in first:
         p.fill_(1.0)
-    fb.steps = 2  # same period: kept
-    assert all(torch.all(p == 1) for p in fb.pieces("block", 2, 6, stages, torch.device("cpu")))
-    saved = copy.deepcopy({"steps": fb.steps, **fb.state_dict()})  # as written to a checkpoint
-    fb.steps = 3  # a new period: zeroed before use
-    assert all(torch.all(p == 0) for p in fb.pieces("block", 2, 6, stages, torch.device("cpu")))
+    assert all(torch.all(p == 1) for p in fb.pieces("block", 2, 6, stages, cpu, step=2))  # same period: kept
+    saved = copy.deepcopy(fb.state_dict())  # as written to a checkpoint
+    assert all(torch.all(p == 0) for p in fb.pieces("block", 2, 6, stages, cpu, step=3))  # a new period: zeroed
     restored = ErrorFeedback(decay=0.8, reset=3)
     restored.load_state_dict(saved)
-    restored.steps = saved["steps"]
-    assert all(torch.all(p == 1) for p in restored.pieces("block", 2, 6, stages, torch.device("cpu")))
+    assert all(torch.all(p == 1) for p in restored.pieces("block", 2, 6, stages, cpu, step=2))
+    assert all(torch.all(p == 0) for p in restored.pieces("block", 2, 6, stages, cpu, step=3))
     never = ErrorFeedback(decay=0.8, reset=0)
-    never.pieces("block", 1, 4, [(0, 4)], torch.device("cpu"))[0].fill_(2.0)
-    never.steps = 10_000
-    assert torch.all(never.pieces("block", 1, 4, [(0, 4)], torch.device("cpu"))[0] == 2)
+    never.pieces("block", 1, 4, [(0, 4)], cpu, step=0)[0].fill_(2.0)
+    assert torch.all(never.pieces("block", 1, 4, [(0, 4)], cpu, step=10_000)[0] == 2)
     assert never.nbytes == 16

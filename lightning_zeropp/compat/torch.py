@@ -8,9 +8,8 @@ version and the supported range, not later in the middle of a training step.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -58,8 +57,9 @@ def checkpoint_in_place(module: nn.Module) -> None:
 
 
 class ForwardHooks:
-    """The forward hooks of one module, split into the ones some call added (FSDP2's root hooks, registered by
-    ``fully_shard``) and all the others (the user's), with a switch between the two sets.
+    """The forward hooks of one module, split into the ones added between this object's creation and
+    :meth:`keep_added` (FSDP2's root hooks, registered by ``fully_shard``, and the strategy's) and all the others
+    (the user's), with a switch between the two sets.
 
     ``nn.Module`` keeps its hooks in private ordered dicts; a module call copies them into a tuple before it runs the
     pre-hooks, and reads the forward hooks again after ``forward`` returns, so switching sets in the middle of a call
@@ -71,15 +71,14 @@ class ForwardHooks:
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
+        self._before = {name: set(getattr(module, name, {})) for name in self._DICTS}
         self._added: dict[str, set[int]] = {name: set() for name in self._DICTS}
         self._saved: dict[str, OrderedDict] | None = None
 
-    def record(self, register: Callable[[], Any]) -> None:
-        """Runs ``register()`` and remembers which forward hooks of the module it added."""
-        before = {name: set(getattr(self.module, name, {})) for name in self._DICTS}
-        register()
+    def keep_added(self) -> None:
+        """The forward hooks added to the module since this object was made become the recorded set."""
         for name in self._DICTS:
-            self._added[name] |= set(getattr(self.module, name, {})) - before[name]
+            self._added[name] |= set(getattr(self.module, name, {})) - self._before[name]
 
     @property
     def selecting(self) -> bool:
