@@ -54,7 +54,7 @@ def _worker(rank: int, world: int, per_node: int, params: int, reps: int) -> dic
             out, grads.clone(), avg, None, groups, ledger, ZeroPPConfig()
         ),
         "reduce-scatter qgZ (1 stage)": lambda: qgz.quantized_reduce_scatter(
-            out, grads.clone(), avg, None, groups, ledger, ZeroPPConfig(pipeline_stages=1)
+            out, grads.clone(), avg, None, groups, ledger, ZeroPPConfig(gradient_pieces=1)
         ),
         "all-gather exact": lambda: all_gather_flat(gathered, shard, groups.world),
         "all-gather qwZ INT8": lambda: qwz.quantized_all_gather(

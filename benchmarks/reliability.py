@@ -102,7 +102,7 @@ def main() -> None:
         launch_mismatch(2, 1, 2),
         launch_mismatch(4, 2, 2),
         bad_yaml("gradient_block_size", "0"),
-        bad_yaml("pipeline_stages", "0"),
+        bad_yaml("gradient_pieces", "0"),
     ]
     print(f"| {'scenario':<48} | {'expected':<52} | seconds | ok | observed")
     for r in rows:

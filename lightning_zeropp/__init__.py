@@ -7,9 +7,8 @@ from .callback import CommVolumeMonitor, ZeroGradientMonitor
 from .config import ZeroPPConfig
 from .ledger import CommLedger
 from .strategy import ZeroPPStrategy
-from .topology import Topology
 
 ZeroPPStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["CommLedger", "CommVolumeMonitor", "Topology", "ZeroPPConfig", "ZeroGradientMonitor", "ZeroPPStrategy"]
+__all__ = ["CommLedger", "CommVolumeMonitor", "ZeroPPConfig", "ZeroGradientMonitor", "ZeroPPStrategy"]
 __version__ = "0.1.0"

@@ -243,7 +243,7 @@ class ZeroPPComms:
         return {
             "ranks_per_node": self.topology.ranks_per_node,
             "num_nodes": self.topology.num_nodes,
-            "pipeline_stages": c.pipeline_stages,
+            "pipeline_stages": c.gradient_pieces,  # the name saved checkpoints hold (renamed argument, same meaning)
             "gradient_block_size": c.gradient_block_size,
             "block_alignment": c.block_alignment,
         }

@@ -1,19 +1,26 @@
-"""Validated configuration of :class:`~lightning_zeropp.ZeroPPStrategy`.
+"""The arguments of :class:`~lightning_zeropp.ZeroPPStrategy` (both front doors), defined once.
 
-Every user-facing argument is checked here, once, at construction. Arguments that can only be checked against the
-running job (the world size, the model's module classes) are checked by :meth:`ZeroPPConfig.resolve` and by the
-sharding code, with errors of the same form: the argument, the value, what is allowed.
+:class:`ZeroPPConfig` is the single definition of every argument: its type (what LightningCLI parses), its default,
+its check and its documentation. The strategies' signatures and ``Arguments:`` docstrings, LightningCLI's help and the
+README's table are generated from it (:mod:`lightning_zeropp.arguments`): adding a field is all it takes.
+
+Every argument is checked here, once, at construction. Arguments that can only be checked against the running job
+(the world size, the model's module classes) are checked by :meth:`ZeroPPConfig.resolve` and by the sharding code,
+with errors of the same form: the argument, the value, what is allowed.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Literal, get_args
+from collections.abc import Callable, Mapping
+from dataclasses import Field, dataclass, field, fields
+from datetime import timedelta
+from typing import Any, Literal, get_args
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation
 from torch import nn
 from torch.distributed.fsdp import CPUOffload, CPUOffloadPolicy, OffloadPolicy
 
@@ -30,9 +37,13 @@ CpuOffload = bool | CPUOffloadPolicy
 """What ``cpu_offload`` takes: a bool, or FSDP2's ``CPUOffloadPolicy`` (its ``pin_memory``); FSDP1's ``CPUOffload`` is
 read as its ``offload_params``."""
 
+Check = Callable[[str, Any], None]
+"""An argument's own check: ``check(name, value)`` raises naming the argument, the value and the fix."""
+
 # Types for the numeric arguments, so that LightningCLI (jsonargparse) refuses a bad YAML value at parse time in one
 # line naming the key. Constructed in Python they are plain ints and floats, checked by ZeroPPConfig with its own
-# messages; without jsonargparse (an optional extra) they are int and float.
+# messages (and the parser's int and float subclasses become plain numbers); without jsonargparse (an optional extra)
+# they are int and float.
 _MIN_BLOCK_SIZE = 8  # a block's scale is one fp32 (4 bytes): smaller blocks make the scales outweigh the payload
 _MAX_BLOCK_SIZE = 1 << 16
 try:
@@ -48,9 +59,9 @@ else:
 PositiveIntOrAuto = PositiveInt | Literal["auto"]
 
 _KERNEL_BACKENDS = get_args(KernelBackend)
-_STATE_DICT_TYPES = ("sharded", "full")
-_GRADIENT_ROUNDINGS = ("nearest", "stochastic")
-_BLOCK_ALIGNMENTS = ("parameter", "flat")
+_STATE_DICT_TYPES = get_args(StateDictType)
+_GRADIENT_ROUNDINGS = get_args(GradientRounding)
+_BLOCK_ALIGNMENTS = get_args(BlockAlignment)
 
 
 def _fail(name: str, value: object, allowed: str) -> ValueError:
@@ -73,12 +84,57 @@ def _check_bits(name: str, value: object, allowed: tuple[int, ...]) -> None:
         raise _fail(name, value, f"choose one of {', '.join(map(str, allowed))} bits")
 
 
-def _check_block(name: str, value: object, bits: int) -> None:
+def _bits(*allowed: int) -> Check:
+    return lambda name, value: _check_bits(name, value, allowed)
+
+
+def _check_block(name: str, value: object) -> None:
     _check_int(name, value)
     if not _MIN_BLOCK_SIZE <= value <= _MAX_BLOCK_SIZE:
         raise _fail(name, value, f"use a block size between {_MIN_BLOCK_SIZE} and {_MAX_BLOCK_SIZE} elements")
+
+
+def _check_even_block(name: str, value: int, bits: int) -> None:
     if bits == 4 and value % 2:
         raise _fail(name, value, "INT4 packs two values per byte, so use an even block size such as 128 or 256")
+
+
+def _one_of(allowed: tuple) -> Check:
+    def check(name: str, value: object) -> None:
+        if value not in allowed:
+            raise _fail(name, value, f"choose one of {allowed}")
+
+    return check
+
+
+def _steps(name: str, value: object) -> None:
+    _check_int(name, value)
+    if value < 0:
+        raise _fail(name, value, "use a number of steps >= 1, or 0 (never)")
+
+
+def _check_pieces(name: str, value: object) -> None:
+    _check_int(name, value)
+    if value < 1:
+        raise _fail(name, value, "use 1 (no overlap) or more")
+
+
+def _check_decay(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"ZeroPPStrategy: `{name}` must be a float, got {value!r} ({type(value).__name__}).")
+    if not 0.0 < value <= 1.0:
+        raise _fail(name, value, "use a float in (0, 1]: 0.8 as LoCo, 1.0 for plain feedback")
+
+
+def _check_process_group_backend(name: str, value: object) -> None:
+    if value is None:
+        return
+    known = [b for b in dist.Backend.backend_list if b != "undefined"]
+    # "gloo", or per device type as torch accepts it: "cpu:gloo,cuda:nccl"
+    names = [part.split(":")[-1] for part in str(value).split(",")]
+    if not isinstance(value, str) or not all(n in known for n in names):
+        allowed = f"choose one of {known}, a per-device form such as 'cpu:gloo,cuda:nccl', or None (automatic)"
+        raise _fail(name, value, allowed)
 
 
 def _is_module_class(value: object) -> bool:
@@ -105,7 +161,7 @@ def _check_policy_signature(name: str, policy: Callable) -> None:
 
 
 def offload_policy(cpu_offload: object) -> OffloadPolicy:
-    """The FSDP2 offload policy for a valid ``cpu_offload`` argument (see :func:`check_strategy_arguments`)."""
+    """The FSDP2 offload policy for a valid ``cpu_offload`` argument (see :class:`ZeroPPConfig`)."""
     if isinstance(cpu_offload, OffloadPolicy):
         return cpu_offload
     if isinstance(cpu_offload, CPUOffload):
@@ -118,7 +174,7 @@ def offloads(cpu_offload: object) -> bool:
     return isinstance(offload_policy(cpu_offload), CPUOffloadPolicy)
 
 
-def _check_cpu_offload(value: object) -> None:
+def _check_cpu_offload(name: str, value: object) -> None:
     if isinstance(value, (bool, OffloadPolicy, CPUOffload)):
         return
     raise TypeError(
@@ -157,88 +213,196 @@ def _check_module_selection(name: str, value: object) -> None:
         )
 
 
+def argument(default: Any, doc: str, *, check: Check | None = None, shown: str | None = None) -> Any:
+    """A field of :class:`ZeroPPConfig` (or of a front door's own arguments): its default, its documentation (the
+    strategies' docstrings, LightningCLI's help, the README's table; ``shown`` replaces the default's repr there) and
+    the check of its value alone, ``check(name, value)``, run at construction."""
+    return field(default=default, metadata={"doc": doc, "check": check, "shown": shown})
+
+
+def doc(f: Field) -> str:
+    """The documentation of a field made by :func:`argument`."""
+    return f.metadata.get("doc", "")
+
+
+def shown_default(f: Field) -> str:
+    """How the docs show a field's default: strings in double quotes, as YAML and the README write them."""
+    if f.metadata.get("shown"):
+        return f.metadata["shown"]
+    return f'"{f.default}"' if isinstance(f.default, str) else repr(f.default)
+
+
+RENAMED: dict[str, tuple[str, str]] = {
+    "wrap_modules": ("auto_wrap_policy", "Lightning's name"),
+    "activation_checkpointing": ("activation_checkpointing_policy", "Lightning's name"),
+    "pipeline_stages": ("gradient_pieces", "what they are: pieces of the gradient reduce-scatter"),
+}
+"""Deprecated spellings: old name -> (its field, why renamed). Both front doors still take them, warn, and refuse one
+given together with its field (set to other than its default)."""
+
+
 @dataclass(kw_only=True, slots=True, frozen=True)
 class ZeroPPConfig:
-    """The ZeRO++ knobs. Field docs are the user documentation; see the strategy's docstring for the full table."""
+    """Every argument of the strategy (both front doors), with its type, default, check and documentation.
 
-    quantize_weights: bool = True
-    """qwZ: all-gather weights in block-quantized INT8 (or INT4) in the forward pass."""
-    weight_bits: Literal[8, 4] = 8
-    """Bits per weight element on the wire for qwZ."""
-    hpz_partition_size: int | Literal["auto"] = "auto"
-    """hpZ: ranks that hold a secondary copy of the weights after forward. "auto" = ranks per node; 1 = off."""
-    quantize_gradients: bool = True
-    """qgZ: reduce gradients with the 2-hop quantized all-to-all instead of a reduce-scatter."""
-    gradient_bits: Literal[4, 8] = 4
-    """Bits per gradient element on the inter-node hop of qgZ."""
-    intra_node_gradient_bits: Literal[4, 8] = 8
-    """Bits per gradient element on the intra-node hop of qgZ."""
-    weight_block_size: int = 256
-    """Weight elements that share one fp32 scale."""
-    gradient_block_size: int = 128
-    """Gradient elements that share one fp32 scale."""
-    gradient_rounding: GradientRounding = "nearest"
-    """Rounding of gradients: "nearest" (half to even) or "stochastic" (unbiased)."""
-    block_alignment: BlockAlignment = "parameter"
-    """"parameter": no quantization block holds elements of two parameters (a small parameter never shares a scale
-    with a large one); "flat": fixed blocks over each unit's flat buffer, as the reference implementation (an
-    ablation: small parameters next to large ones can be rounded to zero)."""
-    gradient_error_feedback: bool = False
-    """qgZ: keep what the INT4 inter-node hop's quantization lost and add it (decayed) to the next step's values."""
-    error_feedback_decay: float = 0.8
-    """The factor the error feedback residual is carried to the next step with (0 < decay <= 1)."""
-    error_feedback_reset: int = 1024
-    """Zero the error feedback residuals every this many optimizer steps (0: never)."""
-    weight_deltas: bool = False
-    """Keep each node's hpZ copy of the weights across steps and update it with INT4 deltas of what each optimizer
-    step changed, sent once per node (needs hpZ); the forward all-gather is built from that copy inside the node."""
-    weight_delta_bits: Literal[4, 8] = 4
-    """weight_deltas: bits per element of the deltas on the wire."""
-    weight_delta_refresh: int = 1000
-    """weight_deltas: rebuild the node copy exactly every this many optimizer steps (0: never); it is also rebuilt
-    whenever the weights change outside an optimizer step (checkpoint loads, EMA swaps)."""
-    pipeline_stages: int = 2
-    """qgZ: pieces each chunk is cut into, so one piece's intra-node hop overlaps another's inter-node hop."""
-    ranks_per_node: int | Literal["auto"] = "auto"
-    """Ranks per (real or emulated) node. "auto" = the launcher's local world size."""
-    kernel_backend: KernelBackend = "auto"
-    """"auto": Triton on CUDA tensors, pure torch elsewhere; "triton" or "torch" to force one."""
+    ``ZeroPPStrategy.from_config(config)`` (either front door) builds a strategy from one; ``strategy.zeropp_config``
+    is the strategy's. Fields are checked in their order by their own check, then the rules across fields.
+    """
+
+    quantize_weights: bool = argument(
+        True, "qwZ: all-gather the weights in the forward pass as block-quantized integers.", check=_check_bool
+    )
+    weight_bits: Literal[8, 4] = argument(8, "qwZ: 8 or 4 bits per weight element on the wire.", check=_bits(8, 4))
+    hpz_partition_size: PositiveIntOrAuto = argument(
+        "auto",
+        "hpZ: after forward each rank keeps 1/R of the dequantized weights, so that the backward all-gather runs among"
+        ' R consecutive ranks. "auto": ranks per node (never leaves the node); 1: off. Must divide the world size.',
+        check=_check_size_or_auto,
+    )
+    quantize_gradients: bool = argument(
+        True,
+        "qgZ: reduce gradients by an intra-node then an inter-node all-to-all of quantized blocks, summed in fp32. On"
+        " one node the exact reduce-scatter is used (nothing crosses nodes).",
+        check=_check_bool,
+    )
+    gradient_bits: Literal[4, 8] = argument(
+        4, "qgZ: 4 or 8 bits per gradient element on the inter-node hop.", check=_bits(4, 8)
+    )
+    intra_node_gradient_bits: Literal[4, 8] = argument(
+        8, "qgZ: 4 or 8 bits per gradient element on the intra-node hop.", check=_bits(4, 8)
+    )
+    weight_block_size: BlockSize = argument(
+        256,
+        f"Weight elements that share one fp32 scale ({_MIN_BLOCK_SIZE} .. {_MAX_BLOCK_SIZE}; even for INT4).",
+        check=_check_block,
+    )
+    gradient_block_size: BlockSize = argument(
+        128,
+        f"Gradient elements that share one fp32 scale ({_MIN_BLOCK_SIZE} .. {_MAX_BLOCK_SIZE}; even for INT4).",
+        check=_check_block,
+    )
+    gradient_rounding: GradientRounding = argument(
+        "nearest",
+        'Rounding of gradients: "nearest" (half to even) or "stochastic" (unbiased).',
+        check=_one_of(_GRADIENT_ROUNDINGS),
+    )
+    block_alignment: BlockAlignment = argument(
+        "parameter",
+        '"parameter": no quantization block (weights or gradients) holds elements of two parameters, so a small'
+        ' parameter never shares a scale with a large neighbour; "flat": fixed blocks over each unit\'s flat buffer'
+        " (the reference implementation's layout; an ablation: small parameters next to large ones can be rounded to"
+        " zero).",
+        check=_one_of(_BLOCK_ALIGNMENTS),
+    )
+    gradient_error_feedback: bool = argument(
+        False,
+        "qgZ error feedback: each rank keeps what the INT4 inter-node hop's quantization lost (fp32, 4 bytes per"
+        " element of the M/N elements it sends) and adds it, times error_feedback_decay, to the next reduction's"
+        " values. Saved in checkpoints.",
+        check=_check_bool,
+    )
+    error_feedback_decay: Decay = argument(
+        0.8, "The error feedback residual's carry-over factor to the next step, in (0, 1].", check=_check_decay
+    )
+    error_feedback_reset: NonNegativeInt = argument(
+        1024, "Zero the error feedback residuals every this many optimizer steps (0: never).", check=_steps
+    )
+    weight_deltas: bool = argument(
+        False,
+        "Keep each node's hpZ copy of the weights across steps and, after each optimizer step, update it with deltas"
+        " (per parameter-aligned block) of what the step changed, each shard sent to one rank per node; the forward"
+        " all-gather is then built from that copy inside the node (exact), replacing qwZ's. Needs hpZ"
+        " (hpz_partition_size >= 2). Costs M / R elements per rank in the compute dtype, plus M / W for what the"
+        " other nodes hold of this rank's shard (persistent_memory).",
+        check=_check_bool,
+    )
+    weight_delta_bits: Literal[4, 8] = argument(
+        4,
+        "weight_deltas: 4 or 8 bits per delta element on the wire. 4 halves the bytes; 8 cuts the error 16x, for"
+        " training whose weights move more than a few percent per step.",
+        check=_bits(4, 8),
+    )
+    weight_delta_refresh: NonNegativeInt = argument(
+        1000,
+        "weight_deltas: rebuild the node copies exactly every this many optimizer steps (0: never). They are also"
+        " rebuilt when the weights change outside an optimizer step (a checkpoint load, an EMA swap: any in-place"
+        " write to the parameters; after writes through param.data, call refresh_weight_copies()).",
+        check=_steps,
+    )
+    gradient_pieces: PositiveInt = argument(
+        2,
+        "qgZ pipelining: the pieces each rank's chunk of the gradient reduce-scatter is cut into, so that piece s+1"
+        " crosses the node's links while piece s crosses nodes. 1: no overlap.",
+        check=_check_pieces,
+    )
+    ranks_per_node: PositiveIntOrAuto = argument(
+        "auto",
+        'Node emulation: "auto" (a real cluster) takes the node size from the launcher (its local world size). A'
+        " number makes the processes of one machine act as nodes of that many ranks each, so that 4 processes on one"
+        " box run as 2 nodes x 2 (tests, demos); it must divide the ranks launched per machine.",
+        check=_check_size_or_auto,
+    )
+    auto_wrap_policy: ModuleSelection = argument(
+        None,
+        "The modules that each become one FSDP unit: a set of module classes, their names (as in YAML), or a callable"
+        " (module) -> bool, as Lightning's FSDP strategies take it. None: every module held in an nn.ModuleList"
+        " (transformer blocks). The root is always sharded last.",
+        check=_check_module_selection,
+    )
+    activation_checkpointing_policy: ModuleSelection = argument(
+        None,
+        "The modules whose activations are recomputed in backward, in the same forms as auto_wrap_policy.",
+        check=_check_module_selection,
+    )
+    cpu_offload: CpuOffload = argument(
+        False,
+        "Keep sharded parameters, gradients and optimizer state in host memory: True, or a"
+        " torch.distributed.fsdp.CPUOffloadPolicy (its pin_memory chosen); FSDP1's CPUOffload is read as its"
+        " offload_params.",
+        check=_check_cpu_offload,
+    )
+    state_dict_type: StateDictType = argument(
+        "sharded",
+        '"sharded": a checkpoint folder written by every rank; "full": one file.',
+        check=_one_of(_STATE_DICT_TYPES),
+    )
+    kernel_backend: KernelBackend = argument(
+        "auto",
+        '"auto": Triton on CUDA tensors, pure torch elsewhere; "triton" or "torch" to force one.',
+        check=_one_of(_KERNEL_BACKENDS),
+    )
+    process_group_backend: str | None = argument(
+        None, '"nccl", "gloo", ...; None: chosen for the device.', check=_check_process_group_backend
+    )
+    timeout: timedelta | None = argument(
+        default_pg_timeout,
+        "How long any collective waits for a peer: Lightning's default group and every group of the strategy's own"
+        " (world, node, rail, hpZ) get it, so a frozen rank ends the job on the others after it.",
+        shown="Lightning's (30 min)",
+    )
 
     def __post_init__(self) -> None:
-        _check_bool("quantize_weights", self.quantize_weights)
-        _check_bool("quantize_gradients", self.quantize_gradients)
-        _check_bits("weight_bits", self.weight_bits, (8, 4))
-        _check_bits("gradient_bits", self.gradient_bits, (4, 8))
-        _check_bits("intra_node_gradient_bits", self.intra_node_gradient_bits, (4, 8))
-        _check_block("weight_block_size", self.weight_block_size, self.weight_bits)
-        _check_block(
+        for f in fields(self):
+            check = f.metadata.get("check")
+            if check is not None:
+                check(f.name, getattr(self, f.name))
+        self._check_rules()
+        for f in fields(self):  # the CLI's restricted types (int and float subclasses) become plain numbers
+            value = getattr(self, f.name)
+            if isinstance(value, (int, float)) and type(value) not in (int, float, bool):
+                object.__setattr__(self, f.name, float(value) if isinstance(value, float) else int(value))
+
+    def _check_rules(self) -> None:
+        """The rules across fields (each field's own value is checked already)."""
+        _check_even_block("weight_block_size", self.weight_block_size, self.weight_bits)
+        _check_even_block(
             "gradient_block_size", self.gradient_block_size, min(self.gradient_bits, self.intra_node_gradient_bits)
         )
-        if self.gradient_rounding not in _GRADIENT_ROUNDINGS:
-            raise _fail("gradient_rounding", self.gradient_rounding, f"choose one of {_GRADIENT_ROUNDINGS}")
-        if self.block_alignment not in _BLOCK_ALIGNMENTS:
-            raise _fail("block_alignment", self.block_alignment, f"choose one of {_BLOCK_ALIGNMENTS}")
-        _check_bool("gradient_error_feedback", self.gradient_error_feedback)
-        decay = self.error_feedback_decay
-        if isinstance(decay, bool) or not isinstance(decay, (int, float)):
-            raise TypeError(
-                f"ZeroPPStrategy: `error_feedback_decay` must be a float, got {decay!r} ({type(decay).__name__})."
-            )
-        if not 0.0 < decay <= 1.0:
-            raise _fail("error_feedback_decay", decay, "use a float in (0, 1]: 0.8 as LoCo, 1.0 for plain feedback")
         if self.gradient_error_feedback and not self.quantize_gradients:
             raise ValueError(
                 "ZeroPPStrategy: `gradient_error_feedback=True` corrects qgZ's quantization error, but"
                 " `quantize_gradients=False` reduces gradients exactly; turn qgZ on or leave error feedback off."
             )
-        _check_int("error_feedback_reset", self.error_feedback_reset)
-        if self.error_feedback_reset < 0:
-            raise _fail("error_feedback_reset", self.error_feedback_reset, "use a number of steps >= 1, or 0 (never)")
-        _check_bool("weight_deltas", self.weight_deltas)
-        _check_bits("weight_delta_bits", self.weight_delta_bits, (4, 8))
-        _check_int("weight_delta_refresh", self.weight_delta_refresh)
-        if self.weight_delta_refresh < 0:
-            raise _fail("weight_delta_refresh", self.weight_delta_refresh, "use a number of steps >= 1, or 0 (never)")
         if self.weight_deltas:
             if self.hpz_partition_size == 1:
                 raise ValueError(
@@ -252,17 +416,30 @@ class ZeroPPConfig:
                     self.weight_block_size,
                     "weight_deltas sends INT4 deltas, which pack two values per byte; use an even block size",
                 )
-        _check_int("pipeline_stages", self.pipeline_stages)
-        if self.pipeline_stages < 1:
-            raise _fail("pipeline_stages", self.pipeline_stages, "use 1 (no overlap) or more")
-        _check_size_or_auto("hpz_partition_size", self.hpz_partition_size)
-        _check_size_or_auto("ranks_per_node", self.ranks_per_node)
-        if self.kernel_backend not in _KERNEL_BACKENDS:
-            raise _fail("kernel_backend", self.kernel_backend, f"choose one of {_KERNEL_BACKENDS}")
-        for name in _NUMBERS:  # the CLI's restricted types (int and float subclasses) become plain numbers
-            value = getattr(self, name)
-            if not isinstance(value, (str, bool)):
-                object.__setattr__(self, name, (float if isinstance(value, float) else int)(value))
+            if offloads(self.cpu_offload):
+                raise ValueError(
+                    "ZeroPPStrategy: `weight_deltas=True` keeps 1/R of the weights on the device across steps, which"
+                    " `cpu_offload=True` exists to avoid; turn one of them off."
+                )
+
+    @classmethod
+    def from_arguments(cls, arguments: Mapping[str, Any]) -> ZeroPPConfig:
+        """The config from a strategy's arguments by name, the deprecated spellings (:data:`RENAMED`) mapped to their
+        fields with a warning; one given together with its field is refused, naming both."""
+        given = dict(arguments)
+        defaults = {f.name: f.default for f in fields(cls)}
+        for old, (new, why) in RENAMED.items():
+            value = given.pop(old, None)
+            if value is None:
+                continue
+            if new in given and given[new] is not None and given[new] != defaults[new]:
+                raise ValueError(
+                    f"ZeroPPStrategy: `{old}` is the deprecated spelling of `{new}`, and both were given"
+                    f" ({old}={value!r}, {new}={given[new]!r}); pass only `{new}`."
+                )
+            rank_zero_deprecation(f"ZeroPPStrategy: `{old}` is deprecated and will be removed; use `{new}` ({why}).")
+            given[new] = value
+        return cls(**given)
 
     def resolve(self, world_size: int, local_world_size: int) -> tuple[int, int]:
         """Returns ``(ranks_per_node, hpz_partition_size)`` for a job of ``world_size`` ranks launched
@@ -292,38 +469,5 @@ class ZeroPPConfig:
         return ranks_per_node, hpz
 
 
-_NUMBERS = (
-    "weight_bits", "gradient_bits", "intra_node_gradient_bits", "weight_block_size", "gradient_block_size",
-    "error_feedback_decay", "error_feedback_reset", "weight_delta_bits", "weight_delta_refresh", "pipeline_stages",
-    "hpz_partition_size", "ranks_per_node",
-)  # fmt: skip
-
-
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def check_strategy_arguments(
-    *,
-    auto_wrap_policy: object,
-    activation_checkpointing_policy: object,
-    cpu_offload: object,
-    state_dict_type: object,
-    process_group_backend: object,
-) -> None:
-    """Checks the strategy arguments that are not part of :class:`ZeroPPConfig`."""
-    _check_module_selection("auto_wrap_policy", auto_wrap_policy)
-    _check_module_selection("activation_checkpointing_policy", activation_checkpointing_policy)
-    _check_cpu_offload(cpu_offload)
-    if state_dict_type not in _STATE_DICT_TYPES:
-        raise _fail("state_dict_type", state_dict_type, f"choose one of {_STATE_DICT_TYPES}")
-    if process_group_backend is not None:
-        known = [b for b in dist.Backend.backend_list if b != "undefined"]
-        # "gloo", or per device type as torch accepts it: "cpu:gloo,cuda:nccl"
-        names = [part.split(":")[-1] for part in str(process_group_backend).split(",")]
-        if not isinstance(process_group_backend, str) or not all(name in known for name in names):
-            raise _fail(
-                "process_group_backend",
-                process_group_backend,
-                f"choose one of {known}, a per-device form such as 'cpu:gloo,cuda:nccl', or None (automatic)",
-            )

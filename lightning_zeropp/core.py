@@ -12,25 +12,24 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import os
-from collections.abc import Callable, Mapping
-from datetime import timedelta
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import ClusterEnvironment, SLURMEnvironment
-from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 
+from . import arguments, fsdp_hooks, hpz
 from . import checkpoint as ckpt
-from . import fsdp_hooks, hpz
 from . import kernels as tk
 from .comm import ZeroPPComms
 from .compat.torch import ForwardHooks
-from .config import CpuOffload, ModuleSelection, StateDictType, ZeroPPConfig, check_strategy_arguments, offloads
+from .config import CpuOffload, ModuleSelection, StateDictType, ZeroPPConfig, offloads
 from .ledger import CommLedger
 from .materialize import materialize_meta_tensors
 from .preemption import Preemption
@@ -39,20 +38,6 @@ from .topology import ProcessGroups, Topology, check_launch
 
 SUPPORTED_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-true")
 _SHARDED = "_zeropp_sharded"  # the one attribute sharding sets on the user's model: its ShardedModel
-_CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(ZeroPPConfig))
-
-
-def bind_arguments(signature_of: Callable, owner: str, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """``args`` and ``kwargs`` bound to the parameters of ``signature_of`` (a strategy's ``__init__``), defaults
-    filled in; an unknown or missing argument raises the ``TypeError`` Python would, naming ``owner``."""
-    try:
-        bound = inspect.signature(signature_of).bind(None, *args, **kwargs)
-    except TypeError as err:
-        raise TypeError(f"{owner}.__init__() {err}") from None
-    bound.apply_defaults()
-    arguments = dict(bound.arguments)
-    arguments.pop(next(iter(arguments)))  # self
-    return arguments
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,66 +88,18 @@ class ShardedModel:
 class ZeroPPCore:
     """One strategy's ZeRO++ state, whichever front door holds it.
 
-    Built from the strategy's arguments (:meth:`from_arguments` validates all of them: both front doors refuse the
-    same values with the same messages). Then, once the processes exist: :meth:`check_launch` and :meth:`connect`
-    (topology, process groups, ledger, collectives, mesh); :meth:`shard` a model; :meth:`save` / :meth:`load`
-    checkpoints; :meth:`release` the groups at teardown.
+    Built from the strategy's validated arguments (a :class:`ZeroPPConfig`: both front doors refuse the same values
+    with the same messages). Then, once the processes exist: :meth:`check_launch` and :meth:`connect` (topology,
+    process groups, ledger, collectives, mesh); :meth:`shard` a model; :meth:`save` / :meth:`load` checkpoints;
+    :meth:`release` the groups at teardown.
     """
 
-    def __init__(
-        self,
-        config: ZeroPPConfig,
-        *,
-        auto_wrap_policy: ModuleSelection,
-        activation_checkpointing_policy: ModuleSelection,
-        cpu_offload: CpuOffload,
-        state_dict_type: StateDictType,
-        process_group_backend: str | None,
-        timeout: timedelta | None,
-    ) -> None:
+    def __init__(self, config: ZeroPPConfig) -> None:
         self.config = config
-        self.auto_wrap_policy = auto_wrap_policy
-        self.activation_checkpointing_policy = activation_checkpointing_policy
-        self.cpu_offload = cpu_offload
-        self.state_dict_type = state_dict_type
-        self.process_group_backend = process_group_backend
-        self.timeout = timeout
         self.mesh: DeviceMesh | None = None
         self._topology: Topology | None = None
         self._ledger: CommLedger | None = None
         self._comms: ZeroPPComms | None = None
-
-    @classmethod
-    def from_arguments(cls, arguments: Mapping[str, Any]) -> ZeroPPCore:
-        """Validates the strategy's arguments (by the names of the Trainer strategy's ``__init__``)."""
-        config = ZeroPPConfig(**{name: arguments[name] for name in _CONFIG_FIELDS})
-        given = arguments
-        auto_wrap = _renamed("wrap_modules", given["wrap_modules"], "auto_wrap_policy", given["auto_wrap_policy"])
-        checkpointing = _renamed(
-            "activation_checkpointing", arguments["activation_checkpointing"], "activation_checkpointing_policy",
-            arguments["activation_checkpointing_policy"],
-        )  # fmt: skip
-        check_strategy_arguments(
-            auto_wrap_policy=auto_wrap,
-            activation_checkpointing_policy=checkpointing,
-            cpu_offload=arguments["cpu_offload"],
-            state_dict_type=arguments["state_dict_type"],
-            process_group_backend=arguments["process_group_backend"],
-        )
-        if config.weight_deltas and offloads(arguments["cpu_offload"]):
-            raise ValueError(
-                "ZeroPPStrategy: `weight_deltas=True` keeps 1/R of the weights on the device across steps, which"
-                " `cpu_offload=True` exists to avoid; turn one of them off."
-            )
-        return cls(
-            config,
-            auto_wrap_policy=auto_wrap,
-            activation_checkpointing_policy=checkpointing,
-            cpu_offload=arguments["cpu_offload"],
-            state_dict_type=arguments["state_dict_type"],
-            process_group_backend=arguments["process_group_backend"],
-            timeout=arguments["timeout"],
-        )
 
     # ------------------------------------------------------------------ state once the processes exist
     @property
@@ -213,7 +150,7 @@ class ZeroPPCore:
             self._topology = topology
             self.release()
             self._ledger = CommLedger(topology)
-            self._comms = ZeroPPComms(self.config, ProcessGroups.build(topology, self.timeout), self._ledger)
+            self._comms = ZeroPPComms(self.config, ProcessGroups.build(topology, self.config.timeout), self._ledger)
         assert self._comms is not None and self.mesh is not None
         self._comms.ensure_groups()  # built again if the last run's teardown released them
         return self.mesh
@@ -254,7 +191,7 @@ class ZeroPPCore:
     def layout(self, precision: str, front_door: str) -> Layout:
         """What the sharding of a model depends on; a model sharded differently cannot be adopted."""
         return Layout(front_door, self.topology.world_size, self.reshard_after_forward, precision,
-                      offloads(self.cpu_offload))  # fmt: skip
+                      offloads(self.config.cpu_offload))  # fmt: skip
 
     def shard(
         self,
@@ -288,9 +225,9 @@ class ZeroPPCore:
             mesh=self.mesh,
             reshard_after_forward=layout.reshard_after_forward,
             precision=precision,
-            auto_wrap_policy=self.auto_wrap_policy,
-            activation_checkpointing_policy=self.activation_checkpointing_policy,
-            cpu_offload=self.cpu_offload,
+            auto_wrap_policy=self.config.auto_wrap_policy,
+            activation_checkpointing_policy=self.config.activation_checkpointing_policy,
+            cpu_offload=self.config.cpu_offload,
             already_sharded=parallelize_fn is not None,
         )
         self._comms.use_units(fsdp_hooks.install(model, self._comms))
@@ -322,9 +259,9 @@ class ZeroPPCore:
     # ------------------------------------------------------------------ checkpoints
     def save(self, ranks: ckpt.Ranks, checkpoint: dict[str, Any], path: str | os.PathLike, save_file: Callable) -> None:
         """Writes Lightning's checkpoint dict (``state_dict``, ``optimizer_states``, the rest) atomically."""
-        sharded = self.state_dict_type == "sharded"  # a full file leaves out the per-rank weight delta node copies
+        sharded = self.config.state_dict_type == "sharded"  # a full file leaves out the weight deltas' node copies
         comms_state = self._comms.state_dict(node_copies=sharded) if self._comms is not None else None
-        ckpt.save(ranks, checkpoint, path, self.state_dict_type, save_file, comms_state)
+        ckpt.save(ranks, checkpoint, path, self.config.state_dict_type, save_file, comms_state)
 
     def load(
         self,
@@ -367,13 +304,47 @@ class ZeroPPCore:
 
 
 class FrontDoor:
-    """What both strategy classes add to their Lightning base class, mixed in before it: the core's state as
-    properties, starting the processes, counting optimizer steps, releasing the groups at teardown. The class sets
-    ``front_door`` (``"Trainer"`` or ``"Fabric"``, as messages name it) and ``_core``."""
+    """What both strategy classes add to their Lightning base class, mixed in before it: the arguments, the core's
+    state as properties, starting the processes, counting optimizer steps, releasing the groups at teardown. The class
+    sets ``front_door`` (``"Trainer"`` or ``"Fabric"``, as messages name it) and ``_core``.
+
+    The arguments come from a config class, named when the class is defined: ``class S(FrontDoor, Base,
+    config=ZeroPPConfig, own_arguments=...)`` gives ``S.__init__`` the config's fields as its signature, and ``S`` the
+    ``Arguments:`` docstring (:func:`lightning_zeropp.arguments.declare`); ``__init__`` reads them with
+    :meth:`configure`. A subclass that names another config (a dataclass derived from :class:`ZeroPPConfig`) takes its
+    fields in the same way.
+    """
 
     front_door: str
+    config_class: type[ZeroPPConfig]
+    own_arguments: type | None = None
+    arguments_signature: inspect.Signature
     _core: ZeroPPCore
     _preemption: Preemption
+
+    def __init_subclass__(
+        cls, config: type[ZeroPPConfig] | None = None, own_arguments: type | None = None, **kwargs: Any
+    ) -> None:
+        super().__init_subclass__(**kwargs)
+        if config is not None or own_arguments is not None:
+            arguments.declare(cls, config or cls.config_class, own_arguments or cls.own_arguments)
+
+    @classmethod
+    def configure(cls, args: tuple, kwargs: dict[str, Any]) -> tuple[ZeroPPConfig, dict[str, Any]]:
+        """``__init__``'s arguments bound to the class's signature: the validated config (deprecated spellings mapped
+        to their fields, with a warning), and this front door's own arguments."""
+        return arguments.bind(cls, args, kwargs)
+
+    @classmethod
+    def from_config(cls, config: ZeroPPConfig, **kwargs: Any) -> Any:
+        """The strategy with the arguments of ``config`` (``kwargs``: the front door's own, e.g. Fabric's
+        ``parallelize_fn``). ``strategy.zeropp_config == config``."""
+        if not isinstance(config, ZeroPPConfig):
+            raise TypeError(
+                f"{cls.__name__}.from_config: `config` must be a ZeroPPConfig, got {type(config).__name__}; pass"
+                f" the arguments by name instead: {cls.__name__}(quantize_weights=..., ...)."
+            )
+        return cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(config)}, **kwargs)
 
     @property
     def zeropp_config(self) -> ZeroPPConfig:
@@ -396,20 +367,20 @@ class FrontDoor:
 
     @property
     def state_dict_type(self) -> StateDictType:
-        return self._core.state_dict_type
+        return self._core.config.state_dict_type
 
     @property
     def auto_wrap_policy(self) -> ModuleSelection:
         """The module classes (or names) that become FSDP units; None: the elements of the outermost ModuleLists."""
-        return self._core.auto_wrap_policy
+        return self._core.config.auto_wrap_policy
 
     @property
     def activation_checkpointing_policy(self) -> ModuleSelection:
-        return self._core.activation_checkpointing_policy
+        return self._core.config.activation_checkpointing_policy
 
     @property
     def cpu_offload(self) -> CpuOffload:
-        return self._core.cpu_offload
+        return self._core.config.cpu_offload
 
     @property
     def reshard_after_forward(self) -> bool | int:
@@ -537,13 +508,3 @@ def _user_parallelized(
             f"ZeroPPStrategy: `parallelize_fn` must return the nn.Module, but returned {type(out).__name__}."
         )
     return out
-
-
-def _renamed(old: str, old_value: ModuleSelection, new: str, new_value: ModuleSelection) -> ModuleSelection:
-    """The value of an argument that was renamed to Lightning's spelling; the old name still works, with a warning."""
-    if old_value is None:
-        return new_value
-    if new_value is not None:
-        raise ValueError(f"ZeroPPStrategy: `{old}` is the deprecated spelling of `{new}`; pass only `{new}`.")
-    rank_zero_deprecation(f"ZeroPPStrategy: `{old}` is deprecated and will be removed; use `{new}` (Lightning's name).")
-    return old_value

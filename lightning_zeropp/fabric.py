@@ -14,10 +14,10 @@ forward without gradients (evaluation) drops the hpZ copies it left behind.
 
 from __future__ import annotations
 
-import inspect
 import os
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,6 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 from typing_extensions import override
 
-from . import strategy as trainer_strategy
 from .checkpoint import (
     COMMS_KEY,
     FABRIC_KEYS,
@@ -43,10 +42,11 @@ from .checkpoint import (
 )
 from .checkpoint_files import is_checkpoint_file
 from .compat.lightning import FabricModelParallelBase
-from .core import FrontDoor, ZeroPPCore, bind_arguments, is_sharded, register_names, reshard
+from .config import ZeroPPConfig, argument
+from .core import FrontDoor, ZeroPPCore, is_sharded, register_names, reshard
 from .preemption import Preemption
 
-__all__ = ["ZeroPPStrategy"]
+__all__ = ["FabricArguments", "ZeroPPStrategy"]
 
 _VERSION_KEY = "pytorch-lightning_version"  # what marks a file as a Lightning checkpoint (replaceable by a save)
 _RESERVED = (MODEL_KEY, OPTIMIZER_STATES, SCHEDULERS_KEY, RNG_KEY, COMMS_KEY, FABRIC_KEYS, _VERSION_KEY)
@@ -57,16 +57,23 @@ def _no_parallelize(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
     return module
 
 
-class ZeroPPStrategy(FrontDoor, FabricModelParallelBase):
-    """ZeRO++ for Fabric: the arguments of :class:`lightning_zeropp.ZeroPPStrategy`, plus ``parallelize_fn``.
+@dataclass(kw_only=True, frozen=True)
+class FabricArguments:
+    """The Fabric strategy's own arguments, beside those of :class:`~lightning_zeropp.ZeroPPConfig`."""
 
-    Arguments:
-        parallelize_fn: ``parallelize_fn(model, device_mesh) -> model``, for users who choose their own units: it
-            calls ``fully_shard(unit, mesh=device_mesh, reshard_after_forward=strategy.reshard_after_forward)`` on
-            them (the strategy checks both, and shards the root if the function did not). Without it the units are
-            the blocks (``auto_wrap_policy``), as for the Trainer.
-        **kwargs: every argument of the Trainer strategy (``quantize_weights``, ``hpz_partition_size``,
-            ``quantize_gradients``, ..., ``state_dict_type``, ``timeout``), with the same defaults and checks.
+    parallelize_fn: Callable[[Any, DeviceMesh], Any] | None = argument(
+        None,
+        "parallelize_fn(model, device_mesh) -> model, for users who choose their own units: it calls"
+        " fully_shard(unit, mesh=device_mesh, reshard_after_forward=strategy.reshard_after_forward) on them (the"
+        " strategy checks both, and shards the root if the function did not). None: the units are the blocks"
+        " (auto_wrap_policy), as for the Trainer.",
+    )
+
+
+class ZeroPPStrategy(FrontDoor, FabricModelParallelBase, config=ZeroPPConfig, own_arguments=FabricArguments):
+    """ZeRO++ for Fabric: the arguments of :class:`lightning_zeropp.ZeroPPStrategy` (the fields of
+    :class:`~lightning_zeropp.ZeroPPConfig`, with the same defaults and checks), plus ``parallelize_fn``;
+    ``ZeroPPStrategy.from_config(config, parallelize_fn=...)`` takes them from a config.
 
     Checkpoints (``fabric.save`` / ``fabric.load``) are written in the Trainer strategy's layout: the model under
     ``state_dict``, the optimizers as ``optimizer_states`` and the learning-rate schedulers as ``lr_schedulers``
@@ -78,16 +85,17 @@ class ZeroPPStrategy(FrontDoor, FabricModelParallelBase):
 
     front_door = "Fabric"
 
-    def __init__(self, *args: Any, parallelize_fn: Callable[[Any, DeviceMesh], Any] | None = None, **kwargs: Any):
-        arguments = bind_arguments(trainer_strategy.ZeroPPStrategy.__init__, "ZeroPPStrategy", args, kwargs)
-        core = ZeroPPCore.from_arguments(arguments)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        config, own = self.configure(args, kwargs)
+        parallelize_fn = own["parallelize_fn"]
+        core = ZeroPPCore(config)
         if parallelize_fn is not None:
             if not callable(parallelize_fn):
                 raise TypeError(
                     f"ZeroPPStrategy: `parallelize_fn` must be a function (model, device_mesh) -> model, got"
                     f" {type(parallelize_fn).__name__}."
                 )
-            chosen = [n for n in ("auto_wrap_policy", "activation_checkpointing_policy") if getattr(core, n)]
+            chosen = [n for n in ("auto_wrap_policy", "activation_checkpointing_policy") if getattr(config, n)]
             if chosen:
                 raise ValueError(
                     f"ZeroPPStrategy: `parallelize_fn` chooses the units and wraps them itself, so `{chosen[0]}` would"
@@ -96,9 +104,9 @@ class ZeroPPStrategy(FrontDoor, FabricModelParallelBase):
                 )
         super().__init__(
             parallelize_fn=parallelize_fn or _no_parallelize,
-            save_distributed_checkpoint=core.state_dict_type == "sharded",
-            process_group_backend=core.process_group_backend,
-            timeout=core.timeout,
+            save_distributed_checkpoint=config.state_dict_type == "sharded",
+            process_group_backend=config.process_group_backend,
+            timeout=config.timeout,
         )
         self._core = core
         self._preemption = Preemption()
@@ -399,10 +407,4 @@ def _is_lightning_file(path: Path) -> bool:
     return path.is_file() and is_checkpoint_file(path)
 
 
-ZeroPPStrategy.__init__.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
-    [
-        *inspect.signature(trainer_strategy.ZeroPPStrategy.__init__).parameters.values(),
-        inspect.Parameter("parallelize_fn", inspect.Parameter.KEYWORD_ONLY, default=None),
-    ]
-)
 ZeroPPStrategy.register_strategies(STRATEGY_REGISTRY)

@@ -88,7 +88,7 @@ def quantized_reduce_scatter(
         if N == 1:
             return None, None
         send = tk.swizzle_quantize(
-            input, N, K, config.pipeline_stages, s, intra_bits, block,
+            input, N, K, config.gradient_pieces, s, intra_bits, block,
             stochastic=stochastic, seed=_seed(call, topo.rank, 0, s), blocks=blocks, backend=backend,
         )  # fmt: skip
         recv = torch.empty_like(send)
@@ -144,7 +144,7 @@ def quantized_reduce_scatter(
 def stages(chunk: int, config: ZeroPPConfig, blocks: tk.Blocks | None) -> list[tuple[int, int, tk.Blocks | None]]:
     """``(start, size, piece blocks)`` of each pipeline stage's piece of a chunk (sizes may be 0)."""
     if blocks is None:
-        bounds = (tk.stage_bounds(chunk, config.pipeline_stages, s, config.gradient_block_size)
-                  for s in range(config.pipeline_stages))  # fmt: skip
+        bounds = (tk.stage_bounds(chunk, config.gradient_pieces, s, config.gradient_block_size)
+                  for s in range(config.gradient_pieces))  # fmt: skip
         return [(start, size, None) for start, size in bounds]
-    return [(start, piece.numel, piece) for start, piece in blocks.stages(config.pipeline_stages)]
+    return [(start, piece.numel, piece) for start, piece in blocks.stages(config.gradient_pieces)]

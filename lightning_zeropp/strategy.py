@@ -5,11 +5,9 @@ from __future__ import annotations
 import os
 from collections.abc import Generator
 from contextlib import contextmanager
-from datetime import timedelta
-from typing import Any, Literal
+from typing import Any
 
 import lightning.pytorch as pl
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -23,17 +21,7 @@ from typing_extensions import override
 from .checkpoint import index_keyed
 from .compat.lightning import ForwardRedirection, ModelParallelBase, disable_inference_mode
 from .compat.torch import ForwardHooks
-from .config import (
-    BlockSize,
-    CpuOffload,
-    Decay,
-    KernelBackend,
-    ModuleSelection,
-    NonNegativeInt,
-    PositiveInt,
-    PositiveIntOrAuto,
-    StateDictType,
-)
+from .config import ZeroPPConfig
 from .core import SUPPORTED_PRECISIONS, FrontDoor, ZeroPPCore, register_names, reshard
 from .preemption import Boundaries, Preemption
 
@@ -64,101 +52,25 @@ class _StepRedirection(ForwardRedirection):
             return self(module, module, method_name, *args, **kwargs)
 
 
-class ZeroPPStrategy(FrontDoor, ModelParallelBase):
+class ZeroPPStrategy(FrontDoor, ModelParallelBase, config=ZeroPPConfig):
     """ZeRO++: ZeRO-3 (FSDP2) with quantized weight all-gather, a secondary weight partition per node, and a
     2-hop quantized gradient reduce-scatter. ``ZeroPPStrategy(quantize_weights=False, hpz_partition_size=1,
     quantize_gradients=False)`` is plain ZeRO-3 (registered as ``"zero3"``); the defaults are ``"zeropp"``.
 
-    Arguments:
-        quantize_weights: qwZ. All-gather weights in the forward pass as block-quantized integers.
-        weight_bits: 8 or 4 bits per weight on the wire.
-        hpz_partition_size: hpZ. After forward each rank keeps 1/R of the dequantized weights so the backward
-            all-gather runs among R consecutive ranks. ``"auto"``: ranks per node (never leaves the node);
-            ``1``: off. Must divide the world size.
-        quantize_gradients: qgZ. Reduce gradients by an intra-node then an inter-node all-to-all of quantized
-            blocks, summed in fp32. On one node the exact reduce-scatter is used (nothing crosses nodes).
-        gradient_bits: 4 or 8 bits per gradient on the inter-node hop.
-        intra_node_gradient_bits: 4 or 8 bits per gradient on the intra-node hop.
-        weight_block_size: weight elements per fp32 scale.
-        gradient_block_size: gradient elements per fp32 scale.
-        gradient_rounding: ``"nearest"`` (round half to even) or ``"stochastic"`` (unbiased) for gradients.
-        block_alignment: ``"parameter"``: no quantization block (weights or gradients) holds elements of two
-            parameters, so a small parameter never shares a scale with a large neighbour; ``"flat"``: fixed blocks
-            over each unit's flat buffer (the reference implementation's layout; an ablation).
-        gradient_error_feedback: qgZ error feedback: each rank keeps what the INT4 inter-node hop's quantization
-            lost (fp32, 4 bytes per element of the M/N elements it sends) and adds it, times
-            ``error_feedback_decay``, to the next reduction's values. Saved in checkpoints.
-        error_feedback_decay: the residual's carry-over factor, in (0, 1].
-        error_feedback_reset: zero the residuals every this many optimizer steps (0: never).
-        weight_deltas: keep each node's hpZ copy of the weights across steps and, after each optimizer step, update
-            it with INT4 deltas (per parameter-aligned block) of what the step changed, each shard sent to one rank
-            per node; the forward all-gather is then built from that copy inside the node (exact). Needs hpZ
-            (``hpz_partition_size`` >= 2). Costs M / R elements per rank in the compute dtype, plus M / W for what
-            the other nodes hold of this rank's shard (``persistent_memory``). Replaces qwZ's forward all-gather.
-        weight_delta_bits: 4 or 8 bits per delta element on the wire. 4 halves the bytes; 8 cuts the error 16x,
-            for training whose weights move more than a few percent per step.
-        weight_delta_refresh: rebuild the node copies exactly every this many optimizer steps (0: never). They are
-            also rebuilt when the weights change outside an optimizer step (a checkpoint load, an EMA swap: any
-            in-place write to the parameters; after writes through ``param.data``, call
-            ``refresh_weight_copies()``).
-        pipeline_stages: qgZ pieces per chunk; piece s+1 crosses the node's links while piece s crosses nodes.
-        ranks_per_node: ranks per node; ``"auto"`` is the launcher's local world size. A smaller value makes one
-            machine act as several nodes (tests, demos). Must divide the local world size.
-        auto_wrap_policy: the modules that each become one FSDP unit: a set of module classes, their names (as in
-            YAML), or a callable ``(module) -> bool``, as Lightning's FSDP strategies take it. Default: every module
-            held in an ``nn.ModuleList`` (transformer blocks). The root is always sharded last.
-        activation_checkpointing_policy: the modules whose activations are recomputed in backward, in the same forms.
-        cpu_offload: keep sharded parameters, gradients and optimizer state in host memory: ``True``, or a
-            ``torch.distributed.fsdp.CPUOffloadPolicy`` (its ``pin_memory`` chosen); FSDP1's ``CPUOffload`` is read
-            as its ``offload_params``.
-        state_dict_type: ``"sharded"``: a checkpoint folder written by every rank; ``"full"``: one file.
-        kernel_backend: ``"auto"`` (Triton on CUDA, pure torch elsewhere), ``"triton"`` or ``"torch"``.
-        process_group_backend: ``"nccl"``, ``"gloo"``, ...; default: chosen for the device.
-        timeout: how long any collective waits for a peer: Lightning's default group and every group of the
-            strategy's own (world, node, rail, hpZ) get it, so a frozen rank ends the job on the others after it.
-        wrap_modules: deprecated spelling of ``auto_wrap_policy``.
-        activation_checkpointing: deprecated spelling of ``activation_checkpointing_policy``.
+    The arguments are the fields of :class:`~lightning_zeropp.ZeroPPConfig` (this signature and the section below are
+    generated from it); ``ZeroPPStrategy.from_config(config)`` takes them from one.
     """
 
     strategy_name = "zeropp"
     front_door = "Trainer"
 
-    def __init__(
-        self,
-        quantize_weights: bool = True,
-        weight_bits: Literal[8, 4] = 8,
-        hpz_partition_size: PositiveIntOrAuto = "auto",
-        quantize_gradients: bool = True,
-        gradient_bits: Literal[4, 8] = 4,
-        intra_node_gradient_bits: Literal[4, 8] = 8,
-        weight_block_size: BlockSize = 256,
-        gradient_block_size: BlockSize = 128,
-        gradient_rounding: Literal["nearest", "stochastic"] = "nearest",
-        block_alignment: Literal["parameter", "flat"] = "parameter",
-        gradient_error_feedback: bool = False,
-        error_feedback_decay: Decay = 0.8,
-        error_feedback_reset: NonNegativeInt = 1024,
-        weight_deltas: bool = False,
-        weight_delta_bits: Literal[4, 8] = 4,
-        weight_delta_refresh: NonNegativeInt = 1000,
-        pipeline_stages: PositiveInt = 2,
-        ranks_per_node: PositiveIntOrAuto = "auto",
-        auto_wrap_policy: ModuleSelection = None,
-        activation_checkpointing_policy: ModuleSelection = None,
-        cpu_offload: CpuOffload = False,
-        state_dict_type: StateDictType = "sharded",
-        kernel_backend: KernelBackend = "auto",
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
-        wrap_modules: ModuleSelection = None,
-        activation_checkpointing: ModuleSelection = None,
-    ) -> None:
-        arguments = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
-        self._core = ZeroPPCore.from_arguments(arguments)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        config, _ = self.configure(args, kwargs)
+        self._core = ZeroPPCore(config)
         super().__init__(
-            save_distributed_checkpoint=state_dict_type == "sharded",
-            process_group_backend=process_group_backend,
-            timeout=timeout,
+            save_distributed_checkpoint=config.state_dict_type == "sharded",
+            process_group_backend=config.process_group_backend,
+            timeout=config.timeout,
         )
         self._steps: _StepRedirection | None = None
         self._preemption = Preemption()

@@ -72,7 +72,7 @@ def test_class_path_form_parses(train):
     assert isinstance(s, ZeroPPStrategy)
     assert s.zeropp_config.ranks_per_node == 2 and s.zeropp_config.weight_bits == 4
     # the parser's restricted types become plain numbers (they are pickled into checkpoint metadata)
-    numbers = [s.zeropp_config.gradient_block_size, s.zeropp_config.pipeline_stages, s.zeropp_config.ranks_per_node]
+    numbers = [s.zeropp_config.gradient_block_size, s.zeropp_config.gradient_pieces, s.zeropp_config.ranks_per_node]
     assert [type(v) for v in numbers] == [int, int, int] and type(s.zeropp_config.error_feedback_decay) is float
     assert s.auto_wrap_policy == ["Block"]
     assert s.activation_checkpointing_policy == ["CausalSelfAttention"]
@@ -93,7 +93,8 @@ def test_string_alias_parses(train, alias, quantized, hpz):
         ("weight_bits", "5"),
         ("gradient_block_size", "0"),
         ("weight_block_size", "7"),
-        ("pipeline_stages", "0"),
+        ("gradient_pieces", "0"),
+        ("pipeline_stages", "0"),  # the deprecated spelling
         ("error_feedback_decay", "0"),
         ("error_feedback_decay", "1.5"),
         ("error_feedback_reset", "-1"),

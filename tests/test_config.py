@@ -24,7 +24,8 @@ BAD = [
     (dict(hpz_partition_size=0), ValueError, r"`hpz_partition_size=0`.*positive"),
     (dict(hpz_partition_size="node"), TypeError, r"`hpz_partition_size` must be an int"),
     (dict(ranks_per_node=-2), ValueError, r"`ranks_per_node=-2`"),
-    (dict(pipeline_stages=0), ValueError, r"`pipeline_stages=0`"),
+    (dict(gradient_pieces=0), ValueError, r"`gradient_pieces=0`.*use 1 \(no overlap\) or more"),
+    (dict(pipeline_stages=0), ValueError, r"`gradient_pieces=0`"),  # the deprecated spelling, checked as its field
     (dict(kernel_backend="cuda"), ValueError, r"`kernel_backend='cuda'`.*auto.*triton.*torch"),
     (dict(gradient_rounding="up"), ValueError, r"`gradient_rounding='up'`.*nearest"),
     (dict(quantize_weights="yes"), TypeError, r"`quantize_weights` must be True or False"),

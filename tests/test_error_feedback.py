@@ -115,3 +115,28 @@ def test_residuals_reset_every_period_and_restore_as_saved():
     never.pieces("block", 1, 4, [(0, 4)], cpu, step=0)[0].fill_(2.0)
     assert torch.all(never.pieces("block", 1, 4, [(0, 4)], cpu, step=10_000)[0] == 2)
     assert never.nbytes == 16
+
+
+def test_collectives_state_moves_its_tensors_and_reads_older_files():
+    """A sharded checkpoint writes the collectives' per-rank tensors through DCP and keeps a note of each in the state;
+    the notes come back as the tensors. A file of an earlier version (the step count with the residuals, residuals
+    named by unit alone) reads as today's."""
+    from lightning_zeropp.checkpoint import _notes, _stash, _unstash, _upgraded
+
+    state = {"steps": 3, "error_feedback": {"residuals": {"blocks.0": torch.ones(2, 3)}, "periods": {"blocks.0": 0}}}
+    tensors: dict[str, torch.Tensor] = {}
+    stashed = _stash(state, tensors)
+    assert list(tensors) == ["error_feedback/residuals/blocks.0"]
+    note = stashed["error_feedback"]["residuals"]["blocks.0"]
+    assert note["shape"] == [2, 3] and note["dtype"] == "float32" and not any(torch.is_tensor(v) for v in note.values())
+    assert list(_notes(stashed)) == ["error_feedback/residuals/blocks.0"]
+    back = _unstash(stashed, tensors)
+    assert torch.equal(back["error_feedback"]["residuals"]["blocks.0"], torch.ones(2, 3)) and back["steps"] == 3
+    assert _unstash(stashed, {})["error_feedback"]["residuals"]["blocks.0"] == note  # not read: the note stays
+    assert torch.is_tensor(_stash(state, None)["error_feedback"]["residuals"]["blocks.0"])  # a full file keeps them
+
+    older = {"layout": {}, "gradient_calls": 5, "error_feedback": {"steps": 7, "shapes": {"b": (4,)}, "periods": {}}}
+    upgraded = _upgraded(older)
+    assert upgraded["steps"] == 7 and "steps" not in upgraded["error_feedback"]
+    assert list(_notes(upgraded)) == ["b"]  # where the earlier version wrote it: under the rank, by unit
+    assert older["error_feedback"]["steps"] == 7  # the loaded state itself is left as read

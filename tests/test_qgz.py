@@ -96,7 +96,7 @@ def _qgz_worker(rank, world, ranks_per_node, backends=("torch",)):
         outs = []
         for backend in backends:
             config = ZeroPPConfig(
-                pipeline_stages=stages, intra_node_gradient_bits=b1, gradient_bits=b2, gradient_block_size=block,
+                gradient_pieces=stages, intra_node_gradient_bits=b1, gradient_bits=b2, gradient_block_size=block,
                 kernel_backend=backend,
             )  # fmt: skip
             ledger = CommLedger(topo)

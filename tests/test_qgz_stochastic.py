@@ -64,7 +64,7 @@ def _reduce(x, groups, rounding, call):
     from lightning_zeropp.qgz import quantized_reduce_scatter
 
     config = ZeroPPConfig(
-        gradient_rounding=rounding, pipeline_stages=STAGES, gradient_block_size=BLOCK,
+        gradient_rounding=rounding, gradient_pieces=STAGES, gradient_block_size=BLOCK,
         intra_node_gradient_bits=INTRA_BITS, gradient_bits=INTER_BITS, kernel_backend="torch",
     )  # fmt: skip
     out = torch.empty(x.numel() // groups.topology.world_size)

@@ -2,8 +2,9 @@
 
 import pytest
 
-from lightning_zeropp import CommLedger, Topology
+from lightning_zeropp import CommLedger
 from lightning_zeropp.hpz import reshard_after_forward
+from lightning_zeropp.topology import Topology
 
 
 def test_two_nodes_of_four():
