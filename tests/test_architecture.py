@@ -21,7 +21,8 @@ PACKAGE = Path(lightning_zeropp.__file__).parent
 LAYERS = {
     "__init__": 9,
     "callback": 8,
-    "fabric": 7,
+    "argument_table": 8,
+    "fabric": 6,
     "strategy": 6,
     "consolidate": 6,
     "core": 5,
@@ -41,6 +42,7 @@ LAYERS = {
     "collectives": 1,
     "ledger": 1,
     "spawn": 1,
+    "arguments": 1,
     "topology": 0,
     "config": 0,
     "compat": -1,
