@@ -275,16 +275,15 @@ def strategy_launches() -> list[Launch]:
         packed = torch.zeros(4, wire_size(numel, bits, block), dtype=torch.uint8)
         record(f"qwZ dequantize {shape}", lambda: ops.dequantize(packed, DequantizeSpec(numel, bits, block, dtype)))
 
+    def swizzle(where, g, N, K, stages, bits, block, stochastic, blocks=None):
+        for s in range(stages):
+            spec = SwizzleQuantizeSpec(N, K, stages, s, bits, block, stochastic=stochastic, blocks=blocks)
+            record(f"qgZ swizzle_quantize {where}", lambda spec=spec: ops.swizzle_quantize(g, spec))
+
     def qgz(dtype, in_bits, out_bits, block, stochastic, N, K, stages, chunk, feedback=False):
         g = torch.zeros(N * K * chunk, dtype=dtype)
         where = f"N={N} K={K} stages={stages} chunk={chunk}"
-        for s in range(stages):
-            record(
-                f"qgZ swizzle_quantize {where}",
-                lambda s=s: ops.swizzle_quantize(
-                    g, SwizzleQuantizeSpec(N, K, stages, s, in_bits, block, stochastic=stochastic)
-                ),
-            )
+        swizzle(where, g, N, K, stages, in_bits, block, stochastic)
         n = stage_bounds(chunk, stages, 0, block)[1]  # the first piece, as qgZ cuts it
         buf = torch.zeros(N, K, wire_size(n, in_bits, block), dtype=torch.uint8)
         fb = {"residual": torch.zeros(K, n), "decay": 0.9} if feedback else {}
@@ -323,13 +322,7 @@ def strategy_launches() -> list[Launch]:
         chunk = blocks.numel
         g = torch.zeros(N * K * chunk, dtype=dtype)
         where = f"aligned N={N} K={K} stages={stages} chunk={chunk}"
-        for s in range(stages):
-            record(
-                f"qgZ swizzle_quantize {where}",
-                lambda s=s: ops.swizzle_quantize(
-                    g, SwizzleQuantizeSpec(N, K, stages, s, in_bits, 128, stochastic=stochastic, blocks=blocks)
-                ),
-            )
+        swizzle(where, g, N, K, stages, in_bits, 128, stochastic, blocks)
         for start, piece in blocks.stages(stages):
             if piece.numel:
                 qgz_piece(dtype, in_bits, out_bits, stochastic, N, K, g, chunk, start, piece, feedback, where)
