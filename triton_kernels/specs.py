@@ -30,7 +30,7 @@ _FROZEN = dict(frozen=True, eq=False)  # eq=False: some fields are tensors, whic
 # Argument checks: each raises for one fault, naming the argument, its value and what is allowed
 
 
-def describe(t: torch.Tensor) -> str:
+def _describe(t: torch.Tensor) -> str:
     return f"a {t.dtype} tensor of shape {tuple(t.shape)} on {t.device}"
 
 
@@ -50,10 +50,10 @@ def _check_tensor(op: str, name: str, t: object) -> None:
 def _check_float_input(op: str, name: str, x: object, ranks: tuple[int, ...]) -> None:
     _check_tensor(op, name, x)
     if x.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"{op}: `{name}` is {describe(x)}; use a {_FLOATS} tensor.")
+        raise TypeError(f"{op}: `{name}` is {_describe(x)}; use a {_FLOATS} tensor.")
     if x.dim() not in ranks:
         allowed = "a 1-D tensor" if ranks == (1,) else "a 1-D tensor or 2-D rows"
-        raise ValueError(f"{op}: `{name}` is {describe(x)}; use {allowed}.")
+        raise ValueError(f"{op}: `{name}` is {_describe(x)}; use {allowed}.")
 
 
 def _check_wire(
@@ -63,21 +63,21 @@ def _check_wire(
     (or ``blocks.wire_size(bits)``)."""
     _check_tensor(op, "buf", buf)
     if buf.dtype != torch.uint8:
-        raise TypeError(f"{op}: `buf` is {describe(buf)}; use the uint8 wire buffer quantize returns.")
+        raise TypeError(f"{op}: `buf` is {_describe(buf)}; use the uint8 wire buffer quantize returns.")
     if buf.dim() not in rank:
-        raise ValueError(f"{op}: `buf` is {describe(buf)}; use {layout}.")
+        raise ValueError(f"{op}: `buf` is {_describe(buf)}; use {layout}.")
     if blocks is not None:
         expected = blocks.wire_size(bits)
         if buf.shape[-1] != expected:
             raise ValueError(
-                f"{op}: `buf` is {describe(buf)}, but a row of {blocks} at {bits} bits takes {expected} bytes; use"
+                f"{op}: `buf` is {_describe(buf)}, but a row of {blocks} at {bits} bits takes {expected} bytes; use"
                 f" rows of blocks.wire_size(bits) = {expected} bytes (the buffer quantize returned with these blocks)."
             )
         return
     expected = wire_size(numel, bits, block)
     if buf.shape[-1] != expected:
         raise ValueError(
-            f"{op}: `buf` is {describe(buf)}, but a row of `numel={numel}` elements at {bits} bits in blocks of"
+            f"{op}: `buf` is {_describe(buf)}, but a row of `numel={numel}` elements at {bits} bits in blocks of"
             f" {block} takes {expected} bytes; use rows of wire_size(numel, bits, block_size) = {expected} bytes."
         )
 
@@ -100,15 +100,15 @@ def _check_out(op: str, out: object, shapes: list[tuple[int, ...]], device: torc
     _check_tensor(op, "out", out)
     allowed = " or ".join(str(s) for s in shapes)
     if tuple(out.shape) not in shapes:
-        raise ValueError(f"{op}: `out` is {describe(out)}; use shape {allowed}.")
+        raise ValueError(f"{op}: `out` is {_describe(out)}; use shape {allowed}.")
     if dtype is None and out.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"{op}: `out` is {describe(out)}; use a {_FLOATS} tensor.")
+        raise TypeError(f"{op}: `out` is {_describe(out)}; use a {_FLOATS} tensor.")
     if dtype is not None and out.dtype != dtype:
-        raise TypeError(f"{op}: `out` is {describe(out)}, but `dtype={dtype}`; pass dtype=out.dtype.")
+        raise TypeError(f"{op}: `out` is {_describe(out)}, but `dtype={dtype}`; pass dtype=out.dtype.")
     if out.device != device:
-        raise ValueError(f"{op}: `out` is {describe(out)}, but the input is on {device}; use one device.")
+        raise ValueError(f"{op}: `out` is {_describe(out)}, but the input is on {device}; use one device.")
     if not out.is_contiguous():
-        raise ValueError(f"{op}: `out` is {describe(out)} with strides {out.stride()}; use a contiguous tensor.")
+        raise ValueError(f"{op}: `out` is {_describe(out)} with strides {out.stride()}; use a contiguous tensor.")
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -196,11 +196,11 @@ class _Feedback:
         _check_tensor(op, "residual", residual)
         if residual.dtype != torch.float32 or tuple(residual.shape) != shape:
             raise ValueError(
-                f"{op}: `residual` is {describe(residual)}; use a float32 tensor of shape {shape} (one value per"
+                f"{op}: `residual` is {_describe(residual)}; use a float32 tensor of shape {shape} (one value per"
                 " element quantized)."
             )
         if residual.device != device or not residual.is_contiguous():
-            raise ValueError(f"{op}: `residual` is {describe(residual)}; use a contiguous tensor on {device}.")
+            raise ValueError(f"{op}: `residual` is {_describe(residual)}; use a contiguous tensor on {device}.")
 
 
 @dataclass(**_FROZEN)
@@ -309,7 +309,7 @@ class SwizzleQuantizeSpec(_Rounding, _Spec):
         W = self.ranks_per_node * self.num_nodes
         if x.numel() % W:
             raise ValueError(
-                f"{op}: `x` is {describe(x)}, which is not {W} equal chunks (ranks_per_node={self.ranks_per_node} x"
+                f"{op}: `x` is {_describe(x)}, which is not {W} equal chunks (ranks_per_node={self.ranks_per_node} x"
                 f" num_nodes={self.num_nodes}); use numel == ranks_per_node * num_nodes * chunk."
             )
         check_format(self.bits, self.block_size, op=op)
@@ -359,7 +359,7 @@ class DequantizeReduceQuantizeSpec(_Feedback, _Rounding, _Spec):
         layout = "(N, K, wire): K pieces from each of N peers"
         _check_wire(op, buf, (3,), layout, numel, self.in_bits, self.block_size, self.blocks)
         if buf.shape[0] == 0:
-            raise ValueError(f"{op}: `buf` is {describe(buf)}, pieces from no peer; use N >= 1 rows of pieces.")
+            raise ValueError(f"{op}: `buf` is {_describe(buf)}, pieces from no peer; use N >= 1 rows of pieces.")
         self._check_rounding(op)
         self._check_feedback(op, (buf.shape[1], numel), buf.device)
 
@@ -384,7 +384,7 @@ class DequantizeReduceSpec(_WireRows):
         op = self.op
         self._check_rows(op, buf, (2,), "2-D rows (M, wire)")
         if buf.shape[0] == 0:
-            raise ValueError(f"{op}: `buf` is {describe(buf)}, no rows to sum; use M >= 1 rows.")
+            raise ValueError(f"{op}: `buf` is {_describe(buf)}, no rows to sum; use M >= 1 rows.")
         if not _is_finite_real(self.multiplier):
             raise ValueError(f"{op}: `multiplier={self.multiplier!r}` is not allowed; use a finite float.")
         _check_dtype(op, "dtype", self.dtype, optional=True)
