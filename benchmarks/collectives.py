@@ -51,10 +51,10 @@ def _worker(rank: int, world: int, per_node: int, params: int, reps: int) -> dic
     cases = {
         "reduce-scatter exact": lambda: exact_reduce_scatter(out, grads.clone(), avg, None, groups, ledger),
         "reduce-scatter qgZ (2 stages)": lambda: qgz.quantized_reduce_scatter(
-            out, grads.clone(), avg, None, groups, ledger, ZeroPPConfig()
+            out, grads.clone(), qgz.Plan.of(topo, ZeroPPConfig(), chunk, avg, None), groups, ledger
         ),
         "reduce-scatter qgZ (1 stage)": lambda: qgz.quantized_reduce_scatter(
-            out, grads.clone(), avg, None, groups, ledger, ZeroPPConfig(gradient_pieces=1)
+            out, grads.clone(), qgz.Plan.of(topo, ZeroPPConfig(gradient_pieces=1), chunk, avg, None), groups, ledger
         ),
         "all-gather exact": lambda: all_gather_flat(gathered, shard, groups.world),
         "all-gather qwZ INT8": lambda: qwz.quantized_all_gather(

@@ -66,7 +66,7 @@ def cases(numel: int, device: str):
     import torch
 
     from lightning_zeropp import kernels as tk
-    from lightning_zeropp.kernels import reference, triton_ops
+    from lightning_zeropp.kernels import reference, specs, triton_ops
 
     x = torch.randn(numel, device=device, dtype=torch.bfloat16)
     q8 = tk.quantize(x, 8, 256, backend="torch")
@@ -80,13 +80,17 @@ def cases(numel: int, device: str):
     rail = tk.quantize(torch.randn(K, piece, device=device), 4, 128, backend="torch")
     out = torch.empty(piece, device=device, dtype=torch.bfloat16)
 
-    def impls(fn_name: str, *args, **kwargs):
-        twin = getattr(reference, fn_name)
+    spec_of = {s.name: s for s in (specs.QuantizeSpec, specs.DequantizeSpec, specs.SwizzleQuantizeSpec,
+                                   specs.DequantizeReduceQuantizeSpec, specs.DequantizeReduceSpec)}  # fmt: skip
+
+    def impls(fn_name: str, tensor, *args, **kwargs):
+        twin, launcher = getattr(reference, fn_name), getattr(triton_ops, fn_name)
+        spec = spec_of[fn_name](*args, **kwargs)
         compiled = torch.compile(twin, dynamic=False)
         return {
-            "triton": lambda: getattr(triton_ops, fn_name)(*args, **kwargs),
-            "torch": lambda: twin(*args, **kwargs),
-            "torch.compile": lambda: compiled(*args, **kwargs),
+            "triton": lambda: launcher(tensor, spec),
+            "torch": lambda: twin(tensor, spec),
+            "torch.compile": lambda: compiled(tensor, spec),
         }
 
     yield "quantize int8", impls("quantize", x, 8, 256), x.numel() * 2 + wire8

@@ -152,15 +152,13 @@ class ZeroPPComms:
             call, self.gradient_calls = self.gradient_calls, self.gradient_calls + 1
             chunk = output.numel()
             blocks = unit.gradients(chunk) if unit is not None else None
+            plan = qgz.Plan.of(self.topology, self.config, chunk, base_op, premul, call=call, blocks=blocks)
             residuals = None
             if self.feedback is not None:
-                pieces = [(start, size) for start, size, _ in qgz.stages(chunk, self.config, blocks)]
+                pieces = [(stage.start, stage.size) for stage in plan.stages]
                 name = unit.name if unit is not None else "<unit>"
                 residuals = self.feedback.pieces(name, self.topology.num_nodes, chunk, pieces, input.device, self.steps)
-            qgz.quantized_reduce_scatter(
-                output, input, base_op, premul, groups, self.ledger, self.config, call=call, blocks=blocks,
-                residuals=residuals,
-            )  # fmt: skip
+            qgz.quantized_reduce_scatter(output, input, plan, groups, self.ledger, residuals)
             return
         exact_reduce_scatter(output, input, base_op, premul, groups, self.ledger)
 

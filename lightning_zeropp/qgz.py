@@ -25,120 +25,186 @@ with K = 1 the inter hop is skipped and the N copies are reduced straight into t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 
 from . import kernels as tk
 from .config import ZeroPPConfig
 from .ledger import CommLedger
-from .topology import ProcessGroups
+from .topology import ProcessGroups, Topology
 
 
-def _seed(call: int | None, rank: int, hop: int, stage: int) -> int | None:
-    """A seed per (call, rank, hop, stage) for stochastic rounding: independent noise everywhere, reproducible.
-    Without a call number the kernels draw a fresh seed."""
-    if call is None:
-        return None
-    return hash((call, rank, hop, stage)) & 0x7FFFFFFF  # ints hash to themselves: the same in every process
+class Stage(NamedTuple):
+    """One pipeline stage: piece ``index`` of every chunk, ``size`` elements from ``start``, in ``blocks`` (the
+    piece's own aligned blocks; None: flat)."""
+
+    index: int
+    start: int
+    size: int
+    blocks: tk.Blocks | None
+
+
+class _Hop(NamedTuple):
+    """An all-to-all in flight: its work handle (None where nothing was sent) and the buffer it receives into."""
+
+    work: dist.Work | None
+    recv: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One reduction's shapes, computed once from the topology, the chunk length and the config: what every hop of
+    every stage sends and how it rounds; :func:`quantized_reduce_scatter` runs it.
+
+    Args:
+        topology: the job's ranks (N per node, K nodes).
+        chunk: elements of this rank's output (one of the W chunks of the input).
+        stages: every pipeline stage's piece of a chunk (:func:`stages`; sizes may be 0).
+        blocks: the whole chunk's parameter-aligned blocks (None: flat blocks).
+        multiplier: what the fp32 sum is scaled by at the end (AVG's 1 / W, PREMUL_SUM's factor).
+        call: the reduction's number in the job, for stochastic rounding's seeds; None: rounding to nearest, or the
+            kernels draw fresh seeds.
+        config: the bits, block size, rounding, error feedback decay and kernel backend.
+    """
+
+    topology: Topology
+    chunk: int
+    stages: tuple[Stage, ...]
+    blocks: tk.Blocks | None
+    multiplier: float
+    call: int | None
+    config: ZeroPPConfig
+
+    @classmethod
+    def of(cls, topology: Topology, config: ZeroPPConfig, chunk: int, base_op, premul: float | None, *,
+           call: int | None = None, blocks: tk.Blocks | None = None) -> Plan:  # fmt: skip
+        """The plan of reducing W chunks of ``chunk`` elements with FSDP's ``base_op`` (AVG or SUM) and ``premul``
+        (PREMUL_SUM's factor, or None). ``call`` numbers the reductions of a job (see
+        :func:`quantized_reduce_scatter`); ``blocks``: the chunk's parameter-aligned blocks (None: flat blocks)."""
+        multiplier = premul if premul is not None else 1.0
+        if base_op == dist.ReduceOp.AVG:
+            multiplier /= topology.world_size
+        pieces = tuple(Stage(s, *piece) for s, piece in enumerate(stages(chunk, config, blocks)))
+        if config.gradient_rounding != "stochastic":
+            call = None
+        return cls(topology, chunk, pieces, blocks, multiplier, call, config)
+
+    @property
+    def busy(self) -> tuple[Stage, ...]:
+        """The stages with elements to reduce, in order."""
+        return tuple(stage for stage in self.stages if stage.size)
+
+    @property
+    def stochastic(self) -> bool:
+        return self.config.gradient_rounding == "stochastic"
+
+    def seed(self, hop: int, stage: Stage) -> int | None:
+        """The seed of hop ``hop``'s quantization (0: intra-node, 1: inter-node) in ``stage``: one per (call, rank,
+        hop, stage) for stochastic rounding, so the noise is independent everywhere and reproducible. Without a call
+        number the kernels draw a fresh seed."""
+        if self.call is None:
+            return None
+        # ints hash to themselves: the same in every process
+        return hash((self.call, self.topology.rank, hop, stage.index)) & 0x7FFFFFFF
 
 
 def quantized_reduce_scatter(
     output: torch.Tensor,
     input: torch.Tensor,
-    base_op,
-    premul: float | None,
+    plan: Plan,
     groups: ProcessGroups,
     ledger: CommLedger,
-    config: ZeroPPConfig,
-    *,
-    call: int | None = None,
-    blocks: tk.Blocks | None = None,
     residuals: list[torch.Tensor] | None = None,
 ) -> None:
-    """Reduces ``input`` (W chunks) into ``output`` (this rank's chunk). ``call`` numbers the reductions of a job
-    (:class:`~lightning_zeropp.comm.ZeroPPComms` counts them): with stochastic rounding, the noise of call ``c`` on
-    rank ``r`` is fixed by ``(c, r)``, so a run is reproducible and no two calls or ranks share noise. ``blocks``: the
-    chunk's parameter-aligned blocks (None: flat blocks). ``residuals``: error feedback state, per stage of
-    :func:`stages` a float32 ``(K, size)`` tensor, updated in place."""
-    topo = groups.topology
-    N, K, W = topo.ranks_per_node, topo.num_nodes, topo.world_size
-    chunk = output.numel()
+    """Reduces ``input`` (W chunks) into ``output`` (this rank's chunk) as ``plan`` says. With stochastic rounding,
+    the noise of call ``c`` on rank ``r`` is fixed by ``(c, r)`` (``plan.call``), so a run is reproducible and no
+    two calls or ranks share noise. ``residuals``: error feedback state, per stage of ``plan.stages`` a float32
+    ``(K, size)`` tensor, updated in place."""
+    W, chunk = plan.topology.world_size, output.numel()
+    if chunk != plan.chunk:
+        raise RuntimeError(f"qgZ: reduce-scatter output has {chunk} elements, but the plan is for {plan.chunk}.")
     if input.numel() != W * chunk:
         raise RuntimeError(f"qgZ: reduce-scatter input has {input.numel()} elements, expected {W} x {chunk}.")
-    if chunk == 0:
+    if plan.chunk == 0:
         return
-    multiplier = premul if premul is not None else 1.0
-    if base_op == dist.ReduceOp.AVG:
-        multiplier /= W
-    stochastic = config.gradient_rounding == "stochastic"
-    intra_bits, inter_bits, block = config.intra_node_gradient_bits, config.gradient_bits, config.gradient_block_size
-    backend = config.kernel_backend
-    call = call if stochastic else None
-    flat_out = output.view(-1)
-    intra_ranks, rail_ranks = topo.intra_node_ranks(), topo.rail_ranks()
-
+    out = output.view(-1)
     # Streams (CUDA): FSDP calls this on its reduce-scatter stream, and every buffer below is made, sent, received and
     # read on it (``work.wait()`` makes the current stream wait for the collective); the output is complete in stream
     # order when this returns, which is what FSDP's reduce-scatter event records.
-    pieces = stages(chunk, config, blocks)
-    stages_ = [(s, start, size, piece) for s, (start, size, piece) in enumerate(pieces) if size]
-    decay = config.error_feedback_decay
-
-    def start_intra(s: int):
-        if N == 1:
-            return None, None
-        send = tk.swizzle_quantize(
-            input, N, K, config.gradient_pieces, s, intra_bits, block,
-            stochastic=stochastic, seed=_seed(call, topo.rank, 0, s), blocks=blocks, backend=backend,
-        )  # fmt: skip
-        recv = torch.empty_like(send)
-        ledger.record_to_peers("gradient_all_to_all_intra", intra_ranks, K * send.shape[1])
-        return dist.all_to_all_single(recv, send, group=groups.intra_node, async_op=True), recv
-
-    def reduce_in_node(s: int, start: int, size: int, piece, work, recv) -> torch.Tensor | None:
-        """Steps 3 (K > 1: returns the buffer for the rail) or 3 + 5 (K == 1: writes the output)."""
-        if work is not None:
-            work.wait()
-        if K == 1:
-            tk.dequantize_reduce(
-                recv, size, intra_bits, block, multiplier=multiplier, out=flat_out[start : start + size],
-                blocks=piece, backend=backend,
-            )  # fmt: skip
-            return None
-        feedback = {} if residuals is None else {"residual": residuals[s], "decay": decay}
-        if N == 1:  # nothing arrived from local peers: this rank's own K pieces go straight to the rail
-            own = input.view(W, chunk)[:, start : start + size]
-            return tk.quantize(own, inter_bits, block, stochastic=stochastic, seed=_seed(call, topo.rank, 1, s),
-                               blocks=piece, backend=backend, **feedback)  # fmt: skip
-        return tk.dequantize_reduce_quantize(
-            recv.view(N, K, -1), size, intra_bits, inter_bits, block,
-            stochastic=stochastic, seed=_seed(call, topo.rank, 1, s), blocks=piece, backend=backend, **feedback,
-        )  # fmt: skip
-
-    def start_inter(send: torch.Tensor):
-        recv = torch.empty_like(send)
-        ledger.record_to_peers("gradient_all_to_all_inter", rail_ranks, send.shape[1])
-        return dist.all_to_all_single(recv, send, group=groups.inter_node, async_op=True), recv
-
-    def finish(start: int, size: int, piece, work, recv) -> None:
-        work.wait()
-        tk.dequantize_reduce(
-            recv, size, inter_bits, block, multiplier=multiplier, out=flat_out[start : start + size], blocks=piece,
-            backend=backend,
-        )  # fmt: skip
-
-    intra = start_intra(stages_[0][0])
-    in_flight = None
-    for i, (s, start, size, piece) in enumerate(stages_):
-        to_rail = reduce_in_node(s, start, size, piece, *intra)
-        inter = start_inter(to_rail) if to_rail is not None else None
-        if i + 1 < len(stages_):  # the next stage's intra-node hop overlaps this stage's inter-node hop
-            intra = start_intra(stages_[i + 1][0])
+    busy = plan.busy
+    intra = _start_intra(plan, busy[0], input, groups, ledger)
+    in_flight: tuple[Stage, _Hop] | None = None
+    for i, stage in enumerate(busy):
+        residual = residuals[stage.index] if residuals is not None else None
+        to_rail = _reduce_in_node(plan, stage, input, intra, residual, out)
+        inter = _start_inter(to_rail, groups, ledger) if to_rail is not None else None
+        if i + 1 < len(busy):  # the next stage's intra-node hop overlaps this stage's inter-node hop
+            intra = _start_intra(plan, busy[i + 1], input, groups, ledger)
         if in_flight is not None:
-            finish(*in_flight)
-        in_flight = (start, size, piece, *inter) if inter is not None else None
+            _finish(plan, *in_flight, out)
+        in_flight = (stage, inter) if inter is not None else None
     if in_flight is not None:
-        finish(*in_flight)
+        _finish(plan, *in_flight, out)
+
+
+def _start_intra(plan: Plan, stage: Stage, input: torch.Tensor, groups: ProcessGroups, ledger: CommLedger) -> _Hop:
+    """Steps 1 and 2: swizzle and quantize the stage's pieces, start the all-to-all inside the node."""
+    topo, c = plan.topology, plan.config
+    N, K = topo.ranks_per_node, topo.num_nodes
+    if N == 1:
+        return _Hop(None, None)
+    send = tk.swizzle_quantize(
+        input, N, K, c.gradient_pieces, stage.index, c.intra_node_gradient_bits, c.gradient_block_size,
+        blocks=plan.blocks, backend=c.kernel_backend, stochastic=plan.stochastic, seed=plan.seed(0, stage),
+    )  # fmt: skip
+    recv = torch.empty_like(send)
+    ledger.record_to_peers("gradient_all_to_all_intra", topo.intra_node_ranks(), K * send.shape[1])
+    return _Hop(dist.all_to_all_single(recv, send, group=groups.intra_node, async_op=True), recv)
+
+
+def _reduce_in_node(plan: Plan, stage: Stage, input: torch.Tensor, intra: _Hop, residual: torch.Tensor | None,
+                    out: torch.Tensor) -> torch.Tensor | None:  # fmt: skip
+    """Steps 3 (K > 1: returns the buffer for the rail) or 3 + 5 (K == 1: writes the output)."""
+    topo, c = plan.topology, plan.config
+    N, K = topo.ranks_per_node, topo.num_nodes
+    start, size, backend = stage.start, stage.size, c.kernel_backend
+    if intra.work is not None:
+        intra.work.wait()
+    if K == 1:
+        tk.dequantize_reduce(
+            intra.recv, size, c.intra_node_gradient_bits, c.gradient_block_size, multiplier=plan.multiplier,
+            out=out[start : start + size], blocks=stage.blocks, backend=backend,
+        )  # fmt: skip
+        return None
+    feedback = {} if residual is None else {"residual": residual, "decay": c.error_feedback_decay}
+    if N == 1:  # nothing arrived from local peers: this rank's own K pieces go straight to the rail
+        own = input.view(topo.world_size, plan.chunk)[:, start : start + size]
+        return tk.quantize(own, c.gradient_bits, c.gradient_block_size, blocks=stage.blocks, backend=backend,
+                           stochastic=plan.stochastic, seed=plan.seed(1, stage), **feedback)  # fmt: skip
+    return tk.dequantize_reduce_quantize(
+        intra.recv.view(N, K, -1), size, c.intra_node_gradient_bits, c.gradient_bits, c.gradient_block_size,
+        blocks=stage.blocks, backend=backend, stochastic=plan.stochastic, seed=plan.seed(1, stage), **feedback,
+    )  # fmt: skip
+
+
+def _start_inter(send: torch.Tensor, groups: ProcessGroups, ledger: CommLedger) -> _Hop:
+    """Step 4: the all-to-all on the rail."""
+    recv = torch.empty_like(send)
+    ledger.record_to_peers("gradient_all_to_all_inter", groups.topology.rail_ranks(), send.shape[1])
+    return _Hop(dist.all_to_all_single(recv, send, group=groups.inter_node, async_op=True), recv)
+
+
+def _finish(plan: Plan, stage: Stage, inter: _Hop, out: torch.Tensor) -> None:
+    """Step 5: sum the K pieces from the rail into the output."""
+    c = plan.config
+    inter.work.wait()
+    tk.dequantize_reduce(
+        inter.recv, stage.size, c.gradient_bits, c.gradient_block_size, multiplier=plan.multiplier,
+        out=out[stage.start : stage.start + stage.size], blocks=stage.blocks, backend=c.kernel_backend,
+    )  # fmt: skip
 
 
 def stages(chunk: int, config: ZeroPPConfig, blocks: tk.Blocks | None) -> list[tuple[int, int, tk.Blocks | None]]:

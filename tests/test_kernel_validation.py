@@ -3,6 +3,8 @@ with the same exception and the same message on the torch twins and on the Trito
 TRITON_INTERPRET=1), and a good call runs on both with the same result. Then the dispatch itself: ``check_backend``,
 and "auto" on CPU tensors without triton."""
 
+import dataclasses
+import inspect
 import os
 import subprocess
 import sys
@@ -12,6 +14,7 @@ import pytest
 import torch
 
 from lightning_zeropp import kernels as tk
+from lightning_zeropp.kernels import specs
 
 BACKENDS = [
     "torch",
@@ -286,3 +289,25 @@ def test_without_triton_auto_runs_and_triton_says_why():
     )
     for line, name in zip(out.splitlines(), ("kernel_backend", "backend"), strict=True):
         assert f'`{name}="triton"` needs the triton package (' in line and 'use "torch"' in line, line
+
+
+SPECS = {
+    tk.quantize: ("x", specs.QuantizeSpec),
+    tk.dequantize: ("buf", specs.DequantizeSpec),
+    tk.swizzle_quantize: ("x", specs.SwizzleQuantizeSpec),
+    tk.dequantize_reduce_quantize: ("buf", specs.DequantizeReduceQuantizeSpec),
+    tk.dequantize_reduce: ("buf", specs.DequantizeReduceSpec),
+}
+
+
+@pytest.mark.parametrize("op", SPECS, ids=[op.__name__ for op in SPECS])
+def test_each_op_takes_its_tensor_its_spec_and_backend(op):
+    """The spec declares the op's arguments: the op's signature (for help and documentation) is the spec's, and an
+    argument the spec lacks is refused before anything runs."""
+    tensor, spec = SPECS[op]
+    fields = [f.name for f in dataclasses.fields(spec)]
+    assert list(inspect.signature(op).parameters) == [tensor, *inspect.signature(spec).parameters, "backend"]
+    assert sorted(inspect.signature(spec).parameters) == sorted(fields)
+    assert spec.name == op.__name__
+    with pytest.raises(TypeError, match="unexpected keyword argument 'colour'"):
+        op(torch.zeros(8), colour=1)

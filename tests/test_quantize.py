@@ -7,6 +7,7 @@ import torch
 
 from lightning_zeropp import kernels as tk
 from lightning_zeropp.kernels import reference as ref
+from lightning_zeropp.kernels.specs import QuantizeSpec
 
 SIZES = [1, 2, 127, 257, 4231]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -141,7 +142,7 @@ def test_swizzle_quantize_is_gather_then_quantize(N, K, C, S):
     for s in range(S):
         start, size = tk.stage_bounds(C, S, s, 16)
         pieces = torch.stack([x[j * C + start : j * C + start + size] for j in _naive_order(N, K)])
-        assert torch.equal(tk.swizzle_quantize(x, N, K, S, s, 8, 16), ref.quantize(pieces, 8, 16))
+        assert torch.equal(tk.swizzle_quantize(x, N, K, S, s, 8, 16), ref.quantize(pieces, QuantizeSpec(8, 16)))
 
 
 def test_dequantize_reduce_quantize_and_dequantize_reduce():

@@ -6,11 +6,13 @@ where a wrong size would make a kernel read or write outside a buffer.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 
 from . import interpreting
-from .layout import num_blocks, scale_offset
+from .layout import Blocks, num_blocks, scale_offset, wire_size
 
 # FMA contraction would fuse ``q * scale`` into the following add (or ``x * inv`` into the rounding add) and round
 # once where the torch twins round twice: the kernels would no longer match the twins bit for bit.
@@ -78,3 +80,44 @@ def block_table(blocks, device: torch.device, tile: int) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64 if wide else torch.int32, device=device)
 
     return blocks.cached(key, make)
+
+
+class Tiling(NamedTuple):
+    """How a launch covers its rows: G blocks of (padded) 2 * HALF elements per program, the grid (programs along a
+    row, rows), and for aligned blocks the device table and block count (both None for uniform blocks: a constexpr
+    None keeps the uniform kernel's signature unchanged)."""
+
+    G: int
+    HALF: int
+    grid: tuple[int, int]
+    table: torch.Tensor | None
+    nblk: int | None
+
+    @property
+    def tile(self) -> int:
+        """Elements one program covers."""
+        return 2 * self.G * self.HALF
+
+
+def tiling(numel: int, rows: int, block_size: int, blocks: Blocks | None, device: torch.device,
+           wire_bits: int | None = None) -> Tiling:  # fmt: skip
+    """The :class:`Tiling` of ``rows`` rows of ``numel`` elements in uniform blocks of ``block_size`` or in aligned
+    ``blocks``. ``wire_bits``: the kernel writes uniform wire rows of these bits, so its programs also cover the
+    row's padding (:func:`quantize_grid`); None: they cover the elements only."""
+    if blocks is not None:
+        G, HALF = aligned_tile_shape(block_size)
+        return Tiling(G, HALF, (triton.cdiv(blocks.count, G), rows), block_table(blocks, device, 2 * G * HALF),
+                      blocks.count)  # fmt: skip
+    G, HALF = tile_shape(block_size)
+    if wire_bits is None:
+        along = triton.cdiv(num_blocks(numel, block_size), G)
+    else:
+        along = quantize_grid(numel, wire_bits, block_size, G)
+    return Tiling(G, HALF, (along, rows), None, None)
+
+
+def row_format(numel: int, bits: int, block_size: int, blocks: Blocks | None) -> tuple[int, int]:
+    """(bytes per wire row, scale offset) of ``numel`` elements at ``bits`` in uniform blocks or ``blocks``."""
+    if blocks is None:
+        return wire_size(numel, bits, block_size), scale_offset(numel, bits)
+    return blocks.wire_size(bits), blocks.scale_offset(bits)

@@ -251,6 +251,13 @@ def strategy_launches() -> list[Launch]:
 
     from . import triton_ops as ops
     from .layout import Blocks, stage_bounds, wire_size
+    from .specs import (
+        DequantizeReduceQuantizeSpec,
+        DequantizeReduceSpec,
+        DequantizeSpec,
+        QuantizeSpec,
+        SwizzleQuantizeSpec,
+    )
 
     float_dtypes = (torch.float32, torch.bfloat16, torch.float16)
     launches: list[Launch] = []
@@ -264,59 +271,58 @@ def strategy_launches() -> list[Launch]:
 
     def qwz(dtype, bits, block, numel, shape):
         x = torch.zeros(numel, dtype=dtype)
-        record(f"qwZ quantize {shape}", lambda: ops.quantize(x, bits, block))
+        record(f"qwZ quantize {shape}", lambda: ops.quantize(x, QuantizeSpec(bits, block)))
         packed = torch.zeros(4, wire_size(numel, bits, block), dtype=torch.uint8)
-        record(f"qwZ dequantize {shape}", lambda: ops.dequantize(packed, numel, bits, block, dtype))
+        record(f"qwZ dequantize {shape}", lambda: ops.dequantize(packed, DequantizeSpec(numel, bits, block, dtype)))
+
+    def swizzle(where, g, N, K, stages, bits, block, stochastic, blocks=None):
+        for s in range(stages):
+            spec = SwizzleQuantizeSpec(N, K, stages, s, bits, block, stochastic=stochastic, blocks=blocks)
+            record(f"qgZ swizzle_quantize {where}", lambda spec=spec: ops.swizzle_quantize(g, spec))
 
     def qgz(dtype, in_bits, out_bits, block, stochastic, N, K, stages, chunk, feedback=False):
         g = torch.zeros(N * K * chunk, dtype=dtype)
         where = f"N={N} K={K} stages={stages} chunk={chunk}"
-        for s in range(stages):
-            record(
-                f"qgZ swizzle_quantize {where}",
-                lambda s=s: ops.swizzle_quantize(g, N, K, stages, s, in_bits, block, stochastic=stochastic),
-            )
+        swizzle(where, g, N, K, stages, in_bits, block, stochastic)
         n = stage_bounds(chunk, stages, 0, block)[1]  # the first piece, as qgZ cuts it
         buf = torch.zeros(N, K, wire_size(n, in_bits, block), dtype=torch.uint8)
         fb = {"residual": torch.zeros(K, n), "decay": 0.9} if feedback else {}
         record(
             f"qgZ dequantize_reduce_quantize {where}{' feedback' if feedback else ''}",
-            lambda: ops.dequantize_reduce_quantize(buf, n, in_bits, out_bits, block, stochastic=stochastic, **fb),
+            lambda: ops.dequantize_reduce_quantize(
+                buf, DequantizeReduceQuantizeSpec(n, in_bits, out_bits, block, stochastic=stochastic, **fb)
+            ),
         )
         rows = torch.zeros(K, wire_size(n, out_bits, block), dtype=torch.uint8)
         out = torch.zeros(n, dtype=dtype)
         record(
             f"qgZ dequantize_reduce {where}",
-            lambda: ops.dequantize_reduce(rows, n, out_bits, block, multiplier=1 / (N * K), out=out),
+            lambda: ops.dequantize_reduce(
+                rows, DequantizeReduceSpec(n, out_bits, block, multiplier=1 / (N * K), out=out)
+            ),
         )
         if N == 2:  # the same rank with one rank per node: its own K pieces go to the rail as quantized rows
             pieces = g.view(N * K, chunk)[:K, :n]
             record(
                 f"qgZ quantize rows (N=1){' feedback' if feedback else ''}",
-                lambda: ops.quantize(pieces, out_bits, block, stochastic=stochastic, **fb),
+                lambda: ops.quantize(pieces, QuantizeSpec(out_bits, block, stochastic=stochastic, **fb)),
             )
 
     def qwz_aligned(dtype, bits, blocks):
         x = torch.zeros(blocks.numel, dtype=dtype)
-        record("qwZ quantize aligned", lambda: ops.quantize(x, bits, 256, blocks=blocks))
+        record("qwZ quantize aligned", lambda: ops.quantize(x, QuantizeSpec(bits, 256, blocks=blocks)))
         packed = torch.zeros(4, blocks.wire_size(bits), dtype=torch.uint8)
         out = torch.zeros(4 * blocks.numel, dtype=dtype)  # FSDP's flat all-gather output
         record(
             "qwZ dequantize aligned",
-            lambda: ops.dequantize(packed, blocks.numel, bits, 256, dtype, out=out, blocks=blocks),
+            lambda: ops.dequantize(packed, DequantizeSpec(blocks.numel, bits, 256, dtype, out=out, blocks=blocks)),
         )
 
     def qgz_aligned(dtype, in_bits, out_bits, stochastic, N, K, stages, blocks, feedback):
         chunk = blocks.numel
         g = torch.zeros(N * K * chunk, dtype=dtype)
         where = f"aligned N={N} K={K} stages={stages} chunk={chunk}"
-        for s in range(stages):
-            record(
-                f"qgZ swizzle_quantize {where}",
-                lambda s=s: ops.swizzle_quantize(
-                    g, N, K, stages, s, in_bits, 128, stochastic=stochastic, blocks=blocks
-                ),
-            )
+        swizzle(where, g, N, K, stages, in_bits, 128, stochastic, blocks)
         for start, piece in blocks.stages(stages):
             if piece.numel:
                 qgz_piece(dtype, in_bits, out_bits, stochastic, N, K, g, chunk, start, piece, feedback, where)
@@ -329,20 +335,22 @@ def strategy_launches() -> list[Launch]:
         record(
             f"qgZ dequantize_reduce_quantize {label}",
             lambda: ops.dequantize_reduce_quantize(
-                buf, n, in_bits, out_bits, 128, stochastic=stochastic, blocks=piece, **fb
+                buf, DequantizeReduceQuantizeSpec(n, in_bits, out_bits, 128, stochastic=stochastic, blocks=piece, **fb)
             ),
         )
         rows = torch.zeros(K, piece.wire_size(out_bits), dtype=torch.uint8)
         out = torch.zeros(n, dtype=dtype)
         record(
             f"qgZ dequantize_reduce {label}",
-            lambda: ops.dequantize_reduce(rows, n, out_bits, 128, multiplier=1 / (N * K), out=out, blocks=piece),
+            lambda: ops.dequantize_reduce(
+                rows, DequantizeReduceSpec(n, out_bits, 128, multiplier=1 / (N * K), out=out, blocks=piece)
+            ),
         )
         if N == 2:  # one rank per node: the rank's own K pieces go to the rail as quantized rows
             pieces = g.view(N * K, chunk)[:K, start : start + n]
             record(
                 f"qgZ quantize rows (N=1) {label}",
-                lambda: ops.quantize(pieces, out_bits, 128, stochastic=stochastic, blocks=piece, **fb),
+                lambda: ops.quantize(pieces, QuantizeSpec(out_bits, 128, stochastic=stochastic, blocks=piece, **fb)),
             )
 
     shapes = ((2, 2, 2, 4096), (8, 4, 3, 4096), (4, 2, 3, 1000), (2, 4, 1, 4103))  # 1000, 4103: not 16-aligned

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import LAUNCH_OPTIONS, aligned_tile_shape, bf16_by_hand, block_table, needs_int64, output_view, tile_shape
+from ._launch import LAUNCH_OPTIONS, bf16_by_hand, needs_int64, output_view, row_format, tiling
 from ._tiles import (
     aligned_index,
     is_full_tile,
@@ -27,7 +27,8 @@ from ._tiles import (
     sum_dequantized_aligned,
     tile_index,
 )
-from .layout import Blocks, num_blocks, scale_offset, wire_size
+from .layout import Blocks
+from .specs import DequantizeReduceSpec, DequantizeSpec
 
 
 @triton.jit
@@ -77,57 +78,34 @@ def _launch(rows: torch.Tensor, out: torch.Tensor, numel: int, bits: int, block_
             multiplier: float, blocks: Blocks | None = None) -> None:  # fmt: skip
     """Writes ``out`` (``rows.shape[0] // summed`` rows of ``numel``) from the wire ``rows`` (uniform blocks, or
     ``blocks``)."""
-    wire = wire_size(numel, bits, block_size) if blocks is None else blocks.wire_size(bits)
+    wire, so = row_format(numel, bits, block_size, blocks)
     # the kernel indexes both buffers by these sizes: a mismatch would read or write outside them
     assert rows.is_contiguous() and rows.shape[1] == wire
     assert out.is_contiguous() and out.numel() == rows.shape[0] // summed * numel
     if not numel or not rows.shape[0]:
         return
-    G, HALF = tile_shape(block_size) if blocks is None else aligned_tile_shape(block_size)
-    tile = 2 * G * HALF
-    if blocks is None:
-        grid = (triton.cdiv(num_blocks(numel, block_size), G), rows.shape[0] // summed)
-        so, table, nblk = scale_offset(numel, bits), None, None  # constexpr None: the uniform kernel's signature
-    else:
-        grid = (triton.cdiv(blocks.count, G), rows.shape[0] // summed)
-        so, table, nblk = blocks.scale_offset(bits), block_table(blocks, rows.device, tile), blocks.count
-    _dequantize_kernel[grid](
+    t = tiling(numel, rows.shape[0] // summed, block_size, blocks, rows.device)
+    _dequantize_kernel[t.grid](
         rows.view(torch.int8), rows.view(torch.float32), output_view(out), numel, rows.shape[1], so,
-        float(multiplier), table, nblk, ROWS=summed, BITS=bits, BS=block_size, G=G, HALF=HALF,
+        float(multiplier), t.table, t.nblk, ROWS=summed, BITS=bits, BS=block_size, G=t.G, HALF=t.HALF,
         SCALED=multiplier != 1.0, BF16_BY_HAND=bf16_by_hand(out), ALIGNED=blocks is not None,
-        IDX64=needs_int64(rows.numel() + tile, out.numel() + tile), **LAUNCH_OPTIONS,
+        IDX64=needs_int64(rows.numel() + t.tile, out.numel() + t.tile), **LAUNCH_OPTIONS,
     )  # fmt: skip
 
 
-def dequantize(
-    buf: torch.Tensor,
-    numel: int,
-    bits: int,
-    block_size: int,
-    dtype: torch.dtype,
-    *,
-    out: torch.Tensor | None = None,
-    blocks: Blocks | None = None,
-) -> torch.Tensor:
+def dequantize(buf: torch.Tensor, spec: DequantizeSpec) -> torch.Tensor:
     rows = (buf if buf.dim() == 2 else buf.view(1, -1)).contiguous()
+    out = spec.out
     if out is None:
-        out = torch.empty(buf.shape[:-1] + (numel,), dtype=dtype, device=buf.device)
-    _launch(rows, out, numel, bits, block_size, 1, 1.0, blocks)
+        out = torch.empty(buf.shape[:-1] + (spec.numel,), dtype=spec.dtype, device=buf.device)
+    _launch(rows, out, spec.numel, spec.bits, spec.block_size, 1, 1.0, spec.blocks)
     return out
 
 
-def dequantize_reduce(
-    buf: torch.Tensor,
-    numel: int,
-    bits: int,
-    block_size: int,
-    *,
-    multiplier: float = 1.0,
-    out: torch.Tensor | None = None,
-    dtype: torch.dtype | None = None,
-    blocks: Blocks | None = None,
-) -> torch.Tensor:
+def dequantize_reduce(buf: torch.Tensor, spec: DequantizeReduceSpec) -> torch.Tensor:
+    out = spec.out
     if out is None:
-        out = torch.empty(numel, dtype=dtype or torch.float32, device=buf.device)
-    _launch(buf.contiguous(), out, numel, bits, block_size, buf.shape[0], multiplier, blocks)
+        out = torch.empty(spec.numel, dtype=spec.dtype or torch.float32, device=buf.device)
+    multiplier = float(spec.multiplier)
+    _launch(buf.contiguous(), out, spec.numel, spec.bits, spec.block_size, buf.shape[0], multiplier, spec.blocks)
     return out

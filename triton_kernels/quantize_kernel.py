@@ -19,16 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import (
-    LAUNCH_OPTIONS,
-    aligned_tile_shape,
-    block_table,
-    needs_int64,
-    quantize_grid,
-    stochastic_seed,
-    tile_shape,
-    unit_stride,
-)
+from ._launch import LAUNCH_OPTIONS, needs_int64, row_format, stochastic_seed, tiling, unit_stride
 from ._tiles import (
     aligned_index,
     is_full_tile,
@@ -45,7 +36,8 @@ from ._tiles import (
     tile_index,
     with_feedback,
 )
-from .layout import QMAX, Blocks, scale_offset, stage_bounds, wire_size
+from .layout import QMAX
+from .specs import QuantizeSpec, SwizzleQuantizeSpec
 
 
 @triton.jit
@@ -98,79 +90,42 @@ def _quantize_kernel(x_ptr, out_ptr, scale_ptr, n, chunk, start, N, K, wire, so,
                        BITS, QMAX, BS, G, HALF, STOCHASTIC, FEEDBACK, True)  # fmt: skip
 
 
-def _launch(src: torch.Tensor, rows: int, n: int, chunk: int, start: int, N: int, K: int, bits: int,
-            block_size: int, stochastic: bool, seed: int | None, blocks: Blocks | None = None,
-            residual: torch.Tensor | None = None, decay: float = 1.0) -> torch.Tensor:  # fmt: skip
+def _launch(src: torch.Tensor, rows: int, n: int, chunk: int, start: int, N: int, K: int,
+            spec: QuantizeSpec) -> torch.Tensor:  # fmt: skip
     """Quantizes ``rows`` rows of ``n`` elements (row r from ``src`` as the kernel docstring says) into a fresh
-    ``(rows, wire)`` buffer, in uniform blocks or in ``blocks``; with ``residual`` (contiguous ``(rows, n)`` fp32,
-    only for N = 1), with error feedback. The kernel writes every byte of the buffer, padding included."""
-    if blocks is None:
-        wire, so = wire_size(n, bits, block_size), scale_offset(n, bits)
-    else:
-        wire, so = blocks.wire_size(bits), blocks.scale_offset(bits)
+    ``(rows, wire)`` buffer, in uniform blocks or in ``spec.blocks``; with ``spec.residual`` (contiguous ``(rows, n)``
+    fp32, only for N = 1), with error feedback. The kernel writes every byte of the buffer, padding included."""
+    bits, block_size, blocks, residual = spec.bits, spec.block_size, spec.blocks, spec.residual
+    wire, so = row_format(n, bits, block_size, blocks)
     out = torch.empty(rows, wire, dtype=torch.uint8, device=src.device)
     if n and rows:
-        G, HALF = tile_shape(block_size) if blocks is None else aligned_tile_shape(block_size)
-        tile = 2 * G * HALF
-        if blocks is None:
-            grid = (quantize_grid(n, bits, block_size, G), rows)
-            table = nblk = None  # constexpr None: the uniform kernel's signature is unchanged
-        else:
-            grid = (triton.cdiv(blocks.count, G), rows)
-            table, nblk = block_table(blocks, src.device, tile), blocks.count
+        t = tiling(n, rows, block_size, blocks, src.device, wire_bits=bits)
         if residual is not None:
             assert N == 1 and residual.is_contiguous() and residual.numel() == rows * n  # the kernel writes it
-        _quantize_kernel[grid](
+        _quantize_kernel[t.grid](
             src, out.view(torch.int8), out.view(torch.float32), n, chunk, start, N, K, wire, so,
-            stochastic_seed(seed) if stochastic else 0, residual, None if residual is None else float(decay), table,
-            nblk, BITS=bits, QMAX=QMAX[bits], BS=block_size, G=G, HALF=HALF, STOCHASTIC=stochastic,
-            FEEDBACK=residual is not None, ALIGNED=blocks is not None,
-            IDX64=needs_int64(src.numel() + tile, out.numel() + tile, grid[0] * grid[1] * G * HALF,
-                              0 if residual is None else residual.numel() + tile),
+            stochastic_seed(spec.seed) if spec.stochastic else 0, residual,
+            None if residual is None else float(spec.decay), t.table, t.nblk, BITS=bits, QMAX=QMAX[bits],
+            BS=block_size, G=t.G, HALF=t.HALF, STOCHASTIC=spec.stochastic, FEEDBACK=residual is not None,
+            ALIGNED=blocks is not None,
+            IDX64=needs_int64(src.numel() + t.tile, out.numel() + t.tile, t.grid[0] * t.grid[1] * t.G * t.HALF,
+                              0 if residual is None else residual.numel() + t.tile),
             maxnreg=128,  # ptxas otherwise caps some INT4 variants at 80 registers and spills two
             **LAUNCH_OPTIONS,
         )  # fmt: skip
     return out
 
 
-def quantize(
-    x: torch.Tensor,
-    bits: int,
-    block_size: int,
-    *,
-    stochastic: bool = False,
-    seed: int | None = None,
-    blocks: Blocks | None = None,
-    residual: torch.Tensor | None = None,
-    decay: float = 1.0,
-) -> torch.Tensor:
+def quantize(x: torch.Tensor, spec: QuantizeSpec) -> torch.Tensor:
     x = unit_stride(x)
     rows = x if x.dim() == 2 else x.view(1, -1)
     R, n = rows.shape
-    out = _launch(rows, R, n, rows.stride(0), 0, 1, R, bits, block_size, stochastic, seed, blocks, residual, decay)
+    out = _launch(rows, R, n, rows.stride(0), 0, 1, R, spec)
     return out if x.dim() == 2 else out.view(-1)
 
 
-def swizzle_quantize(
-    x: torch.Tensor,
-    ranks_per_node: int,
-    num_nodes: int,
-    stages: int,
-    stage: int,
-    bits: int,
-    block_size: int,
-    *,
-    stochastic: bool = False,
-    seed: int | None = None,
-    blocks: Blocks | None = None,
-) -> torch.Tensor:
+def swizzle_quantize(x: torch.Tensor, spec: SwizzleQuantizeSpec) -> torch.Tensor:
     x = unit_stride(x)
-    W = ranks_per_node * num_nodes
-    chunk = x.numel() // W
-    if blocks is None:
-        start, n = stage_bounds(chunk, stages, stage, block_size)
-        piece = None
-    else:
-        start, piece = blocks.stages(stages)[stage]
-        n = piece.numel
-    return _launch(x, W, n, chunk, start, ranks_per_node, num_nodes, bits, block_size, stochastic, seed, piece)
+    N, K = spec.ranks_per_node, spec.num_nodes
+    chunk, start, n, piece = spec.piece(x.numel())
+    return _launch(x, N * K, n, chunk, start, N, K, piece)

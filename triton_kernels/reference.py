@@ -2,14 +2,16 @@
 
 Vectorised over blocks and rows; the only Python loops run over ranks (the sum of N or K received copies is
 sequential, in rank order, so the fp32 result is the same as the kernels' running sum). Never imports triton.
-The arguments are checked once, by the public ops in ``lightning_zeropp.kernels``, before they get here.
+Each op takes its input tensor and its spec (``specs``), checked once, by the public op in
+``lightning_zeropp.kernels``, before it gets here.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .layout import QMAX, Blocks, num_blocks, payload_bytes, scale_offset, stage_bounds, swizzle_order, wire_size
+from .layout import QMAX, Blocks, num_blocks, payload_bytes, scale_offset, swizzle_order, wire_size
+from .specs import DequantizeReduceQuantizeSpec, DequantizeReduceSpec, DequantizeSpec, QuantizeSpec, SwizzleQuantizeSpec
 
 _FLT_MIN_NORMAL = torch.finfo(torch.float32).tiny
 
@@ -217,86 +219,53 @@ def _quantize_with_feedback(
     return out
 
 
-def quantize(
-    x: torch.Tensor,
-    bits: int,
-    block_size: int,
-    *,
-    stochastic: bool = False,
-    seed: int | None = None,
-    blocks: Blocks | None = None,
-    residual: torch.Tensor | None = None,
-    decay: float = 1.0,
-) -> torch.Tensor:
+def quantize(x: torch.Tensor, spec: QuantizeSpec) -> torch.Tensor:
     """Block-quantizes ``x`` (1-D: one row; 2-D: each row on its own) into the wire format (see ``layout``), in
-    uniform blocks or in ``blocks``; with ``residual``, with error feedback (see :func:`_quantize_with_feedback`)."""
+    uniform blocks or in ``spec.blocks``; with ``spec.residual``, with error feedback (see
+    :func:`_quantize_with_feedback`)."""
+    bits, block_size, blocks, residual = spec.bits, spec.block_size, spec.blocks, spec.residual
     if blocks is None and residual is None:
-        return _quantize_uniform(x, bits, block_size, stochastic=stochastic, seed=seed)
+        return _quantize_uniform(x, bits, block_size, stochastic=spec.stochastic, seed=spec.seed)
     rows, two_d = _as_rows(x)
     values = rows.float() if residual is not None else rows
     if residual is not None and not two_d:
         residual = residual.view(1, -1)  # written through the view: the caller's tensor keeps its shape
-    out = _quantize_with_feedback(values, bits, block_size, blocks, stochastic, seed, residual, decay)
+    out = _quantize_with_feedback(
+        values, bits, block_size, blocks, spec.stochastic, spec.seed, residual, float(spec.decay)
+    )
     return out if two_d else out.view(-1)
 
 
-def dequantize(
-    buf: torch.Tensor,
-    numel: int,
-    bits: int,
-    block_size: int,
-    dtype: torch.dtype,
-    *,
-    out: torch.Tensor | None = None,
-    blocks: Blocks | None = None,
-) -> torch.Tensor:
-    """Inverse of :func:`quantize`: a 1-D buffer gives ``(numel,)``, a 2-D one ``(rows, numel)``, in ``dtype``; with
-    ``out`` (contiguous, ``(rows, numel)`` or flat), written there instead."""
+def dequantize(buf: torch.Tensor, spec: DequantizeSpec) -> torch.Tensor:
+    """Inverse of :func:`quantize`: a 1-D buffer gives ``(numel,)``, a 2-D one ``(rows, numel)``, in ``spec.dtype``;
+    with ``spec.out`` (contiguous, ``(rows, numel)`` or flat), written there instead."""
+    numel, bits, block_size, out = spec.numel, spec.bits, spec.block_size, spec.out
     rows, two_d = _as_rows(buf)
-    if blocks is not None:
-        values = _dequantize_rows(rows, numel, bits, block_size, blocks)
+    if spec.blocks is not None:
+        values = _dequantize_rows(rows, numel, bits, block_size, spec.blocks)
         if out is None:
-            target = values.to(dtype)
+            target = values.to(spec.dtype)
             return target if two_d else target.view(-1)
         out.view(rows.shape[0], numel).copy_(values)
         return out
     if out is None:
-        target = torch.empty(rows.shape[0], numel, dtype=dtype, device=buf.device)
+        target = torch.empty(rows.shape[0], numel, dtype=spec.dtype, device=buf.device)
         _dequantize_into(target, rows, numel, bits, block_size)
         return target if two_d else target.view(-1)
     _dequantize_into(out.view(rows.shape[0], numel), rows, numel, bits, block_size)
     return out
 
 
-def swizzle_quantize(
-    x: torch.Tensor,
-    ranks_per_node: int,
-    num_nodes: int,
-    stages: int,
-    stage: int,
-    bits: int,
-    block_size: int,
-    *,
-    stochastic: bool = False,
-    seed: int | None = None,
-    blocks: Blocks | None = None,
-) -> torch.Tensor:
+def swizzle_quantize(x: torch.Tensor, spec: SwizzleQuantizeSpec) -> torch.Tensor:
     """qgZ step 1: piece ``stage`` of each of the W = N*K chunks of ``x``, in swizzled slot order, quantized. With
     ``blocks`` (the chunk's parameter-aligned blocks), the pieces are :meth:`Blocks.stages`'.
 
     Returns ``(W, wire_size(piece))``: rows ``[l*K, (l+1)*K)`` are for local peer ``l``.
     """
-    W = ranks_per_node * num_nodes
-    chunk = x.numel() // W
-    if blocks is None:
-        start, size = stage_bounds(chunk, stages, stage, block_size)
-        piece = None
-    else:
-        start, piece = blocks.stages(stages)[stage]
-        size = piece.numel
-    order = torch.tensor(swizzle_order(ranks_per_node, num_nodes), device=x.device)
-    pieces = x.view(W, chunk)[:, start : start + size].index_select(0, order)
-    return quantize(pieces, bits, block_size, stochastic=stochastic, seed=seed, blocks=piece)
+    chunk, start, size, piece = spec.piece(x.numel())
+    order = torch.tensor(swizzle_order(spec.ranks_per_node, spec.num_nodes), device=x.device)
+    pieces = x.view(spec.ranks_per_node * spec.num_nodes, chunk)[:, start : start + size].index_select(0, order)
+    return quantize(pieces, piece)
 
 
 def _sum_rows_f32(values: torch.Tensor) -> torch.Tensor:
@@ -307,45 +276,26 @@ def _sum_rows_f32(values: torch.Tensor) -> torch.Tensor:
     return acc
 
 
-def dequantize_reduce_quantize(
-    buf: torch.Tensor,
-    numel: int,
-    in_bits: int,
-    out_bits: int,
-    block_size: int,
-    *,
-    stochastic: bool = False,
-    seed: int | None = None,
-    blocks: Blocks | None = None,
-    residual: torch.Tensor | None = None,
-    decay: float = 1.0,
-) -> torch.Tensor:
+def dequantize_reduce_quantize(buf: torch.Tensor, spec: DequantizeReduceQuantizeSpec) -> torch.Tensor:
     """qgZ step 3: ``buf`` is ``(N, K, wire_in)``, K pieces from each of N peers; returns ``(K, wire_out)``, each
     piece dequantized, summed over the N peers in fp32, and re-quantized (with ``residual``: error feedback)."""
     N, K, wire = buf.shape
-    values = _dequantize_rows(buf.reshape(N * K, wire), numel, in_bits, block_size, blocks).view(N, K, numel)
+    numel, block_size, blocks = spec.numel, spec.block_size, spec.blocks
+    values = _dequantize_rows(buf.reshape(N * K, wire), numel, spec.in_bits, block_size, blocks).view(N, K, numel)
     return _quantize_with_feedback(
-        _sum_rows_f32(values), out_bits, block_size, blocks, stochastic, seed, residual, decay
-    )
+        _sum_rows_f32(values), spec.out_bits, block_size, blocks, spec.stochastic, spec.seed, spec.residual,
+        float(spec.decay),
+    )  # fmt: skip
 
 
-def dequantize_reduce(
-    buf: torch.Tensor,
-    numel: int,
-    bits: int,
-    block_size: int,
-    *,
-    multiplier: float = 1.0,
-    out: torch.Tensor | None = None,
-    dtype: torch.dtype | None = None,
-    blocks: Blocks | None = None,
-) -> torch.Tensor:
+def dequantize_reduce(buf: torch.Tensor, spec: DequantizeReduceSpec) -> torch.Tensor:
     """qgZ step 5: ``buf`` is ``(M, wire)``; returns the fp32 sum of the M dequantized rows times ``multiplier``,
     cast to ``out``'s dtype (written into ``out`` when given) or ``dtype``."""
-    total = _sum_rows_f32(_dequantize_rows(buf, numel, bits, block_size, blocks))
+    total = _sum_rows_f32(_dequantize_rows(buf, spec.numel, spec.bits, spec.block_size, spec.blocks))
+    multiplier = float(spec.multiplier)
     if multiplier != 1.0:
         total = total * multiplier
-    if out is not None:
-        out.copy_(total)
-        return out
-    return total.to(dtype or torch.float32)
+    if spec.out is not None:
+        spec.out.copy_(total)
+        return spec.out
+    return total.to(spec.dtype or torch.float32)

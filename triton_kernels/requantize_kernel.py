@@ -15,15 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import (
-    LAUNCH_OPTIONS,
-    aligned_tile_shape,
-    block_table,
-    needs_int64,
-    quantize_grid,
-    stochastic_seed,
-    tile_shape,
-)
+from ._launch import LAUNCH_OPTIONS, needs_int64, row_format, stochastic_seed, tiling
 from ._tiles import (
     aligned_index,
     is_full_tile,
@@ -41,7 +33,8 @@ from ._tiles import (
     tile_index,
     with_feedback,
 )
-from .layout import QMAX, Blocks, scale_offset, wire_size
+from .layout import QMAX
+from .specs import DequantizeReduceQuantizeSpec
 
 
 @triton.jit
@@ -103,49 +96,28 @@ def _requantize_kernel(buf_ptr, in_scale_ptr, out_ptr, out_scale_ptr, n, K, in_w
                          True)  # fmt: skip
 
 
-def dequantize_reduce_quantize(
-    buf: torch.Tensor,
-    numel: int,
-    in_bits: int,
-    out_bits: int,
-    block_size: int,
-    *,
-    stochastic: bool = False,
-    seed: int | None = None,
-    blocks: Blocks | None = None,
-    residual: torch.Tensor | None = None,
-    decay: float = 1.0,
-) -> torch.Tensor:
+def dequantize_reduce_quantize(buf: torch.Tensor, spec: DequantizeReduceQuantizeSpec) -> torch.Tensor:
     N, K, in_wire = buf.shape
-    if blocks is None:
-        in_so, out_so = scale_offset(numel, in_bits), scale_offset(numel, out_bits)
-        expected, out_wire = wire_size(numel, in_bits, block_size), wire_size(numel, out_bits, block_size)
-    else:
-        in_so, out_so = blocks.scale_offset(in_bits), blocks.scale_offset(out_bits)
-        expected, out_wire = blocks.wire_size(in_bits), blocks.wire_size(out_bits)
+    numel, in_bits, out_bits, block_size = spec.numel, spec.in_bits, spec.out_bits, spec.block_size
+    blocks, residual = spec.blocks, spec.residual
+    expected, in_so = row_format(numel, in_bits, block_size, blocks)
+    out_wire, out_so = row_format(numel, out_bits, block_size, blocks)
     assert N >= 1 and in_wire == expected  # the kernel reads N rows of this size
     if residual is not None:  # the kernel writes K rows of numel
         assert residual.is_contiguous() and residual.numel() == K * numel
     buf = buf.contiguous()
     out = torch.empty(K, out_wire, dtype=torch.uint8, device=buf.device)
     if numel and K:
-        G, HALF = tile_shape(block_size) if blocks is None else aligned_tile_shape(block_size)
-        tile = 2 * G * HALF
-        if blocks is None:
-            grid = (quantize_grid(numel, out_bits, block_size, G), K)
-            table = nblk = None  # constexpr None: the uniform kernel's signature is unchanged
-        else:
-            grid = (triton.cdiv(blocks.count, G), K)
-            table, nblk = block_table(blocks, buf.device, tile), blocks.count
-        _requantize_kernel[grid](
+        t = tiling(numel, K, block_size, blocks, buf.device, wire_bits=out_bits)
+        _requantize_kernel[t.grid](
             buf.view(torch.int8), buf.view(torch.float32), out.view(torch.int8), out.view(torch.float32), numel, K,
-            in_wire, in_so, out_wire, out_so, stochastic_seed(seed) if stochastic else 0, residual,
-            None if residual is None else float(decay), table, nblk, N=N, IN_BITS=in_bits, OUT_BITS=out_bits,
-            QMAX=QMAX[out_bits], BS=block_size, G=G, HALF=HALF, STOCHASTIC=stochastic, FEEDBACK=residual is not None,
-            ALIGNED=blocks is not None,
+            in_wire, in_so, out_wire, out_so, stochastic_seed(spec.seed) if spec.stochastic else 0, residual,
+            None if residual is None else float(spec.decay), t.table, t.nblk, N=N, IN_BITS=in_bits,
+            OUT_BITS=out_bits, QMAX=QMAX[out_bits], BS=block_size, G=t.G, HALF=t.HALF, STOCHASTIC=spec.stochastic,
+            FEEDBACK=residual is not None, ALIGNED=blocks is not None,
             num_warps=4 if blocks is None else 8,  # aligned: N rows of scalar loads in flight; 4 warps need a stack
-            IDX64=needs_int64(buf.numel() + tile, out.numel() + tile, grid[0] * K * G * HALF,
-                              0 if residual is None else residual.numel() + tile),
+            IDX64=needs_int64(buf.numel() + t.tile, out.numel() + t.tile, t.grid[0] * K * t.G * t.HALF,
+                              0 if residual is None else residual.numel() + t.tile),
             **LAUNCH_OPTIONS,
         )  # fmt: skip
     return out
