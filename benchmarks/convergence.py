@@ -58,8 +58,9 @@ Duration, on this machine (2 shared cores), 8 ranks (4 nodes x 2), fp32: ~3.2 s 
     python benchmarks/convergence.py --regime aggressive --seeds 1 2 3 4 5 6 --steps 40 --evals 4 \\
         --json benchmarks/convergence_aggressive.json
 
-A smoke run (2 ranks, a few minutes): ``--nodes 2 --ranks-per-node 1 --steps 4 --evals 2 --val-windows 16 --seeds 1 2
---json /tmp/smoke.json``.
+A smoke run (2 ranks, ~3 minutes; weight deltas need 2 ranks per node, so zeropp-deltas+ef is left out):
+``--nodes 2 --ranks-per-node 1 --steps 4 --evals 2 --val-windows 16 --seeds 1 2 --configs zero3 zeropp zeropp+ef
+zeropp-qgz-half --json /tmp/smoke.json``.
 """
 
 from __future__ import annotations
