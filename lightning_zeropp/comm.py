@@ -12,7 +12,8 @@ forward all-gather             whole data-parallel group   qwZ quantized all-gat
                                                           hpZ group, after any delta exchange (deltas.py)
 backward all-gather (hpZ)      hpZ group (R ranks)         exact all-gather of the dequantized copy
 backward all-gather (no hpZ)   whole group                 same as forward (identical weights)
-gradient reduce-scatter        whole group                 qgZ 2-hop all-to-all, or exact
+gradient reduce-scatter        whole group                 qgZ 2-hop all-to-all, or exact (also after
+                                                          the first quantize_gradients_steps steps)
 ============================  ==========================  ===========================================
 """
 
@@ -148,7 +149,7 @@ class ZeroPPComms:
                 " instead of all ranks; the model was sharded with a mesh other than the strategy's."
             )
         base_op, premul = split_reduce_op(op)
-        if self.use_qgz:
+        if self.quantizes_gradients():
             call, self.gradient_calls = self.gradient_calls, self.gradient_calls + 1
             chunk = output.numel()
             blocks = unit.gradients(chunk) if unit is not None else None
@@ -161,6 +162,12 @@ class ZeroPPComms:
             qgz.quantized_reduce_scatter(output, input, plan, groups, self.ledger, residuals)
             return
         exact_reduce_scatter(output, input, base_op, premul, groups, self.ledger)
+
+    def quantizes_gradients(self) -> bool:
+        """Whether this step's gradients take qgZ: on with more than one node, for the first
+        ``quantize_gradients_steps`` optimizer steps (0: throughout); the exact reduce-scatter afterwards."""
+        limit = self.config.quantize_gradients_steps
+        return self.use_qgz and (limit == 0 or self.steps < limit)
 
     # ----------------------------------------------------------------- state
     def begin_forward(self, device: torch.device) -> None:

@@ -107,10 +107,15 @@ def _one_of(allowed: tuple) -> Check:
     return check
 
 
-def _steps(name: str, value: object) -> None:
-    _check_int(name, value)
-    if value < 0:
-        raise _fail(name, value, "use a number of steps >= 1, or 0 (never)")
+def _steps(zero: str) -> Check:
+    """The check of a count of optimizer steps: an int >= 1, or 0, which means ``zero``."""
+
+    def check(name: str, value: object) -> None:
+        _check_int(name, value)
+        if value < 0:
+            raise _fail(name, value, f"use a number of steps >= 1, or 0 ({zero})")
+
+    return check
 
 
 def _check_pieces(name: str, value: object) -> None:
@@ -265,6 +270,12 @@ class ZeroPPConfig:
         " one node the exact reduce-scatter is used (nothing crosses nodes).",
         check=_check_bool,
     )
+    quantize_gradients_steps: NonNegativeInt = argument(
+        0,
+        "qgZ for the first this many optimizer steps, then the exact reduce-scatter (the paper's remedy for"
+        " late-training accuracy); 0: throughout.",
+        check=_steps("qgZ throughout"),
+    )
     gradient_bits: Literal[4, 8] = argument(
         4, "qgZ: 4 or 8 bits per gradient element on the inter-node hop.", check=_bits(4, 8)
     )
@@ -305,7 +316,7 @@ class ZeroPPConfig:
         0.8, "The error feedback residual's carry-over factor to the next step, in (0, 1].", check=_check_decay
     )
     error_feedback_reset: NonNegativeInt = argument(
-        1024, "Zero the error feedback residuals every this many optimizer steps (0: never).", check=_steps
+        1024, "Zero the error feedback residuals every this many optimizer steps (0: never).", check=_steps("never")
     )
     weight_deltas: bool = argument(
         False,
@@ -327,7 +338,7 @@ class ZeroPPConfig:
         "weight_deltas: rebuild the node copies exactly every this many optimizer steps (0: never). They are also"
         " rebuilt when the weights change outside an optimizer step (a checkpoint load, an EMA swap: any in-place"
         " write to the parameters; after writes through param.data, call refresh_weight_copies()).",
-        check=_steps,
+        check=_steps("never"),
     )
     gradient_pieces: PositiveInt = argument(
         2,
