@@ -1,0 +1,332 @@
+"""What qgZ's INT4 hop does to small gradient coordinates, and what AdamW makes of it, step by step.
+
+Gloo ranks emulating ``nodes x ranks_per_node`` (default 2 x 2) train the example GPT (a small shape: 2 layers,
+n_embd 128, 4 heads, 64 bytes of context, 8 windows per rank; 0.43M parameters) on the standard library's source as
+bytes, in a Fabric loop, 32-true, with the example's AdamW (betas 0.9 / 0.95, weight decay 0.1 on matrices) at a
+constant lr 3e-4, ``ZeroPPStrategy()`` defaults, once without and once with ``gradient_error_feedback=True``.
+
+Every gradient reduce-scatter qgZ runs is preceded by the exact reduce-scatter of a clone of its input (same groups,
+same op, a throwaway ledger: training never sees it), and (qgZ output ``q``, exact output ``e``) of each unit's chunk
+on each rank is compared in the unit's own quantization blocks (``UnitBlocks.gradients``: parameter-aligned blocks of
+128; a coordinate is *small* where ``|e| < max |e| of its block / 8``, about where INT4's 7 levels round to 0; the
+block maximum is that of the exact reduced gradient, while qgZ's scales come from each rank's and each node's partial
+sums):
+
+- zeroed: the share of coordinates with ``e != 0`` that arrive as exactly ``q == 0``;
+- relative error ``|q - e| / |e|`` (L2 over the coordinates of a class), small coordinates and the rest;
+- Adam: the update direction ``m_hat / (sqrt(v_hat) + eps)`` (lr and the decoupled weight decay left out: both are
+  the same for both gradients) from the qgZ-fed moments (what the run's optimizer holds: nothing clips) stepped
+  with ``q`` against the same moments stepped with ``e`` ("same state": this step's error alone), as the ratio of
+  norms and the relative error; and against a shadow state fed with ``e`` from the start ("shadow": the error
+  including what earlier steps left in the moments).
+
+Sums are pooled over units, ranks and the steps of a group before the ratios are taken.
+
+    python benchmarks/small_coordinates.py [--steps 30] [--topology 2x2] [--json benchmarks/small_coordinates.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "gpt"
+
+MODEL = dict(block_size=64, n_layer=2, n_head=4, n_embd=128)
+CONFIGS = {"qgz": dict(), "qgz_feedback": dict(gradient_error_feedback=True)}
+LR, BETAS, EPS, BATCH = 3e-4, (0.9, 0.95), 1e-8, 8
+SMALL = 1 / 8  # a coordinate below this share of its block's largest is "small"
+GROUPS = ((1, 5), (6, 15), (16, 30))
+SUMS = (
+    "count", "nonzero", "zeroed", "err2", "ref2",  # gradients
+    "adam_q2", "adam_same2", "adam_same_diff2", "adam_shadow2", "adam_shadow_diff2",  # Adam directions
+)  # fmt: skip
+
+
+def block_ids(numel: int, starts: tuple[int, ...] | None, block_size: int):
+    """Each element's block number: ``starts`` from a ``Blocks`` (parameter-aligned), or flat blocks of
+    ``block_size`` where a unit has none."""
+    import torch
+
+    if starts is None:
+        return torch.arange(numel) // block_size
+    lengths = torch.tensor(starts[1:]) - torch.tensor(starts[:-1])
+    return torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+
+
+def small_mask(exact, ids, share: float = SMALL):
+    """Where ``|exact|`` is below ``share`` of the largest ``|exact|`` of its block (``ids``: each element's block)."""
+    import torch
+
+    mag = exact.abs()
+    top = torch.zeros(int(ids.max()) + 1 if ids.numel() else 0, dtype=mag.dtype).scatter_reduce_(
+        0, ids, mag, "amax", include_self=True
+    )
+    return mag < share * top[ids]
+
+
+def coordinate_sums(q, e, small, adam: dict[str, Any] | None = None) -> dict[str, dict[str, float]]:
+    """Sums of one comparison, by class ("small", "rest"): elements, nonzero exact, zeroed (``e != 0``, ``q == 0``),
+    ``|q - e|^2``, ``|e|^2``, and with ``adam`` (the directions ``q``, ``same``, ``shadow`` of :class:`ShadowAdam`)
+    the squared norms of the directions and of their differences."""
+    out = {}
+    for name, mask in (("small", small), ("rest", ~small)):
+        qm, em = q[mask].double(), e[mask].double()
+        row = {
+            "count": float(mask.sum()),
+            "nonzero": float((em != 0).sum()),
+            "zeroed": float(((em != 0) & (qm == 0)).sum()),
+            "err2": float((qm - em).square().sum()),
+            "ref2": float(em.square().sum()),
+        }
+        if adam is not None:
+            uq, us, uh = (adam[k][mask].double() for k in ("q", "same", "shadow"))
+            row.update(
+                adam_q2=float(uq.square().sum()),
+                adam_same2=float(us.square().sum()),
+                adam_same_diff2=float((uq - us).square().sum()),
+                adam_shadow2=float(uh.square().sum()),
+                adam_shadow_diff2=float((uq - uh).square().sum()),
+            )
+        out[name] = row
+    return out
+
+
+def ratios(sums: dict[str, dict[str, float]]) -> dict[str, float | None]:
+    """The figures of pooled :func:`coordinate_sums`."""
+
+    def div(a: float, b: float, root: bool = False) -> float | None:
+        if not b:
+            return None
+        return (a / b) ** 0.5 if root else a / b
+
+    s, r = sums["small"], sums["rest"]
+    out = {
+        "zeroed": div(s["zeroed"] + r["zeroed"], s["nonzero"] + r["nonzero"]),
+        "zeroed_small": div(s["zeroed"], s["nonzero"]),
+        "small_share": div(s["count"], s["count"] + r["count"]),
+        "rel_err_small": div(s["err2"], s["ref2"], True),
+        "rel_err_rest": div(r["err2"], r["ref2"], True),
+    }
+    for name, row in (("small", s), ("rest", r)):
+        if "adam_q2" in row:
+            out[f"adam_{name}_norm_ratio"] = div(row["adam_q2"], row["adam_same2"], True)
+            out[f"adam_{name}_rel_err"] = div(row["adam_same_diff2"], row["adam_same2"], True)
+            out[f"adam_{name}_shadow_norm_ratio"] = div(row["adam_q2"], row["adam_shadow2"], True)
+            out[f"adam_{name}_shadow_rel_err"] = div(row["adam_shadow_diff2"], row["adam_shadow2"], True)
+    return out
+
+
+def pooled(rows: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
+    return {c: {k: sum(row[c].get(k, 0.0) for row in rows) for k in SUMS} for c in ("small", "rest")}
+
+
+class ShadowAdam:
+    """Adam's moments for one flat gradient chunk, twice: fed with qgZ's gradients (the run's optimizer) and with the
+    exact ones (the shadow). :meth:`step` returns the three update directions of this step."""
+
+    def __init__(self, numel: int, betas: tuple[float, float] = BETAS, eps: float = EPS) -> None:
+        import torch
+
+        self.b1, self.b2 = betas
+        self.eps = eps
+        self.t = 0
+        self.m, self.v, self.ms, self.vs = (torch.zeros(numel, dtype=torch.float64) for _ in range(4))
+
+    def _moments(self, m, v, g):
+        return self.b1 * m + (1 - self.b1) * g, self.b2 * v + (1 - self.b2) * g.square()
+
+    def _direction(self, m, v):
+        return (m / (1 - self.b1**self.t)) / ((v / (1 - self.b2**self.t)).sqrt() + self.eps)
+
+    def step(self, q, e) -> dict[str, Any]:
+        q, e = q.double(), e.double()
+        self.t += 1
+        m, v = self._moments(self.m, self.v, q)
+        same = self._direction(*self._moments(self.m, self.v, e))
+        self.ms, self.vs = self._moments(self.ms, self.vs, e)
+        self.m, self.v = m, v
+        return {"q": self._direction(m, v), "same": same, "shadow": self._direction(self.ms, self.vs)}
+
+
+class Recorder:
+    """Wraps ``ZeroPPComms.reduce_scatter`` in this process: the exact reduce-scatter first (on a clone, with a
+    throwaway ledger), then qgZ as the run has it; the comparison's sums by optimizer step and unit."""
+
+    def __init__(self) -> None:
+        self.steps: dict[int, dict[str, dict[str, dict[str, float]]]] = {}
+        self._adam: dict[str, ShadowAdam] = {}
+        self._ids: dict[tuple[str, int], Any] = {}
+
+    def install(self) -> None:
+        import torch
+
+        from lightning_zeropp import comm
+        from lightning_zeropp.collectives import split_reduce_op
+        from lightning_zeropp.ledger import CommLedger
+
+        original = comm.ZeroPPComms.reduce_scatter
+        recorder = self
+
+        def reduce_scatter(self, output, input, fsdp_group, op, unit=None):
+            if not self.quantizes_gradients():
+                return original(self, output, input, fsdp_group, op, unit)
+            base_op, premul = split_reduce_op(op)
+            exact = torch.empty_like(output)
+            comm.exact_reduce_scatter(
+                exact, input.clone(), base_op, premul, self.ensure_groups(), CommLedger(self.topology)
+            )
+            original(self, output, input, fsdp_group, op, unit)
+            recorder.add(self, unit, output.detach().reshape(-1).float(), exact.reshape(-1).float())
+
+        comm.ZeroPPComms.reduce_scatter = reduce_scatter
+
+    def add(self, comms, unit, q, e) -> None:
+        name = unit.name if unit is not None else "<unit>"
+        key = (name, q.numel())
+        if key not in self._ids:
+            blocks = unit.gradients(q.numel()) if unit is not None else None
+            starts = blocks.starts if blocks is not None else None
+            self._ids[key] = block_ids(q.numel(), starts, comms.config.gradient_block_size)
+        adam = self._adam.setdefault(name, ShadowAdam(q.numel()))
+        sums = coordinate_sums(q, e, small_mask(e, self._ids[key]), adam.step(q, e))
+        self.steps.setdefault(comms.steps + 1, {})[name] = sums
+
+
+def quiet() -> None:
+    import logging
+    import warnings
+
+    for name in ("lightning.pytorch", "lightning.fabric", "lightning_zeropp"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+
+
+def _worker(rank: int, world_size: int, per_node: int, strategy_kwargs: dict, steps: int, model: dict) -> dict:
+    quiet()
+    import torch
+    import torch.nn.functional as F
+    from data import ByteWindows, load_corpus
+    from lightning.fabric import Fabric
+    from model import GPTModule
+
+    from lightning_zeropp.fabric import ZeroPPStrategy
+
+    recorder = Recorder()
+    recorder.install()
+    torch.manual_seed(1234)
+    windows = ByteWindows(load_corpus(max_bytes=world_size * steps * BATCH * (model["block_size"] + 1)),
+                          model["block_size"])  # fmt: skip
+    fabric = Fabric(accelerator="cpu", devices=world_size, precision="32-true",
+                    strategy=ZeroPPStrategy(ranks_per_node=per_node, **strategy_kwargs))  # fmt: skip
+    fabric.launch()
+    module = GPTModule(**model, learning_rate=LR, warmup_steps=0)
+    module.configure_model()
+    module = fabric.setup_module(module)
+    optimizer = fabric.setup_optimizers(module.configure_optimizers()["optimizer"])  # constant lr: no scheduler
+    losses = []
+    for step in range(steps):
+        first = (step * world_size + rank) * BATCH
+        x, y = (torch.stack(t) for t in zip(*(windows[i] for i in range(first, first + BATCH)), strict=True))
+        loss = F.cross_entropy(module(x).float().view(-1, 256), y.reshape(-1))
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(fabric.all_reduce(loss.detach(), reduce_op="mean")))
+    params = sum(p.numel() for p in module.parameters())
+    return {"steps": recorder.steps, "losses": losses, "params": params}
+
+
+def measure(steps: int, nodes: int, per_node: int, model: dict, configs: list[str]) -> list[dict]:
+    from lightning_zeropp.spawn import run_local_ranks
+
+    rows = []
+    for config in configs:
+        results = run_local_ranks(
+            _worker, nodes * per_node, per_node, CONFIGS[config], steps, model, sys_path=[str(EXAMPLE)], timeout=1800
+        )
+        per_step = []
+        for step in range(1, steps + 1):
+            units = [u for r in results for u in r["steps"].get(step, {}).values()]
+            per_step.append(pooled(units))
+        units = sorted({u for r in results for s in r["steps"].values() for u in s})
+        per_unit = {
+            u: ratios(pooled([r["steps"][s][u] for r in results for s in r["steps"] if u in r["steps"][s]]))
+            for u in units
+        }
+        groups = []
+        for lo, hi in GROUPS:
+            if lo > steps:
+                break
+            hi = min(hi, steps)
+            groups.append({"steps": [lo, hi], **ratios(pooled(per_step[lo - 1 : hi]))})
+        rows.append(
+            {
+                "config": config,
+                "strategy": CONFIGS[config],
+                "nodes": nodes,
+                "ranks_per_node": per_node,
+                "model": model,
+                "params": results[0]["params"],
+                "optimizer": {"name": "AdamW", "lr": LR, "betas": list(BETAS), "eps": EPS},
+                "batch_per_rank": BATCH,
+                "small_below": SMALL,
+                "blocks": "UnitBlocks.gradients (parameter-aligned, gradient_block_size)",
+                "groups": groups,
+                "per_step": [{"step": i + 1, **ratios(s)} for i, s in enumerate(per_step)],
+                "per_unit": per_unit,
+                "losses": results[0]["losses"],
+            }
+        )
+    return rows
+
+
+def _f(v: float | None, spec: str = ".3f") -> str:
+    return "n/a" if v is None else format(v, spec)
+
+
+def table(rows: list[dict]) -> str:
+    lines = [
+        "| feedback | steps | zeroed (of e != 0) | zeroed among small | small share | grad rel err small | rest |"
+        " Adam small: norm ratio | rel err | shadow rel err | Adam rest: norm ratio | rel err | shadow rel err |"
+        " loss (last step of group) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        for g in row["groups"]:
+            lo, hi = g["steps"]
+            lines.append(
+                f"| {'on' if 'feedback' in row['config'] else 'off'} | {lo}-{hi} | {_f(g['zeroed'])} |"
+                f" {_f(g['zeroed_small'])} | {_f(g['small_share'])} | {_f(g['rel_err_small'])} |"
+                f" {_f(g['rel_err_rest'])} | {_f(g['adam_small_norm_ratio'])} | {_f(g['adam_small_rel_err'])} |"
+                f" {_f(g['adam_small_shadow_rel_err'])} | {_f(g['adam_rest_norm_ratio'])} |"
+                f" {_f(g['adam_rest_rel_err'])} | {_f(g['adam_rest_shadow_rel_err'])} | {row['losses'][hi - 1]:.3f} |"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--topology", default="2x2", help="NODESxRANKS_PER_NODE")
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--n-layer", type=int, default=MODEL["n_layer"])
+    parser.add_argument("--n-embd", type=int, default=MODEL["n_embd"])
+    parser.add_argument("--json", type=Path, default=None, help="write the rows here")
+    args = parser.parse_args(argv)
+    nodes, per_node = (int(v) for v in args.topology.split("x"))
+    model = dict(MODEL, n_layer=args.n_layer, n_embd=args.n_embd)
+    rows = measure(args.steps, nodes, per_node, model, args.configs)
+    print(table(rows))
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    main()

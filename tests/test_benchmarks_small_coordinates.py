@@ -1,0 +1,84 @@
+"""The small-coordinates study's statistics on synthetic tensors (blocks, the small mask, the sums and their ratios,
+the Adam directions against torch's Adam), and one short spawned run of the script."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_zeropp.testing.scripts import load_script
+
+ROOT = Path(__file__).resolve().parents[1]
+coords = load_script(ROOT / "benchmarks" / "small_coordinates.py", "small_coordinates_benchmark")
+
+
+def test_block_ids_follow_the_starts_or_flat_blocks():
+    assert coords.block_ids(7, (0, 3, 5, 7), 128).tolist() == [0, 0, 0, 1, 1, 2, 2]
+    assert coords.block_ids(7, None, 3).tolist() == [0, 0, 0, 1, 1, 1, 2]
+
+
+def test_small_is_below_an_eighth_of_the_block_maximum():
+    e = torch.tensor([8.0, 0.5, 1.0, -1.5, 0.0, 0.01, -0.2, 0.0, 0.0])
+    ids = coords.block_ids(9, (0, 4, 7, 9), 128)
+    # block 0: max 8, small below 1 (1.0 itself is not small); block 1: max 0.2, below 0.025; block 2: all zero
+    assert coords.small_mask(e, ids).tolist() == [False, True, False, False, True, True, False, False, False]
+
+
+def test_sums_count_zeroed_coordinates_and_errors_by_class():
+    e = torch.tensor([8.0, 0.5, 0.25, -2.0])
+    q = torch.tensor([8.0, 0.0, 0.5, -1.0])  # 0.5 zeroed, 0.25 doubled, -2 halved
+    small = coords.small_mask(e, coords.block_ids(4, None, 4))
+    sums = coords.coordinate_sums(q, e, small)
+    assert sums["small"] == dict(count=2, nonzero=2, zeroed=1, err2=0.25 + 0.0625, ref2=0.25 + 0.0625)
+    assert sums["rest"] == dict(count=2, nonzero=2, zeroed=0, err2=1.0, ref2=68.0)
+    r = coords.ratios(coords.pooled([sums, sums]))  # pooling the same sums twice changes no ratio
+    assert r["zeroed"] == 0.25 and r["zeroed_small"] == 0.5 and r["small_share"] == 0.5
+    assert r["rel_err_small"] == pytest.approx(1.0) and r["rel_err_rest"] == pytest.approx((1 / 68) ** 0.5)
+    assert r["adam_small_norm_ratio"] is None  # no Adam directions were given
+
+
+def test_adam_directions_match_torch_adam_and_compare_from_the_same_state():
+    torch.manual_seed(0)
+    adam = coords.ShadowAdam(5)
+    p = torch.zeros(5, dtype=torch.float64, requires_grad=True)
+    ref = torch.optim.Adam([p], lr=1.0, betas=coords.BETAS, eps=coords.EPS)
+    for _ in range(4):
+        e = torch.randn(5, dtype=torch.float64)
+        q = e.clone()
+        q[0] = 0.0  # qgZ zeroes one coordinate every step
+        before = p.detach().clone()
+        p.grad = q.clone()
+        ref.step()
+        d = adam.step(q, e)
+        torch.testing.assert_close(d["q"], before - p.detach(), rtol=1e-12, atol=1e-12)  # the run's optimizer
+    # the same state stepped with e differs from the q step in coordinate 0 only; the shadow everywhere it can
+    assert torch.equal(d["q"][1:], d["same"][1:]) and d["same"][0] != 0
+    shadow = coords.ShadowAdam(5)
+    for _ in range(4):
+        s = shadow.step(e, e)
+    torch.testing.assert_close(s["q"], s["shadow"])
+    mask = torch.tensor([True, False, False, False, False])
+    r = coords.ratios(coords.pooled([coords.coordinate_sums(q, e, mask, d)]))
+    assert r["adam_rest_rel_err"] == 0.0 and r["adam_rest_norm_ratio"] == 1.0
+    assert r["adam_small_rel_err"] > 0 and r["adam_small_norm_ratio"] < 1  # zeroed this step, not before: smaller
+    assert r["adam_small_shadow_rel_err"] > 0
+
+
+@pytest.mark.multiprocess
+def test_two_steps_on_two_nodes_of_one_rank_write_the_fields(tmp_path):
+    out = tmp_path / "coords.json"
+    coords.main(["--steps", "2", "--topology", "2x1", "--configs", "qgz_feedback", "--n-layer", "1", "--json",
+                 str(out)])  # fmt: skip
+    (row,) = json.loads(out.read_text())
+    assert row["config"] == "qgz_feedback" and (row["nodes"], row["ranks_per_node"]) == (2, 1)
+    assert [g["steps"] for g in row["groups"]] == [[1, 2]] and [s["step"] for s in row["per_step"]] == [1, 2]
+    assert sorted(row["per_unit"]) == ["<root>", "net.blocks.0"] and len(row["losses"]) == 2
+    for figures in (*row["groups"], *row["per_step"], *row["per_unit"].values()):
+        assert 0 < figures["small_share"] < 1 and 0 <= figures["zeroed"] <= figures["zeroed_small"] <= 1
+        assert 0 < figures["rel_err_rest"] < figures["rel_err_small"] < 1.5  # INT4: lossy, and worst where small
+        for key in ("adam_small_norm_ratio", "adam_small_rel_err", "adam_rest_norm_ratio", "adam_rest_rel_err",
+                    "adam_small_shadow_rel_err", "adam_rest_shadow_rel_err"):  # fmt: skip
+            assert 0 < figures[key] < 2, key
+    first = row["per_step"][0]  # the shadow state and the same state are one state at the first step
+    assert first["adam_small_rel_err"] == pytest.approx(first["adam_small_shadow_rel_err"], rel=1e-9)
