@@ -14,6 +14,8 @@ sums):
 
 - zeroed: the share of coordinates with ``e != 0`` that arrive as exactly ``q == 0``;
 - relative error ``|q - e| / |e|`` (L2 over the coordinates of a class), small coordinates and the rest;
+- the same of the gradients summed over a group's steps (small: by the summed exact gradient): what a slow average
+  of the gradients sees, and what error feedback corrects (it moves each step's loss into a later step);
 - Adam: the update direction ``m_hat / (sqrt(v_hat) + eps)`` (lr and the decoupled weight decay left out: both are
   the same for both gradients) from the qgZ-fed moments (what the run's optimizer holds: nothing clips) stepped
   with ``q`` against the same moments stepped with ``e`` ("same state": this step's error alone), as the ratio of
@@ -22,7 +24,7 @@ sums):
 
 Sums are pooled over units, ranks and the steps of a group before the ratios are taken.
 
-    python benchmarks/small_coordinates.py [--steps 30] [--topology 2x2] [--json benchmarks/small_coordinates.json]
+    python benchmarks/small_coordinates.py [--steps 30] [--topology 2x2] [--seed 1234] [--json FILE]
 """
 
 from __future__ import annotations
@@ -40,11 +42,16 @@ MODEL = dict(block_size=64, n_layer=2, n_head=4, n_embd=128)
 CONFIGS = {"qgz": dict(), "qgz_feedback": dict(gradient_error_feedback=True)}
 LR, BETAS, EPS, BATCH = 3e-4, (0.9, 0.95), 1e-8, 8
 SMALL = 1 / 8  # a coordinate below this share of its block's largest is "small"
-GROUPS = ((1, 5), (6, 15), (16, 30))
 SUMS = (
     "count", "nonzero", "zeroed", "err2", "ref2",  # gradients
     "adam_q2", "adam_same2", "adam_same_diff2", "adam_shadow2", "adam_shadow_diff2",  # Adam directions
 )  # fmt: skip
+
+
+def step_groups(steps: int) -> list[tuple[int, int]]:
+    """The table's groups of steps: 1-5, 6-15, 16-30, then every 15, the last one cut at ``steps``."""
+    bounds = [(1, 5), (6, 15), (16, 30)] + [(lo, lo + 14) for lo in range(31, steps + 1, 15)]
+    return [(lo, min(hi, steps)) for lo, hi in bounds if lo <= steps]
 
 
 def block_ids(numel: int, starts: tuple[int, ...] | None, block_size: int):
@@ -157,10 +164,12 @@ class Recorder:
     """Wraps ``ZeroPPComms.reduce_scatter`` in this process: the exact reduce-scatter first (on a clone, with a
     throwaway ledger), then qgZ as the run has it; the comparison's sums by optimizer step and unit."""
 
-    def __init__(self) -> None:
+    def __init__(self, groups: list[tuple[int, int]]) -> None:
+        self.groups = groups
         self.steps: dict[int, dict[str, dict[str, dict[str, float]]]] = {}
         self._adam: dict[str, ShadowAdam] = {}
         self._ids: dict[tuple[str, int], Any] = {}
+        self._summed: dict[tuple[int, str], list[Any]] = {}  # (group, unit) -> [sum of q, sum of e, block ids]
 
     def install(self) -> None:
         import torch
@@ -193,8 +202,21 @@ class Recorder:
             starts = blocks.starts if blocks is not None else None
             self._ids[key] = block_ids(q.numel(), starts, comms.config.gradient_block_size)
         adam = self._adam.setdefault(name, ShadowAdam(q.numel()))
+        step = comms.steps + 1
         sums = coordinate_sums(q, e, small_mask(e, self._ids[key]), adam.step(q, e))
-        self.steps.setdefault(comms.steps + 1, {})[name] = sums
+        self.steps.setdefault(step, {})[name] = sums
+        group = next(i for i, (lo, hi) in enumerate(self.groups) if lo <= step <= hi)
+        summed = self._summed.setdefault((group, name), [0.0, 0.0, self._ids[key]])
+        summed[0], summed[1] = summed[0] + q.double(), summed[1] + e.double()
+
+    def summed(self) -> dict[int, dict[str, dict[str, dict[str, float]]]]:
+        """Per group of steps and unit: the sums comparing qgZ's gradients summed over the group's steps with the
+        exact ones summed (small: by the summed exact gradient's blocks), what a slow average of the gradients sees
+        and error feedback corrects."""
+        out: dict[int, dict[str, dict[str, dict[str, float]]]] = {}
+        for (group, name), (q, e, ids) in self._summed.items():
+            out.setdefault(group, {})[name] = coordinate_sums(q, e, small_mask(e, ids))
+        return out
 
 
 def quiet() -> None:
@@ -206,7 +228,9 @@ def quiet() -> None:
     warnings.filterwarnings("ignore")
 
 
-def _worker(rank: int, world_size: int, per_node: int, strategy_kwargs: dict, steps: int, model: dict) -> dict:
+def _worker(
+    rank: int, world_size: int, per_node: int, strategy_kwargs: dict, steps: int, model: dict, seed: int
+) -> dict:
     quiet()
     import torch
     import torch.nn.functional as F
@@ -216,9 +240,9 @@ def _worker(rank: int, world_size: int, per_node: int, strategy_kwargs: dict, st
 
     from lightning_zeropp.fabric import ZeroPPStrategy
 
-    recorder = Recorder()
+    recorder = Recorder(step_groups(steps))
     recorder.install()
-    torch.manual_seed(1234)
+    torch.manual_seed(seed)  # the initial weights (the data are the corpus's first windows, in order)
     windows = ByteWindows(load_corpus(max_bytes=world_size * steps * BATCH * (model["block_size"] + 1)),
                           model["block_size"])  # fmt: skip
     fabric = Fabric(accelerator="cpu", devices=world_size, precision="32-true",
@@ -238,17 +262,18 @@ def _worker(rank: int, world_size: int, per_node: int, strategy_kwargs: dict, st
         optimizer.zero_grad()
         losses.append(float(fabric.all_reduce(loss.detach(), reduce_op="mean")))
     params = sum(p.numel() for p in module.parameters())
-    return {"steps": recorder.steps, "losses": losses, "params": params}
+    return {"steps": recorder.steps, "summed": recorder.summed(), "losses": losses, "params": params}
 
 
-def measure(steps: int, nodes: int, per_node: int, model: dict, configs: list[str]) -> list[dict]:
+def measure(steps: int, nodes: int, per_node: int, model: dict, configs: list[str], seed: int = 1234) -> list[dict]:
     from lightning_zeropp.spawn import run_local_ranks
 
     rows = []
     for config in configs:
         results = run_local_ranks(
-            _worker, nodes * per_node, per_node, CONFIGS[config], steps, model, sys_path=[str(EXAMPLE)], timeout=1800
-        )
+            _worker, nodes * per_node, per_node, CONFIGS[config], steps, model, seed,
+            sys_path=[str(EXAMPLE)], timeout=1800,
+        )  # fmt: skip
         per_step = []
         for step in range(1, steps + 1):
             units = [u for r in results for u in r["steps"].get(step, {}).values()]
@@ -259,11 +284,17 @@ def measure(steps: int, nodes: int, per_node: int, model: dict, configs: list[st
             for u in units
         }
         groups = []
-        for lo, hi in GROUPS:
-            if lo > steps:
-                break
-            hi = min(hi, steps)
-            groups.append({"steps": [lo, hi], **ratios(pooled(per_step[lo - 1 : hi]))})
+        for i, (lo, hi) in enumerate(step_groups(steps)):
+            summed = ratios(pooled([u for r in results for u in r["summed"].get(i, {}).values()]))
+            groups.append(
+                {
+                    "steps": [lo, hi],
+                    **ratios(pooled(per_step[lo - 1 : hi])),
+                    "summed_rel_err_small": summed["rel_err_small"],
+                    "summed_rel_err_rest": summed["rel_err_rest"],
+                    "summed_small_share": summed["small_share"],
+                }
+            )
         rows.append(
             {
                 "config": config,
@@ -272,6 +303,7 @@ def measure(steps: int, nodes: int, per_node: int, model: dict, configs: list[st
                 "ranks_per_node": per_node,
                 "model": model,
                 "params": results[0]["params"],
+                "seed": seed,
                 "optimizer": {"name": "AdamW", "lr": LR, "betas": list(BETAS), "eps": EPS},
                 "batch_per_rank": BATCH,
                 "small_below": SMALL,
@@ -290,23 +322,39 @@ def _f(v: float | None, spec: str = ".3f") -> str:
 
 
 def table(rows: list[dict]) -> str:
+    """Two tables: the gradients qgZ delivers, and the AdamW directions they make."""
     lines = [
-        "| feedback | steps | zeroed (of e != 0) | zeroed among small | small share | grad rel err small | rest |"
-        " Adam small: norm ratio | rel err | shadow rel err | Adam rest: norm ratio | rel err | shadow rel err |"
-        " loss (last step of group) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| feedback | steps | zeroed (of e != 0) | zeroed among small | small share | rel err small | rel err rest |"
+        " summed over the steps: rel err small | rest | loss (last step) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         for g in row["groups"]:
             lo, hi = g["steps"]
             lines.append(
-                f"| {'on' if 'feedback' in row['config'] else 'off'} | {lo}-{hi} | {_f(g['zeroed'])} |"
-                f" {_f(g['zeroed_small'])} | {_f(g['small_share'])} | {_f(g['rel_err_small'])} |"
-                f" {_f(g['rel_err_rest'])} | {_f(g['adam_small_norm_ratio'])} | {_f(g['adam_small_rel_err'])} |"
-                f" {_f(g['adam_small_shadow_rel_err'])} | {_f(g['adam_rest_norm_ratio'])} |"
-                f" {_f(g['adam_rest_rel_err'])} | {_f(g['adam_rest_shadow_rel_err'])} | {row['losses'][hi - 1]:.3f} |"
+                f"| {_feedback(row)} | {lo}-{hi} | {_f(g['zeroed'])} | {_f(g['zeroed_small'])} |"
+                f" {_f(g['small_share'])} | {_f(g['rel_err_small'])} | {_f(g['rel_err_rest'])} |"
+                f" {_f(g['summed_rel_err_small'])} | {_f(g['summed_rel_err_rest'])} | {row['losses'][hi - 1]:.3f} |"
             )
+    lines += [
+        "",
+        "| feedback | steps | Adam small: norm ratio | rel err | shadow: norm ratio | rel err |"
+        " Adam rest: norm ratio | rel err | shadow: norm ratio | rel err |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        for g in row["groups"]:
+            figures = " | ".join(
+                _f(g[f"adam_{c}_{k}"])
+                for c in ("small", "rest")
+                for k in ("norm_ratio", "rel_err", "shadow_norm_ratio", "shadow_rel_err")
+            )
+            lines.append(f"| {_feedback(row)} | {g['steps'][0]}-{g['steps'][1]} | {figures} |")
     return "\n".join(lines)
+
+
+def _feedback(row: dict) -> str:
+    return "on" if row["strategy"].get("gradient_error_feedback") else "off"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -316,11 +364,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--n-layer", type=int, default=MODEL["n_layer"])
     parser.add_argument("--n-embd", type=int, default=MODEL["n_embd"])
+    parser.add_argument("--seed", type=int, default=1234, help="the initial weights")
     parser.add_argument("--json", type=Path, default=None, help="write the rows here")
     args = parser.parse_args(argv)
     nodes, per_node = (int(v) for v in args.topology.split("x"))
     model = dict(MODEL, n_layer=args.n_layer, n_embd=args.n_embd)
-    rows = measure(args.steps, nodes, per_node, model, args.configs)
+    rows = measure(args.steps, nodes, per_node, model, args.configs, args.seed)
     print(table(rows))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))

@@ -2,6 +2,8 @@
 the Adam directions against torch's Adam), and one short spawned run of the script."""
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,28 @@ from lightning_zeropp.testing.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 coords = load_script(ROOT / "benchmarks" / "small_coordinates.py", "small_coordinates_benchmark")
+
+
+def test_step_groups():
+    assert coords.step_groups(30) == [(1, 5), (6, 15), (16, 30)]
+    assert coords.step_groups(2) == [(1, 2)]
+    assert coords.step_groups(50) == [(1, 5), (6, 15), (16, 30), (31, 45), (46, 50)]
+
+
+def test_recorder_sums_a_group_where_errors_that_cancel_vanish():
+    from types import SimpleNamespace
+
+    recorder = coords.Recorder(coords.step_groups(4))
+    comms = SimpleNamespace(steps=0, config=SimpleNamespace(gradient_block_size=4))
+    e = torch.tensor([4.0, 0.25, -1.0, 2.0])
+    for step in range(4):  # 0.25 zeroed on odd steps, doubled on even ones (as error feedback would carry it)
+        comms.steps = step
+        recorder.add(comms, None, torch.tensor([4.0, 0.5 if step % 2 else 0.0, -1.0, 2.0]), e)
+    assert sorted(recorder.steps) == [1, 2, 3, 4]
+    per_step = coords.ratios(recorder.steps[1]["<unit>"])
+    assert per_step["rel_err_small"] == pytest.approx(1.0) and per_step["zeroed_small"] == 1.0
+    (first,) = recorder.summed()[0].values()  # steps 1 .. 4: one group
+    assert coords.ratios(first)["rel_err_small"] == 0.0 and coords.ratios(first)["small_share"] == 0.25
 
 
 def test_block_ids_follow_the_starts_or_flat_blocks():
@@ -68,8 +92,12 @@ def test_adam_directions_match_torch_adam_and_compare_from_the_same_state():
 @pytest.mark.multiprocess
 def test_two_steps_on_two_nodes_of_one_rank_write_the_fields(tmp_path):
     out = tmp_path / "coords.json"
-    coords.main(["--steps", "2", "--topology", "2x1", "--configs", "qgz_feedback", "--n-layer", "1", "--json",
-                 str(out)])  # fmt: skip
+    # as a program: the ranks import the worker from the script's own module, which the test's loaded copy is not
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "small_coordinates.py"), "--steps", "2", "--topology", "2x1",
+           "--configs", "qgz_feedback", "--n-layer", "1", "--json", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "| on | 1-2 |" in proc.stdout
     (row,) = json.loads(out.read_text())
     assert row["config"] == "qgz_feedback" and (row["nodes"], row["ranks_per_node"]) == (2, 1)
     assert [g["steps"] for g in row["groups"]] == [[1, 2]] and [s["step"] for s in row["per_step"]] == [1, 2]
@@ -80,5 +108,9 @@ def test_two_steps_on_two_nodes_of_one_rank_write_the_fields(tmp_path):
         for key in ("adam_small_norm_ratio", "adam_small_rel_err", "adam_rest_norm_ratio", "adam_rest_rel_err",
                     "adam_small_shadow_rel_err", "adam_rest_shadow_rel_err"):  # fmt: skip
             assert 0 < figures[key] < 2, key
+    (group,) = row["groups"]
+    assert (
+        0 <= group["summed_rel_err_rest"] < group["summed_rel_err_small"] < 1.5 and 0 < group["summed_small_share"] < 1
+    )
     first = row["per_step"][0]  # the shadow state and the same state are one state at the first step
     assert first["adam_small_rel_err"] == pytest.approx(first["adam_small_shadow_rel_err"], rel=1e-9)
