@@ -45,15 +45,42 @@ def test_error_feedback_halves_the_accumulated_update_error(tmp_path, capsys):
               + ", ".join(f"{errors[b]:.3f} at {b} bits (ratio {errors[b] / without:.2f})" for b in errors)
               + "; residual bytes per element: "
               + ", ".join(f"{max(bytes_per_element[b]):.3f} at {b} bits" for b in bytes_per_element))  # fmt: skip
-    # measured: 0.176 without; with feedback 0.087 at 8 bits, 0.087 at 16 and 0.087 at 32 (ratio 0.50). Absolute
-    # bounds too: a regression of qgZ itself (a worse error without feedback) must not pass by keeping the ratio
+    # measured: 0.176 without; with error feedback 0.076 at 8 bits (ratio 0.43), 0.120 at 16 (0.69), 0.087 at 32
+    # (0.50). The spread between widths is this short run's sensitivity, not the widths' precision: quantizing the
+    # same 20 gradients with feedback (kernels alone) accumulates the same error at all three widths (0.033 of the
+    # sum, 0.112 without). Absolute bounds at 1.3x the measurements, so a regression of qgZ itself (a worse error
+    # without feedback) cannot pass by keeping the ratio
     assert without < 0.23, without  # 1.3x 0.176
-    assert errors[8] < 0.115, errors  # 1.3x 0.088, the default width
-    for bits in (8, 16, 32):
-        assert errors[bits] < 0.65 * without, errors
-    # 8 bits: 1 byte of code per element and one fp32 scale per block of 128 (rows padded to 16 bytes); 16: 2; 32: 4
-    assert all(1.0 < b <= 1.0 + 4 / 128 + 0.02 for b in bytes_per_element[8]), bytes_per_element
+    assert errors[8] < 0.099 and errors[8] < 0.5 * without, errors  # 1.3x 0.076, the default width: at most half
+    assert errors[16] < 0.156, errors  # 1.3x 0.120
+    assert errors[32] < 0.115, errors  # 1.3x 0.088
+    # 8 bits: 1 byte of code per element, one fp32 scale per block (128 elements, fewer at a parameter's tail), rows
+    # padded to 16 bytes; in this tiny model (pieces of a few hundred elements) the padding and the short tail blocks
+    # of its many small parameters add a few percent (measured 1.062): test_int8_residual_bytes_at_scale has a real
+    # layer's. 16: 2 bytes, 32: 4
+    assert all(1.0 < b < 1.07 for b in bytes_per_element[8]), bytes_per_element
     assert all(b == 2.0 for b in bytes_per_element[16]) and all(b == 4.0 for b in bytes_per_element[32])
+
+
+def test_int8_residual_bytes_at_scale():
+    """The 8-bit residual of a LLaMA-7B layer's gradient chunk at 2 nodes x 8 (each parameter's dim-0 shard in its own
+    blocks of 128, 2 pipeline stages, K = 2 rows): within 1.05 bytes per element (1 + 4 / 128 = 1.031 and the tails),
+    against 4 for fp32. On the meta device: nothing is allocated."""
+    from lightning_zeropp.feedback import ErrorFeedback
+    from lightning_zeropp.kernels import Blocks
+
+    W, K, hidden, ffn = 16, 2, 4096, 11008
+    shapes = [(hidden, hidden)] * 4 + [(ffn, hidden)] * 2 + [(hidden, ffn)] + [(hidden,)] * 2
+    shards = [-(-shape[0] // W) * (shape[1] if len(shape) == 2 else 1) for shape in shapes]
+    blocks = Blocks.of_segments(shards, 128)
+    stages = [(piece.numel, piece.count) for _, piece in blocks.stages(2)]
+    per_element = {}
+    for bits in (8, 16, 32):
+        fb = ErrorFeedback(decay=0.8, reset=0, bits=bits)
+        fb.pieces("layer", K, stages, torch.device("meta"), step=0)
+        assert fb.numel == K * blocks.numel
+        per_element[bits] = fb.nbytes / fb.numel
+    assert 1.0 < per_element[8] < 1.05 and per_element[16] == 2.0 and per_element[32] == 4.0, per_element
 
 
 @pytest.mark.parametrize(
