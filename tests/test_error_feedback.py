@@ -134,12 +134,12 @@ def test_bad_arguments_refused(kwargs, message):
         ZeroPPStrategy(**kwargs)
 
 
-def _save_then_load_elsewhere(rank, world, per_node, init_path, data_path, ckpt, load):
+def _save_then_load_elsewhere(rank, world, per_node, init_path, data_path, ckpt, load, bits=8):
     x, y = torch.load(data_path, weights_only=True)
     loader = torch.utils.data.DataLoader(
         torch.utils.data.TensorDataset(x[rank::world][: 2 * BATCH], y[rank::world][: 2 * BATCH]), batch_size=BATCH
     )
-    strategy = ZeroPPStrategy(ranks_per_node=per_node, gradient_error_feedback=True)
+    strategy = ZeroPPStrategy(ranks_per_node=per_node, gradient_error_feedback=True, error_feedback_bits=bits)
     trainer = lightning_trainer(world, strategy, max_steps=3 if load else 2, use_distributed_sampler=False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -149,12 +149,15 @@ def _save_then_load_elsewhere(rank, world, per_node, init_path, data_path, ckpt,
     return {
         "warnings": [str(w.message) for w in caught if "error feedback" in str(w.message)],
         "residual_bytes": strategy.comms.feedback.nbytes,
+        "residual_elements": strategy.comms.feedback.numel,
         "steps": strategy.comms.steps,
     }
 
 
 @pytest.mark.multiprocess
 def test_residuals_dropped_with_one_warning_on_another_layout(tmp_path):
+    """Saved at 2 nodes x 2 with 8-bit residuals; loaded at 2 nodes x 1, then at 2 x 2 with fp32 residuals: another
+    layout either way, so the residuals are dropped with one warning and the run goes on."""
     init_path, data_path, *_ = save_inputs(tmp_path, 4 * 2 * BATCH)
     ckpt = str(tmp_path / "ckpt")
     saved = spawn(_save_then_load_elsewhere, 4, 2, init_path, data_path, ckpt, False)  # 2 nodes x 2
@@ -164,6 +167,11 @@ def test_residuals_dropped_with_one_warning_on_another_layout(tmp_path):
     assert "written by 4 ranks" in message and "dropped" in message
     assert loaded[1]["warnings"] == []  # rank zero warns for all
     assert all(r["steps"] == 3 for r in loaded)  # the step count (reset period) continues
+    wider = spawn(_save_then_load_elsewhere, 4, 2, init_path, data_path, ckpt, True, 32)  # 2 x 2, fp32 residuals
+    (message,) = wider[0]["warnings"]
+    assert "'error_feedback_bits': 8}" in message and "'error_feedback_bits': 32}" in message and "dropped" in message
+    assert all(r["warnings"] == [] for r in wider[1:]) and all(r["steps"] == 3 for r in wider)
+    assert all(r["residual_bytes"] == 4 * r["residual_elements"] > 0 for r in wider)  # fresh fp32 residuals
 
 
 @pytest.mark.parametrize("bits", [8, 16, 32])
