@@ -158,7 +158,8 @@ class ZeroPPComms:
             if self.feedback is not None:
                 pieces = [(stage.size, stage.block_count(self.config.gradient_block_size)) for stage in plan.stages]
                 name = unit.name if unit is not None else "<unit>"
-                residuals = self.feedback.pieces(name, self.topology.num_nodes, pieces, input.device, self.steps)
+                stages = self.feedback.pieces(name, self.topology.num_nodes, pieces, input.device, self.steps)
+                residuals = [stage.arguments(self.feedback.decay) for stage in stages]
             qgz.quantized_reduce_scatter(output, input, plan, groups, self.ledger, residuals)
             return
         exact_reduce_scatter(output, input, base_op, premul, groups, self.ledger)
