@@ -117,6 +117,8 @@ def dequantize_reduce_quantize(buf: torch.Tensor, spec: DequantizeReduceQuantize
             t.table, t.nblk, N=N, IN_BITS=in_bits, OUT_BITS=out_bits, QMAX=QMAX[out_bits], BS=block_size, G=t.G,
             HALF=t.HALF, STOCHASTIC=spec.stochastic, FEEDBACK=fb.bits, ALIGNED=blocks is not None,
             num_warps=4 if blocks is None else 8,  # aligned: N rows of scalar loads in flight; 4 warps need a stack
+            # aligned, ptxas for sm_80 otherwise keeps an INT8 residual's variant at 48 registers and an 8-byte stack
+            maxnreg=None if blocks is None else 128,
             IDX64=needs_int64(buf.numel() + t.tile, out.numel() + t.tile, t.grid[0] * K * t.G * t.HALF,
                               fb.extent + t.tile),
             **LAUNCH_OPTIONS,
