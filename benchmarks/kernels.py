@@ -119,6 +119,13 @@ def cases(numel: int, device: str):
         impls("dequantize_reduce_quantize", recv, piece, 8, 4, 128, residual=residual, decay=0.9),
         recv.numel() + K * tk.wire_size(piece, 4, 128) + 8 * residual.numel(),
     )
+    codes = torch.zeros(K, piece, dtype=torch.int8, device=device)  # the default: an INT8 residual, a scale per block
+    scales = torch.zeros(K, -(-piece // 128), device=device)
+    yield (
+        "dequantize_reduce_quantize 8->4 feedback int8",
+        impls("dequantize_reduce_quantize", recv, piece, 8, 4, 128, residual=codes, residual_scales=scales, decay=0.9),
+        recv.numel() + K * tk.wire_size(piece, 4, 128) + 2 * (codes.numel() + 4 * scales.numel()),
+    )
 
 
 def copy_bandwidth(device: str, time_fn) -> float:
@@ -133,7 +140,7 @@ def _static_name(c: dict) -> str:
     k, sig = c["constexprs"], c["signature"]
     rounding = "stochastic" if k.get("STOCHASTIC") == "True" else "nearest"
     variant = (" param-blocks" if k.get("ALIGNED") == "True" else "") + (
-        " feedback" if k.get("FEEDBACK") == "True" else ""
+        f" feedback{k['FEEDBACK']}" if k.get("FEEDBACK") not in (None, "0") else ""
     )
     if c["kernel"] == "_quantize_kernel":
         return f"quantize {sig['x_ptr'][1:]} -> int{k['BITS']} {rounding}{variant}"

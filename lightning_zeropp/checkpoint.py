@@ -640,7 +640,10 @@ def _unstash(state: Any, tensors: dict[str, torch.Tensor]) -> Any:
 
 def _upgraded(state: dict[str, Any]) -> dict[str, Any]:
     """A collectives' state as earlier versions wrote it (the step count with the residuals, a sharded file's
-    residuals named by unit alone) in today's form."""
+    residuals named by unit alone, a layout without the residuals' width) in today's form."""
+    layout = state.get("layout")
+    if isinstance(layout, dict) and "error_feedback_bits" not in layout:  # residuals were fp32 then
+        state = {**state, "layout": {**layout, "error_feedback_bits": 32}}
     feedback = state.get("error_feedback")
     if feedback is None or "steps" not in feedback:
         return state

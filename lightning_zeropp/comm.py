@@ -58,7 +58,7 @@ class ZeroPPComms:
         self.gradient_calls = 0
         self.steps = 0  # optimizer steps taken
         self.feedback = (
-            ErrorFeedback(config.error_feedback_decay, config.error_feedback_reset)
+            ErrorFeedback(config.error_feedback_decay, config.error_feedback_reset, config.error_feedback_bits)
             if config.gradient_error_feedback and self.use_qgz
             else None
         )
@@ -156,9 +156,10 @@ class ZeroPPComms:
             plan = qgz.Plan.of(self.topology, self.config, chunk, base_op, premul, call=call, blocks=blocks)
             residuals = None
             if self.feedback is not None:
-                pieces = [(stage.start, stage.size) for stage in plan.stages]
+                pieces = [(stage.size, stage.block_count(self.config.gradient_block_size)) for stage in plan.stages]
                 name = unit.name if unit is not None else "<unit>"
-                residuals = self.feedback.pieces(name, self.topology.num_nodes, chunk, pieces, input.device, self.steps)
+                stages = self.feedback.pieces(name, self.topology.num_nodes, pieces, input.device, self.steps)
+                residuals = [stage.arguments(self.feedback.decay) for stage in stages]
             qgz.quantized_reduce_scatter(output, input, plan, groups, self.ledger, residuals)
             return
         exact_reduce_scatter(output, input, base_op, premul, groups, self.ledger)
@@ -243,7 +244,7 @@ class ZeroPPComms:
             self.deltas.load_state_dict(state["weight_deltas"], self.units)
 
     def layout(self) -> dict[str, Any]:
-        """What the residuals' shapes and meaning depend on: ranks per node and nodes, stages, blocks."""
+        """What the residuals' shapes and meaning depend on: ranks per node and nodes, stages, blocks, width."""
         c = self.config
         return {
             "ranks_per_node": self.topology.ranks_per_node,
@@ -251,6 +252,7 @@ class ZeroPPComms:
             "pipeline_stages": c.gradient_pieces,  # the name saved checkpoints hold (renamed argument, same meaning)
             "gradient_block_size": c.gradient_block_size,
             "block_alignment": c.block_alignment,
+            "error_feedback_bits": c.error_feedback_bits,
         }
 
 

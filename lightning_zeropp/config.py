@@ -307,10 +307,16 @@ class ZeroPPConfig:
     )
     gradient_error_feedback: bool = argument(
         False,
-        "qgZ error feedback: each rank keeps what the INT4 inter-node hop's quantization lost (fp32, 4 bytes per"
-        " element of the M/N elements it sends) and adds it, times error_feedback_decay, to the next reduction's"
-        " values. Saved in checkpoints.",
+        "qgZ error feedback: each rank keeps what the INT4 inter-node hop's quantization lost (in error_feedback_bits,"
+        " for the M/N elements it sends) and adds it, times error_feedback_decay, to the next reduction's values."
+        " Saved in checkpoints.",
         check=_check_bool,
+    )
+    error_feedback_bits: Literal[8, 16, 32] = argument(
+        8,
+        "The error feedback residual's width: 8 (INT8 codes and one fp32 scale per gradient block, about 1 byte per"
+        " element of the M/N a rank sends, as LoCo), 16 (bf16, 2 bytes) or 32 (fp32, 4 bytes).",
+        check=_bits(8, 16, 32),
     )
     error_feedback_decay: Decay = argument(
         0.8, "The error feedback residual's carry-over factor to the next step, in (0, 1].", check=_check_decay

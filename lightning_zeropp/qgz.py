@@ -12,8 +12,10 @@ rank's reduced chunk. For each pipeline stage s (piece s of every chunk)::
 Blocks: with parameter-aligned blocks (``blocks``, the chunk's :class:`~lightning_zeropp.kernels.layout.Blocks`),
 no block holds two parameters on either hop, and the pieces are cut at block boundaries (``Blocks.stages``).
 
-Error feedback (``residuals``, one fp32 ``(K, piece)`` tensor per stage) sits on the INT4 inter-node hop, where the
-error is: step 3 quantizes ``sum + decay * residual`` and keeps what that lost in ``residual`` for the next call.
+Error feedback (``residuals``, per stage the kernels' error feedback keywords for ``(K, piece)``: an fp32 or bf16
+residual, or INT8 codes with a scale per block of the piece; see :mod:`~lightning_zeropp.feedback`) sits on the INT4
+inter-node hop, where the error is: step 3 quantizes ``sum + decay * residual`` and keeps what that lost in
+``residual`` for the next call, in the same pass.
 A residual there covers the K pieces this rank sends, M / N elements per rank; one on the intra-node hop would cover
 the W pieces it sends (M per rank) to correct an INT8 error 16x smaller.
 
@@ -26,7 +28,7 @@ with K = 1 the inter hop is skipped and the N copies are reduced straight into t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -45,6 +47,10 @@ class Stage(NamedTuple):
     start: int
     size: int
     blocks: tk.Blocks | None
+
+    def block_count(self, block_size: int) -> int:
+        """The quantization blocks of the piece: its aligned blocks, or uniform blocks of ``block_size``."""
+        return self.blocks.count if self.blocks is not None else -(-self.size // block_size)
 
 
 class _Hop(NamedTuple):
@@ -117,12 +123,12 @@ def quantized_reduce_scatter(
     plan: Plan,
     groups: ProcessGroups,
     ledger: CommLedger,
-    residuals: list[torch.Tensor] | None = None,
+    residuals: list[dict[str, Any]] | None = None,
 ) -> None:
     """Reduces ``input`` (W chunks) into ``output`` (this rank's chunk) as ``plan`` says. With stochastic rounding,
     the noise of call ``c`` on rank ``r`` is fixed by ``(c, r)`` (``plan.call``), so a run is reproducible and no
-    two calls or ranks share noise. ``residuals``: error feedback state, per stage of ``plan.stages`` a float32
-    ``(K, size)`` tensor, updated in place."""
+    two calls or ranks share noise. ``residuals``: error feedback state, per stage of ``plan.stages`` the kernels'
+    keywords ``residual`` (``(K, size)``), ``residual_scales`` (INT8 codes only) and ``decay``; updated in place."""
     W, chunk = plan.topology.world_size, output.numel()
     if chunk != plan.chunk:
         raise RuntimeError(f"qgZ: reduce-scatter output has {chunk} elements, but the plan is for {plan.chunk}.")
@@ -138,8 +144,8 @@ def quantized_reduce_scatter(
     intra = _start_intra(plan, busy[0], input, groups, ledger)
     in_flight: tuple[Stage, _Hop] | None = None
     for i, stage in enumerate(busy):
-        residual = residuals[stage.index] if residuals is not None else None
-        to_rail = _reduce_in_node(plan, stage, input, intra, residual, out)
+        feedback = residuals[stage.index] if residuals is not None else None
+        to_rail = _reduce_in_node(plan, stage, input, intra, feedback, out)
         inter = _start_inter(to_rail, groups, ledger) if to_rail is not None else None
         if i + 1 < len(busy):  # the next stage's intra-node hop overlaps this stage's inter-node hop
             intra = _start_intra(plan, busy[i + 1], input, groups, ledger)
@@ -165,7 +171,7 @@ def _start_intra(plan: Plan, stage: Stage, input: torch.Tensor, groups: ProcessG
     return _Hop(dist.all_to_all_single(recv, send, group=groups.intra_node, async_op=True), recv)
 
 
-def _reduce_in_node(plan: Plan, stage: Stage, input: torch.Tensor, intra: _Hop, residual: torch.Tensor | None,
+def _reduce_in_node(plan: Plan, stage: Stage, input: torch.Tensor, intra: _Hop, feedback: dict[str, Any] | None,
                     out: torch.Tensor) -> torch.Tensor | None:  # fmt: skip
     """Steps 3 (K > 1: returns the buffer for the rail) or 3 + 5 (K == 1: writes the output)."""
     topo, c = plan.topology, plan.config
@@ -179,7 +185,7 @@ def _reduce_in_node(plan: Plan, stage: Stage, input: torch.Tensor, intra: _Hop, 
             out=out[start : start + size], blocks=stage.blocks, backend=backend,
         )  # fmt: skip
         return None
-    feedback = {} if residual is None else {"residual": residual, "decay": c.error_feedback_decay}
+    feedback = feedback or {}
     if N == 1:  # nothing arrived from local peers: this rank's own K pieces go straight to the rail
         own = input.view(topo.world_size, plan.chunk)[:, start : start + size]
         return tk.quantize(own, c.gradient_bits, c.gradient_block_size, blocks=stage.blocks, backend=backend,

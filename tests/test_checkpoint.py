@@ -28,7 +28,13 @@ EXACT = dict(hpz_partition_size=2, quantize_weights=False, quantize_gradients=Fa
 FEEDBACK = dict(gradient_error_feedback=True, gradient_rounding="stochastic")
 # ... and so must the weight deltas' node copies (the steps after the resume send deltas, as uninterrupted ones do)
 DELTAS = dict(FEEDBACK, weight_deltas=True)
-MODES = {"exact": EXACT, "quantized": {}, "feedback": FEEDBACK, "deltas": DELTAS}
+MODES = {
+    "exact": EXACT,
+    "quantized": {},
+    "feedback": FEEDBACK,  # the residuals in the default 8 bits: int8 codes and fp32 block scales
+    "feedback-fp32": dict(FEEDBACK, error_feedback_bits=32),
+    "deltas": DELTAS,
+}
 
 
 def _loaders(rank, world, data_path):
@@ -93,9 +99,18 @@ def _resume_worker(rank, world, init_path, data_path, ckpt, strategy_kwargs, eva
         ("sharded", "quantized", 0.0),
         ("sharded", "feedback", 0.0),
         ("full", "feedback", 0.0),
+        ("sharded", "feedback-fp32", 0.0),
         ("sharded", "deltas", 0.0),
     ],
-    ids=["sharded-dropout", "full-dropout", "sharded-quantized", "sharded-feedback", "full-feedback", "sharded-deltas"],
+    ids=[
+        "sharded-dropout",
+        "full-dropout",
+        "sharded-quantized",
+        "sharded-feedback",
+        "full-feedback",
+        "sharded-feedback-fp32",
+        "sharded-deltas",
+    ],
 )
 def test_resume_continues_exactly(tmp_path, state_dict_type, mode, dropout):
     init_path, data_path, *_ = save_inputs(tmp_path, 4 * 2 * BATCH)

@@ -82,6 +82,48 @@ BAD = {
     "quantize: seed negative": (_q(seed=-1), ValueError, r"`seed=-1` is not allowed.*\[0, 2\*\*63\)"),
     "quantize: seed 2**63": (_q(seed=2**63), ValueError, r"`seed=9223372036854775808` is not allowed"),
     "quantize: backend": (_q(backend="cuda"), ValueError, r"`backend='cuda'` is not one of"),
+    # error feedback residuals: fp32, bf16, or int8 codes with one fp32 scale per block (N / B = 5 blocks)
+    "quantize: fp16 residual": (
+        _q(residual=torch.zeros(N, dtype=torch.float16)),
+        ValueError,
+        r"`residual` is a torch.float16 .*use a float32 or bfloat16 tensor of shape \(40,\).*or int8 codes",
+    ),
+    "quantize: residual shape": (_q(residual=torch.zeros(N + 1)), ValueError, r"shape \(41,\) on cpu; use a float32"),
+    "quantize: int8 without scales": (
+        _q(residual=torch.zeros(N, dtype=torch.int8)),
+        ValueError,
+        r"`residual` is int8 codes but `residual_scales` is missing; pass the float32 scales, shape \(5,\)",
+    ),
+    "quantize: scales shape": (
+        _q(residual=torch.zeros(N, dtype=torch.int8), residual_scales=torch.zeros(4)),
+        ValueError,
+        r"`residual_scales` is .* shape \(4,\) on cpu; use a float32 tensor of shape \(5,\)",
+    ),
+    "quantize: scales dtype": (
+        _q(residual=torch.zeros(N, dtype=torch.int8), residual_scales=torch.zeros(5, dtype=torch.bfloat16)),
+        ValueError,
+        r"`residual_scales` is a torch.bfloat16",
+    ),
+    "quantize: scales with fp32": (
+        _q(residual=torch.zeros(N), residual_scales=torch.zeros(5)),
+        ValueError,
+        r"`residual_scales` is given with a torch.float32 `residual`.*int8 residual only",
+    ),
+    "quantize: scales alone": (_q(residual_scales=torch.zeros(5)), ValueError, r"given without `residual`"),
+    "quantize: overlapping int8 rows": (
+        _q(
+            x=torch.randn(2, N),
+            residual=torch.zeros(N, dtype=torch.int8).expand(2, N),
+            residual_scales=torch.zeros(2, 5),
+        ),
+        ValueError,
+        r"strides \(0, 1\); use rows of unit stride that do not overlap",
+    ),
+    "quantize: strided bf16": (
+        _q(x=torch.randn(2, N), residual=torch.zeros(2, 2 * N, dtype=torch.bfloat16)[:, ::2]),
+        ValueError,
+        r"use a contiguous tensor",
+    ),
     # dequantize
     "dequantize: float buffer": (_dq(buf=ROWS.float()), TypeError, r"`buf` is a torch.float32 tensor.*uint8"),
     "dequantize: 3-D buffer": (_dq(buf=PEERS), ValueError, r"`buf` is .* shape \(3, 1, 80\).*1-D row .* 2-D rows"),
@@ -130,6 +172,11 @@ BAD = {
     "dequantize_reduce_quantize: seed": (_drq(seed=-3), ValueError, r"`seed=-3` is not allowed"),
     "dequantize_reduce_quantize: flag": (_drq(stochastic="yes"), TypeError, r"`stochastic='yes'`"),
     "dequantize_reduce_quantize: backend": (_drq(backend="cuda"), ValueError, r"`backend='cuda'`"),
+    "dequantize_reduce_quantize: scales rows": (
+        _drq(residual=torch.zeros(1, N, dtype=torch.int8), residual_scales=torch.zeros(5)),
+        ValueError,
+        r"use a float32 tensor of shape \(1, 5\)",
+    ),
     # dequantize_reduce
     "dequantize_reduce: 1-D": (_dr(buf=ROW), ValueError, r"shape \(80,\) on cpu; use 2-D rows \(M, wire\)"),
     "dequantize_reduce: no rows": (_dr(buf=ROWS[:0]), ValueError, r"no rows to sum; use M >= 1"),

@@ -92,20 +92,22 @@ def test_aligned_swizzle_quantize(N, K, stages, bits):
 @pytest.mark.parametrize(("segments", "block"), [(None, 128), ALIGNED[0], ALIGNED[1]])
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("rows", [None, 2])
-def test_quantize_with_feedback(segments, block, bits, rows):
-    check_feedback(DEVICE, segments, block, bits, torch.bfloat16 if rows else torch.float32, rows)
+@pytest.mark.parametrize("width", [32, 16, 8])  # the residual: fp32, bf16, INT8 codes with block scales
+def test_quantize_with_feedback(segments, block, bits, rows, width):
+    check_feedback(DEVICE, segments, block, bits, torch.bfloat16 if rows else torch.float32, rows, width=width)
 
 
 @pytest.mark.parametrize(("N", "K"), [(2, 2), (1, 3), (3, 2)])
 @pytest.mark.parametrize(("in_bits", "out_bits"), [(8, 4), (4, 8)])
-@pytest.mark.parametrize("feedback", [False, True])
+@pytest.mark.parametrize("feedback", [0, 32, 16, 8])  # no feedback, or the residual's width
 def test_aligned_reduce(N, K, in_bits, out_bits, feedback):
-    check_reduce_aligned(DEVICE, N, K, SEGMENTS, 128, in_bits, out_bits, feedback)
+    check_reduce_aligned(DEVICE, N, K, SEGMENTS, 128, in_bits, out_bits, feedback > 0, width=feedback or 32)
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-def test_reduce_with_feedback_uniform(bits):
-    check_reduce_aligned(DEVICE, 2, 2, None, 64, 8, bits, True)
+@pytest.mark.parametrize("width", [32, 16, 8])
+def test_reduce_with_feedback_uniform(bits, width):
+    check_reduce_aligned(DEVICE, 2, 2, None, 64, 8, bits, True, width=width)
 
 
 @pytest.mark.parametrize("bits", [8, 4])

@@ -7,8 +7,11 @@ import torch
 
 from lightning_zeropp.testing.kernels import (
     DTYPES,
+    SEGMENTS,
+    check_feedback,
     check_quantize_dequantize,
     check_reduce,
+    check_reduce_aligned,
     check_rows,
     check_stochastic,
     check_swizzle_quantize,
@@ -47,3 +50,12 @@ def test_reduce(N, K, n, in_bits, out_bits):
 @pytest.mark.parametrize("bits", [8, 4])
 def test_stochastic_rounding(bits):
     check_stochastic(DEVICE, bits)
+
+
+@pytest.mark.parametrize("segments", [None, SEGMENTS])
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("width", [32, 16, 8])  # the error feedback residual: fp32, bf16, INT8 codes and block scales
+def test_feedback(segments, bits, width):
+    check_feedback(DEVICE, segments, 128, bits, torch.float32, None, width=width)
+    check_feedback(DEVICE, segments, 128, bits, torch.bfloat16, 3, width=width)
+    check_reduce_aligned(DEVICE, 4, 2, segments, 128, 8, bits, True, width=width)

@@ -121,3 +121,31 @@ def row_format(numel: int, bits: int, block_size: int, blocks: Blocks | None) ->
     if blocks is None:
         return wire_size(numel, bits, block_size), scale_offset(numel, bits)
     return blocks.wire_size(bits), blocks.scale_offset(bits)
+
+
+class FeedbackArguments(NamedTuple):
+    """What a quantizing kernel takes for error feedback: ``arguments`` (the residual, its scales, its row stride,
+    ``decay``; all None without feedback, so the kernel's signature is the plain one), ``bits`` (the ``FEEDBACK``
+    constexpr: the residual's width, 0 for none) and ``extent`` (the elements its offsets reach, for the index
+    width)."""
+
+    arguments: tuple
+    bits: int
+    extent: int
+
+
+def feedback_arguments(spec, rows: int, n: int) -> FeedbackArguments:
+    """The kernel arguments of ``spec``'s error feedback (a checked spec: ``residual`` is ``(rows, n)``, or ``(n,)``
+    for one row). A bf16 residual goes as its int16 bits (the kernels convert by hand, so the interpreter, which
+    truncates fp32 -> bf16, rounds as the GPU and torch do); int8 codes with their row stride and scales."""
+    residual, bits = spec.residual, spec.feedback_bits
+    if residual is None:
+        return FeedbackArguments((None, None, None, None), 0, 0)
+    stride = residual.stride(0) if residual.dim() == 2 else n
+    assert residual.stride(-1) == 1 and stride >= n  # the kernel reads and writes rows of n at this stride
+    if bits == 16:
+        residual = residual.view(torch.int16)
+    scales = spec.residual_scales
+    if scales is not None:
+        assert scales.is_contiguous() and scales.numel() % max(rows, 1) == 0  # one row of block scales per row
+    return FeedbackArguments((residual, scales, stride, float(spec.decay)), bits, rows * stride)

@@ -301,7 +301,8 @@ def store_values(out_ptr, e, t, n, ve, vo, MASKED: tl.constexpr, BF16_BY_HAND: t
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# Error feedback: ``v = x + decay * residual`` is quantized, and ``residual`` becomes ``v - q * scale``
+# Error feedback: ``v = x + decay * residual`` is quantized, and ``residual`` becomes ``v - q * scale``, stored in the
+# residual's width (``FEEDBACK``: 32 fp32, 16 bf16, 8 INT8 codes with a scale per block; 0: no feedback)
 
 
 @triton.jit
@@ -320,6 +321,73 @@ def lost_pairs(ve, vo, ye, yo, scale):
     qe = ye.to(tl.float32, bitcast=True) - ROUND_MAGIC
     qo = yo.to(tl.float32, bitcast=True) - ROUND_MAGIC
     return ve - qe * s, vo - qo * s
+
+
+@triton.jit
+def _bf16_bits_to_f32(b):
+    """bf16 bits (an int16 load) as fp32: exact, the bits placed at the top of a float."""
+    return (b.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def load_residual(res_ptr, rscale_ptr, row, e, blk, t, n, rs, WIDTH: tl.constexpr, MASKED: tl.constexpr,
+                  BS: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr):  # fmt: skip
+    """A tile of residual row ``row`` (rows ``rs`` elements apart) as fp32 pairs, 0 past ``n``. ``WIDTH`` 32: fp32;
+    16: bf16 (an int16 view: the interpreter and the GPU then convert alike); 8: INT8 codes (a masked tile reads the
+    row's padding too, in vectors) times their block's scale (a row of scales per row of codes)."""
+    res_ptr += row * rs
+    if WIDTH == 32:
+        ve, vo = load_pairs(res_ptr, e, t, n, MASKED, BS, G, HALF)
+    elif WIDTH == 16:
+        if MASKED:
+            b = tl.load(res_ptr + e, mask=(t[None, :] < BS) & (e < n), other=0)
+        elif BS == 2 * HALF:
+            b = tl.load(res_ptr + e)
+        else:
+            b = tl.load(res_ptr + e, mask=t[None, :] < BS, other=0)
+        ve, vo = split_pairs(_bf16_bits_to_f32(b), G, HALF)
+    else:
+        nb = (n + BS - 1) // BS
+        rscale_ptr += row * nb
+        if MASKED:
+            q = tl.load(res_ptr + e, mask=(t[None, :] < BS) & (e < rs), other=0)
+            scale = tl.load(rscale_ptr + blk, mask=blk < nb, other=0.0)[:, None]
+            v = tl.where(e < n, q.to(tl.float32) * scale, 0.0)  # the row's padding is not data
+        else:
+            if BS == 2 * HALF:
+                q = tl.load(res_ptr + e)
+            else:
+                q = tl.load(res_ptr + e, mask=t[None, :] < BS, other=0)
+            v = q.to(tl.float32) * tl.load(rscale_ptr + blk)[:, None]
+        ve, vo = split_pairs(v, G, HALF)
+    return ve, vo
+
+
+@triton.jit
+def store_residual(res_ptr, rscale_ptr, row, e, blk, t, n, rs, le, lo, WIDTH: tl.constexpr, MASKED: tl.constexpr,
+                   BS: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr):  # fmt: skip
+    """Stores what a quantization lost (fp32 pairs) into a residual row of ``WIDTH`` (see :func:`load_residual`): as
+    it is, rounded to nearest even bf16, or quantized again to INT8 codes and one scale per block (the wire's code:
+    ``max|lost| / 127``, half to even; a masked tile also writes the row's padding, zeros)."""
+    res_ptr += row * rs
+    if WIDTH == 32:
+        store_values(res_ptr, e, t, n, le, lo, MASKED, False, BS, G, HALF)
+    elif WIDTH == 16:
+        store_values(res_ptr, e, t, n, le, lo, MASKED, True, BS, G, HALF)
+    else:
+        nb = (n + BS - 1) // BS
+        rscale_ptr += row * nb
+        ye, yo, scale = quantize_pairs(le, lo, 0, 0, 127, False, G, HALF)
+        q = join_pairs(ye, yo, G, HALF).to(tl.int8)
+        if MASKED:
+            tl.store(res_ptr + e, q, mask=(t[None, :] < BS) & (e < rs))
+            tl.store(rscale_ptr + blk, scale, mask=blk < nb)
+        else:
+            if BS == 2 * HALF:
+                tl.store(res_ptr + e, q)
+            else:
+                tl.store(res_ptr + e, q, mask=t[None, :] < BS)
+            tl.store(rscale_ptr + blk, scale)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -438,3 +506,32 @@ def store_values_aligned(out_ptr, e, inside, ve, vo, BF16_BY_HAND: tl.constexpr,
                          HALF: tl.constexpr):  # fmt: skip
     """:func:`store_values` for a tile of aligned blocks."""
     tl.store(out_ptr + e, _output_values(out_ptr, join_pairs(ve, vo, G, HALF), BF16_BY_HAND), mask=inside)
+
+
+@triton.jit
+def load_residual_aligned(res_ptr, rscale_ptr, row, rs, nblk, blk, valid, e, inside, WIDTH: tl.constexpr,
+                          G: tl.constexpr, HALF: tl.constexpr):  # fmt: skip
+    """:func:`load_residual` for a tile of aligned blocks (``nblk`` per row; elements past a block's end are 0)."""
+    res_ptr += row * rs
+    if WIDTH == 32:
+        v = tl.load(res_ptr + e, mask=inside, other=0.0)
+    elif WIDTH == 16:
+        v = _bf16_bits_to_f32(tl.load(res_ptr + e, mask=inside, other=0))
+    else:
+        q = tl.load(res_ptr + e, mask=inside, other=0)
+        scale = tl.load(rscale_ptr + row * nblk + blk, mask=valid, other=0.0)[:, None]
+        v = tl.where(inside, q.to(tl.float32) * scale, 0.0)
+    return split_pairs(v, G, HALF)
+
+
+@triton.jit
+def store_residual_aligned(res_ptr, rscale_ptr, row, rs, nblk, blk, valid, e, inside, le, lo, WIDTH: tl.constexpr,
+                           G: tl.constexpr, HALF: tl.constexpr):  # fmt: skip
+    """:func:`store_residual` for a tile of aligned blocks."""
+    res_ptr += row * rs
+    if WIDTH == 8:
+        ye, yo, scale = quantize_pairs(le, lo, 0, 0, 127, False, G, HALF)
+        tl.store(res_ptr + e, join_pairs(ye, yo, G, HALF).to(tl.int8), mask=inside)
+        tl.store(rscale_ptr + row * nblk + blk, scale, mask=valid)
+    else:
+        store_values_aligned(res_ptr, e, inside, le, lo, WIDTH == 16, G, HALF)

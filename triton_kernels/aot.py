@@ -40,6 +40,7 @@ from pathlib import Path
 from lightning_zeropp.compat import triton as compat
 
 ARCHS = (80, 90, 100)
+FEEDBACK_WIDTHS = (32, 16, 8)  # error feedback residuals: fp32, bf16, INT8 codes with a scale per block
 PATH_ARCH = 90  # the SASS is read (paths, spill instructions) for this target; the others report registers/memory
 
 
@@ -245,8 +246,8 @@ def strategy_launches() -> list[Launch]:
     (qwZ 256, qgZ 128), qgZ's (N, K, stages) shapes (3 stages, sizes that are not multiples of 16), and another
     block size (64) for both bit widths and roundings; then the same with parameter-aligned blocks (``ALIGNED``: a
     unit's odd parameter sizes) and with error feedback (``FEEDBACK``: qgZ's re-quantization, in the fused kernel and
-    as the quantize of a rank's own rows when it is alone on its node). Small CPU tensors: only the launch arguments
-    matter."""
+    as the quantize of a rank's own rows when it is alone on its node; residuals of every width, ``FEEDBACK`` 32, 16
+    or 8). Small CPU tensors: only the launch arguments matter."""
     import torch
 
     from . import triton_ops as ops
@@ -280,15 +281,25 @@ def strategy_launches() -> list[Launch]:
             spec = SwizzleQuantizeSpec(N, K, stages, s, bits, block, stochastic=stochastic, blocks=blocks)
             record(f"qgZ swizzle_quantize {where}", lambda spec=spec: ops.swizzle_quantize(g, spec))
 
-    def qgz(dtype, in_bits, out_bits, block, stochastic, N, K, stages, chunk, feedback=False):
+    def residual(width, K, n, blocks=None, block=128):
+        """An error feedback residual of ``width`` bits for K rows of n (0: none), as ``ErrorFeedback`` keeps it."""
+        if not width:
+            return {}
+        if width != 8:
+            return {"residual": torch.zeros(K, n, dtype=torch.float32 if width == 32 else torch.bfloat16), "decay": 0.9}
+        count = blocks.count if blocks is not None else -(-n // block)
+        codes = torch.zeros(K, -(-n // 16) * 16, dtype=torch.int8)[:, :n]  # rows padded to 16 bytes
+        return {"residual": codes, "residual_scales": torch.zeros(K, count), "decay": 0.9}
+
+    def qgz(dtype, in_bits, out_bits, block, stochastic, N, K, stages, chunk, feedback=0):
         g = torch.zeros(N * K * chunk, dtype=dtype)
         where = f"N={N} K={K} stages={stages} chunk={chunk}"
         swizzle(where, g, N, K, stages, in_bits, block, stochastic)
         n = stage_bounds(chunk, stages, 0, block)[1]  # the first piece, as qgZ cuts it
         buf = torch.zeros(N, K, wire_size(n, in_bits, block), dtype=torch.uint8)
-        fb = {"residual": torch.zeros(K, n), "decay": 0.9} if feedback else {}
+        fb = residual(feedback, K, n, block=block)
         record(
-            f"qgZ dequantize_reduce_quantize {where}{' feedback' if feedback else ''}",
+            f"qgZ dequantize_reduce_quantize {where}{f' feedback {feedback}' if feedback else ''}",
             lambda: ops.dequantize_reduce_quantize(
                 buf, DequantizeReduceQuantizeSpec(n, in_bits, out_bits, block, stochastic=stochastic, **fb)
             ),
@@ -304,7 +315,7 @@ def strategy_launches() -> list[Launch]:
         if N == 2:  # the same rank with one rank per node: its own K pieces go to the rail as quantized rows
             pieces = g.view(N * K, chunk)[:K, :n]
             record(
-                f"qgZ quantize rows (N=1){' feedback' if feedback else ''}",
+                f"qgZ quantize rows (N=1){f' feedback {feedback}' if feedback else ''}",
                 lambda: ops.quantize(pieces, QuantizeSpec(out_bits, block, stochastic=stochastic, **fb)),
             )
 
@@ -330,8 +341,8 @@ def strategy_launches() -> list[Launch]:
     def qgz_piece(dtype, in_bits, out_bits, stochastic, N, K, g, chunk, start, piece, feedback, where):
         n = piece.numel
         buf = torch.zeros(N, K, piece.wire_size(in_bits), dtype=torch.uint8)
-        fb = {"residual": torch.zeros(K, n), "decay": 0.9} if feedback else {}
-        label = f"{where} start={start}{' feedback' if feedback else ''}"
+        fb = residual(feedback, K, n, blocks=piece)
+        label = f"{where} start={start}{f' feedback {feedback}' if feedback else ''}"
         record(
             f"qgZ dequantize_reduce_quantize {label}",
             lambda: ops.dequantize_reduce_quantize(
@@ -354,6 +365,10 @@ def strategy_launches() -> list[Launch]:
             )
 
     shapes = ((2, 2, 2, 4096), (8, 4, 3, 4096), (4, 2, 3, 1000), (2, 4, 1, 4103))  # 1000, 4103: not 16-aligned
+
+    def feedback_shapes(width):
+        return shapes[:1] if width == 16 else shapes[:3]
+
     for dtype in float_dtypes:
         for bits in (8, 4):
             qwz(dtype, bits, 256, 4096 * 3, "aligned")
@@ -368,13 +383,15 @@ def strategy_launches() -> list[Launch]:
         qwz(torch.bfloat16, bits, 64, 4096 * 3, "aligned")
         for stochastic in (False, True):
             qgz(torch.bfloat16, bits, 4, 64, stochastic, *shapes[1])
-    # error feedback in uniform blocks (N=2: also the quantize of a lone rank's own rows)
+    # error feedback in uniform blocks (N=2: also the quantize of a lone rank's own rows), residuals of every width;
+    # bf16's differs from fp32's only in two conversions: one shape
     for dtype in (torch.float32, torch.bfloat16):
-        for bits in (8, 4):
-            for stochastic in (False, True):
-                for N, K, stages, chunk in shapes[:3]:
-                    qgz(dtype, bits, 4, 128, stochastic, N, K, stages, chunk, feedback=True)
-        qgz(dtype, 8, 8, 128, False, *shapes[0], feedback=True)  # INT8 on both hops
+        for width in FEEDBACK_WIDTHS:
+            for bits in (8, 4):
+                for stochastic in (False, True):
+                    for N, K, stages, chunk in feedback_shapes(width):
+                        qgz(dtype, bits, 4, 128, stochastic, N, K, stages, chunk, feedback=width)
+            qgz(dtype, 8, 8, 128, False, *shapes[0], feedback=width)  # INT8 on both hops
     # parameter-aligned blocks: a unit's shards of odd sizes (a 1-element bias, an empty one, tails of every length)
     weights = Blocks.of_segments((4096, 1000, 3, 0, 1, 257, 640, 77), 256)
     chunk_blocks = Blocks.of_segments((300, 3, 0, 1000, 5, 1, 257, 2048, 77), 128)
@@ -384,10 +401,10 @@ def strategy_launches() -> list[Launch]:
     for dtype in (torch.float32, torch.bfloat16):
         for bits in (8, 4):
             for stochastic in (False, True):
-                for N, K, stages, _ in shapes[:3]:
-                    for feedback in (False, True):
+                for feedback in (0, *FEEDBACK_WIDTHS):
+                    for N, K, stages, _ in feedback_shapes(feedback):
                         qgz_aligned(dtype, bits, 4, stochastic, N, K, stages, chunk_blocks, feedback)
-        for feedback in (False, True):  # INT8 on both hops
+        for feedback in (0, *FEEDBACK_WIDTHS):  # INT8 on both hops
             qgz_aligned(dtype, 8, 8, False, *shapes[0][:3], chunk_blocks, feedback)
     return launches
 
@@ -472,7 +489,8 @@ def bytes_per_element(c: dict) -> float:
     once (payload, one fp32 scale per block; the wire's alignment padding is ignored)."""
     k, sig = c["constexprs"], c["signature"]
     bs = int(k["BS"])
-    feedback = 8 if k.get("FEEDBACK") == "True" else 0  # the fp32 residual, read and written
+    # the residual, read and written: fp32, bf16, or INT8 codes with a scale per block
+    feedback = {"32": 8, "16": 4, "8": 2 + 8 / int(k["BS"])}.get(k.get("FEEDBACK"), 0)
     if c["kernel"] == "_quantize_kernel":
         return _elem_bytes(sig["x_ptr"]) + int(k["BITS"]) / 8 + 4 / bs + feedback
     if c["kernel"] == "_dequantize_kernel":

@@ -8,8 +8,9 @@ written.
 
 ``ALIGNED`` compiles the variant for parameter-aligned blocks (``layout.Blocks``): each of a tile's G blocks reads
 its start and length from a device table (``_launch.block_table``), so its accesses are masked and, at arbitrary
-starts, not vectorized; program 0 of a row writes the row's padding. ``FEEDBACK`` (plain quantization only) adds
-error feedback: ``x + decay * residual`` is quantized and ``residual`` overwritten with ``v - q * scale``. Without
+starts, not vectorized; program 0 of a row writes the row's padding. ``FEEDBACK`` (plain quantization only; the
+residual's width: 32, 16 or 8, 0 for none) adds error feedback: ``x + decay * residual`` is quantized and ``residual``
+overwritten with ``v - q * scale`` (fp32, bf16, or INT8 codes with a scale per block, in the same pass). Without
 either, the kernel is the uniform one, unchanged.
 """
 
@@ -19,19 +20,21 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import LAUNCH_OPTIONS, needs_int64, row_format, stochastic_seed, tiling, unit_stride
+from ._launch import LAUNCH_OPTIONS, feedback_arguments, needs_int64, row_format, stochastic_seed, tiling, unit_stride
 from ._tiles import (
     aligned_index,
     is_full_tile,
-    join_pairs,
     load_pairs,
     load_pairs_aligned,
+    load_residual,
+    load_residual_aligned,
     lost_pairs,
     padded_blocks,
     program_ids,
     quantize_to_row,
     quantize_to_row_aligned,
-    store_values,
+    store_residual,
+    store_residual_aligned,
     swizzle_source,
     tile_index,
     with_feedback,
@@ -41,75 +44,78 @@ from .specs import QuantizeSpec, SwizzleQuantizeSpec
 
 
 @triton.jit
-def _quantize_tile(pid, row, x_ptr, out_ptr, scale_ptr, n, chunk, start, N, K, wire, so, seed, res_ptr, decay,
-                   BITS: tl.constexpr, QMAX: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr,
+def _quantize_tile(pid, row, x_ptr, out_ptr, scale_ptr, n, chunk, start, N, K, wire, so, seed, res_ptr, rscale_ptr, rs,
+                   decay, BITS: tl.constexpr, QMAX: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr,
                    STOCHASTIC: tl.constexpr, FEEDBACK: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
     blk, e, t = tile_index(pid, BS, G, HALF)
     xe, xo = load_pairs(x_ptr + swizzle_source(row, N, K) * chunk + start, e, t, n, MASKED, BS, G, HALF)
     if FEEDBACK:  # plain quantization: row r of the residual is row r's
-        re, ro = load_pairs(res_ptr + row * n, e, t, n, MASKED, BS, G, HALF)
+        re, ro = load_residual(res_ptr, rscale_ptr, row, e, blk, t, n, rs, FEEDBACK, MASKED, BS, G, HALF)
         xe, xo = with_feedback(xe, xo, re, ro, decay)
     ye, yo, scale = quantize_to_row(out_ptr, scale_ptr, row, pid, wire, so, padded_blocks(n, BS), xe, xo, seed, e,
                                     blk, t, BITS, QMAX, STOCHASTIC, MASKED, BS, G, HALF)  # fmt: skip
     if FEEDBACK:
         re, ro = lost_pairs(xe, xo, ye, yo, scale)
-        store_values(res_ptr + row * n, e, t, n, re, ro, MASKED, False, BS, G, HALF)
+        store_residual(res_ptr, rscale_ptr, row, e, blk, t, n, rs, re, ro, FEEDBACK, MASKED, BS, G, HALF)
 
 
 @triton.jit
-def _quantize_aligned_tile(pid, row, x_ptr, out_ptr, scale_ptr, n, chunk, start, N, K, wire, so, seed, res_ptr, decay,
-                           table_ptr, nblk, BITS: tl.constexpr, QMAX: tl.constexpr, G: tl.constexpr,
-                           HALF: tl.constexpr, STOCHASTIC: tl.constexpr, FEEDBACK: tl.constexpr):  # fmt: skip
+def _quantize_aligned_tile(pid, row, x_ptr, out_ptr, scale_ptr, n, chunk, start, N, K, wire, so, seed, res_ptr,
+                           rscale_ptr, rs, decay, table_ptr, nblk, BITS: tl.constexpr, QMAX: tl.constexpr,
+                           G: tl.constexpr, HALF: tl.constexpr, STOCHASTIC: tl.constexpr,
+                           FEEDBACK: tl.constexpr):  # fmt: skip
     blk, valid, length, e, inside = aligned_index(table_ptr, nblk, pid, G, HALF)
     xe, xo = load_pairs_aligned(x_ptr + swizzle_source(row, N, K) * chunk + start, e, inside, G, HALF)
     if FEEDBACK:
-        re, ro = load_pairs_aligned(res_ptr + row * n, e, inside, G, HALF)
+        re, ro = load_residual_aligned(res_ptr, rscale_ptr, row, rs, nblk, blk, valid, e, inside, FEEDBACK, G,
+                                       HALF)  # fmt: skip
         xe, xo = with_feedback(xe, xo, re, ro, decay)
     ye, yo, scale = quantize_to_row_aligned(out_ptr, scale_ptr, table_ptr, nblk, row, pid, wire, so, n, xe, xo, seed,
                                             blk, valid, length, e, inside, BITS, QMAX, STOCHASTIC, G,
                                             HALF)  # fmt: skip
     if FEEDBACK:
         re, ro = lost_pairs(xe, xo, ye, yo, scale)
-        tl.store(res_ptr + row * n + e, join_pairs(re, ro, G, HALF), mask=inside)
+        store_residual_aligned(res_ptr, rscale_ptr, row, rs, nblk, blk, valid, e, inside, re, ro, FEEDBACK, G,
+                               HALF)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["seed"])  # a fresh random seed per call must not recompile
-def _quantize_kernel(x_ptr, out_ptr, scale_ptr, n, chunk, start, N, K, wire, so, seed, res_ptr, decay, table_ptr,
-                     nblk, BITS: tl.constexpr, QMAX: tl.constexpr, BS: tl.constexpr, G: tl.constexpr,
+def _quantize_kernel(x_ptr, out_ptr, scale_ptr, n, chunk, start, N, K, wire, so, seed, res_ptr, rscale_ptr, rs, decay,
+                     table_ptr, nblk, BITS: tl.constexpr, QMAX: tl.constexpr, BS: tl.constexpr, G: tl.constexpr,
                      HALF: tl.constexpr, STOCHASTIC: tl.constexpr, FEEDBACK: tl.constexpr, ALIGNED: tl.constexpr,
                      IDX64: tl.constexpr):  # fmt: skip
     pid, row = program_ids(IDX64)
     if ALIGNED:  # parameter-aligned blocks: every access masked by its block's length
         _quantize_aligned_tile(pid, row, x_ptr, out_ptr, scale_ptr, n, chunk, start, N, K, wire, so, seed, res_ptr,
-                               decay, table_ptr, nblk, BITS, QMAX, G, HALF, STOCHASTIC, FEEDBACK)  # fmt: skip
+                               rscale_ptr, rs, decay, table_ptr, nblk, BITS, QMAX, G, HALF, STOCHASTIC,
+                               FEEDBACK)  # fmt: skip
     elif is_full_tile(pid, n, BS, G):  # every tile but a row's last: no masks, vector loads and stores
-        _quantize_tile(pid, row, x_ptr, out_ptr, scale_ptr, n, chunk, start, N, K, wire, so, seed, res_ptr, decay,
-                       BITS, QMAX, BS, G, HALF, STOCHASTIC, FEEDBACK, False)  # fmt: skip
+        _quantize_tile(pid, row, x_ptr, out_ptr, scale_ptr, n, chunk, start, N, K, wire, so, seed, res_ptr, rscale_ptr,
+                       rs, decay, BITS, QMAX, BS, G, HALF, STOCHASTIC, FEEDBACK, False)  # fmt: skip
     else:
-        _quantize_tile(pid, row, x_ptr, out_ptr, scale_ptr, n, chunk, start, N, K, wire, so, seed, res_ptr, decay,
-                       BITS, QMAX, BS, G, HALF, STOCHASTIC, FEEDBACK, True)  # fmt: skip
+        _quantize_tile(pid, row, x_ptr, out_ptr, scale_ptr, n, chunk, start, N, K, wire, so, seed, res_ptr, rscale_ptr,
+                       rs, decay, BITS, QMAX, BS, G, HALF, STOCHASTIC, FEEDBACK, True)  # fmt: skip
 
 
 def _launch(src: torch.Tensor, rows: int, n: int, chunk: int, start: int, N: int, K: int,
             spec: QuantizeSpec) -> torch.Tensor:  # fmt: skip
     """Quantizes ``rows`` rows of ``n`` elements (row r from ``src`` as the kernel docstring says) into a fresh
-    ``(rows, wire)`` buffer, in uniform blocks or in ``spec.blocks``; with ``spec.residual`` (contiguous ``(rows, n)``
-    fp32, only for N = 1), with error feedback. The kernel writes every byte of the buffer, padding included."""
-    bits, block_size, blocks, residual = spec.bits, spec.block_size, spec.blocks, spec.residual
+    ``(rows, wire)`` buffer, in uniform blocks or in ``spec.blocks``; with ``spec.residual`` (``(rows, n)``, only for
+    N = 1), with error feedback. The kernel writes every byte of the buffer, padding included."""
+    bits, block_size, blocks = spec.bits, spec.block_size, spec.blocks
     wire, so = row_format(n, bits, block_size, blocks)
     out = torch.empty(rows, wire, dtype=torch.uint8, device=src.device)
     if n and rows:
         t = tiling(n, rows, block_size, blocks, src.device, wire_bits=bits)
-        if residual is not None:
-            assert N == 1 and residual.is_contiguous() and residual.numel() == rows * n  # the kernel writes it
+        assert spec.residual is None or N == 1  # row r's residual is row r's
+        fb = feedback_arguments(spec, rows, n)
         _quantize_kernel[t.grid](
             src, out.view(torch.int8), out.view(torch.float32), n, chunk, start, N, K, wire, so,
-            stochastic_seed(spec.seed) if spec.stochastic else 0, residual,
-            None if residual is None else float(spec.decay), t.table, t.nblk, BITS=bits, QMAX=QMAX[bits],
-            BS=block_size, G=t.G, HALF=t.HALF, STOCHASTIC=spec.stochastic, FEEDBACK=residual is not None,
+            stochastic_seed(spec.seed) if spec.stochastic else 0, *fb.arguments, t.table, t.nblk, BITS=bits,
+            QMAX=QMAX[bits], BS=block_size, G=t.G, HALF=t.HALF, STOCHASTIC=spec.stochastic, FEEDBACK=fb.bits,
             ALIGNED=blocks is not None,
             IDX64=needs_int64(src.numel() + t.tile, out.numel() + t.tile, t.grid[0] * t.grid[1] * t.G * t.HALF,
-                              0 if residual is None else residual.numel() + t.tile),
+                              fb.extent + t.tile),
             maxnreg=128,  # ptxas otherwise caps some INT4 variants at 80 registers and spills two
             **LAUNCH_OPTIONS,
         )  # fmt: skip

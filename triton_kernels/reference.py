@@ -199,6 +199,41 @@ def _dequantize_rows(buf: torch.Tensor, numel: int, bits: int, block_size: int, 
     return padded.gather(_dequantize_f32(uniform, padded.width, bits, block_size))
 
 
+def _block_lengths(numel: int, block_size: int, blocks: Blocks | None, device: torch.device) -> torch.Tensor:
+    """Each block's element count, in row order."""
+    if blocks is not None:
+        return torch.tensor(blocks.starts, device=device).diff()
+    lengths = torch.full((num_blocks(numel, block_size),), block_size, device=device)
+    if numel % block_size:
+        lengths[-1] = numel % block_size
+    return lengths
+
+
+def _residual_values(residual: torch.Tensor, scales: torch.Tensor | None, block_size: int,
+                     blocks: Blocks | None) -> torch.Tensor:  # fmt: skip
+    """An error feedback residual ``(R, numel)`` as fp32: as stored (fp32, bf16), or int8 codes times their block's
+    scale (one rounding: the int8 -> fp32 conversion is exact)."""
+    if scales is None:
+        return residual.float()
+    lengths = _block_lengths(residual.shape[1], block_size, blocks, residual.device)
+    return torch.mul(residual, scales.repeat_interleave(lengths, dim=1))
+
+
+def _store_residual(lost: torch.Tensor, residual: torch.Tensor, scales: torch.Tensor | None, block_size: int,
+                    blocks: Blocks | None) -> None:  # fmt: skip
+    """Writes what a quantization lost (fp32 ``(R, numel)``) into the residual: as it is (fp32), rounded to nearest
+    even (bf16), or block-quantized to INT8 with the wire format's own code in the same blocks (int8 codes and their
+    scales: ``max|lost| / 127`` per block, half to even; a block of zeros gets scale 0)."""
+    if scales is None:
+        residual.copy_(lost)
+        return
+    numel, count = lost.shape[1], scales.shape[1]
+    wire = _quantize_f32(lost, 8, block_size, blocks, False, None)
+    so = scale_offset(numel, 8) if blocks is None else blocks.scale_offset(8)
+    residual.copy_(wire[:, :numel].view(torch.int8))
+    scales.copy_(wire[:, so : so + 4 * count].contiguous().view(torch.float32))
+
+
 def _quantize_with_feedback(
     values: torch.Tensor,
     bits: int,
@@ -207,15 +242,18 @@ def _quantize_with_feedback(
     stochastic: bool,
     seed: int | None,
     residual: torch.Tensor | None,
+    scales: torch.Tensor | None,
     decay: float,
 ) -> torch.Tensor:
-    """Quantizes fp32 ``(R, numel)`` rows; with ``residual`` (fp32, same shape) first adds ``decay * residual`` and
-    then leaves in ``residual`` what the quantization lost: ``v - dequantize(quantize(v))``."""
+    """Quantizes fp32 ``(R, numel)`` rows; with ``residual`` (same shape: fp32, bf16, or int8 codes with their
+    ``scales``) first adds ``decay * residual`` and then leaves in ``residual`` what the quantization lost:
+    ``v - dequantize(quantize(v))``, in the residual's width."""
     if residual is None:
         return _quantize_f32(values, bits, block_size, blocks, stochastic, seed)
-    v = values + decay * residual
+    v = values + decay * _residual_values(residual, scales, block_size, blocks)
     out = _quantize_f32(v, bits, block_size, blocks, stochastic, seed)
-    torch.sub(v, _dequantize_rows(out, v.shape[1], bits, block_size, blocks), out=residual)
+    lost = v - _dequantize_rows(out, v.shape[1], bits, block_size, blocks)
+    _store_residual(lost, residual, scales, block_size, blocks)
     return out
 
 
@@ -223,15 +261,17 @@ def quantize(x: torch.Tensor, spec: QuantizeSpec) -> torch.Tensor:
     """Block-quantizes ``x`` (1-D: one row; 2-D: each row on its own) into the wire format (see ``layout``), in
     uniform blocks or in ``spec.blocks``; with ``spec.residual``, with error feedback (see
     :func:`_quantize_with_feedback`)."""
-    bits, block_size, blocks, residual = spec.bits, spec.block_size, spec.blocks, spec.residual
+    bits, block_size, blocks = spec.bits, spec.block_size, spec.blocks
+    residual, scales = spec.residual, spec.residual_scales
     if blocks is None and residual is None:
         return _quantize_uniform(x, bits, block_size, stochastic=spec.stochastic, seed=spec.seed)
     rows, two_d = _as_rows(x)
     values = rows.float() if residual is not None else rows
-    if residual is not None and not two_d:
-        residual = residual.view(1, -1)  # written through the view: the caller's tensor keeps its shape
+    if residual is not None and not two_d:  # written through the views: the caller's tensors keep their shapes
+        residual = residual.view(1, -1)
+        scales = scales.view(1, -1) if scales is not None else None
     out = _quantize_with_feedback(
-        values, bits, block_size, blocks, spec.stochastic, spec.seed, residual, float(spec.decay)
+        values, bits, block_size, blocks, spec.stochastic, spec.seed, residual, scales, float(spec.decay)
     )
     return out if two_d else out.view(-1)
 
@@ -284,7 +324,7 @@ def dequantize_reduce_quantize(buf: torch.Tensor, spec: DequantizeReduceQuantize
     values = _dequantize_rows(buf.reshape(N * K, wire), numel, spec.in_bits, block_size, blocks).view(N, K, numel)
     return _quantize_with_feedback(
         _sum_rows_f32(values), spec.out_bits, block_size, blocks, spec.stochastic, spec.seed, spec.residual,
-        float(spec.decay),
+        spec.residual_scales, float(spec.decay),
     )  # fmt: skip
 
 

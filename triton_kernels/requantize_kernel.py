@@ -4,8 +4,9 @@ bit width if asked). Each input is read once and each output written once; bit-i
 
 ``ALIGNED`` compiles the variant for parameter-aligned blocks (``layout.Blocks``, the same blocks in and out): each of
 a tile's G blocks reads its start and length from a device table, so its accesses are masked and, at arbitrary
-starts, not vectorized. ``FEEDBACK`` adds error feedback to the re-quantization: ``sum + decay * residual[k]`` is
-quantized and ``residual[k]`` overwritten with ``v - q * scale``. Without either, the kernel is the uniform one,
+starts, not vectorized. ``FEEDBACK`` (the residual's width: 32, 16 or 8; 0 for none) adds error feedback to the
+re-quantization: ``sum + decay * residual[k]`` is quantized and ``residual[k]`` overwritten with ``v - q * scale``
+(fp32, bf16, or INT8 codes with a scale per block, in the same pass). Without either, the kernel is the uniform one,
 unchanged.
 """
 
@@ -15,19 +16,19 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import LAUNCH_OPTIONS, needs_int64, row_format, stochastic_seed, tiling
+from ._launch import LAUNCH_OPTIONS, feedback_arguments, needs_int64, row_format, stochastic_seed, tiling
 from ._tiles import (
     aligned_index,
     is_full_tile,
-    join_pairs,
-    load_pairs,
-    load_pairs_aligned,
+    load_residual,
+    load_residual_aligned,
     lost_pairs,
     padded_blocks,
     program_ids,
     quantize_to_row,
     quantize_to_row_aligned,
-    store_values,
+    store_residual,
+    store_residual_aligned,
     sum_dequantized,
     sum_dequantized_aligned,
     tile_index,
@@ -39,85 +40,87 @@ from .specs import DequantizeReduceQuantizeSpec
 
 @triton.jit
 def _requantize_tile(pid, k, buf_ptr, in_scale_ptr, out_ptr, out_scale_ptr, n, K, in_wire, in_so, out_wire, out_so,
-                     seed, res_ptr, decay, N: tl.constexpr, IN_BITS: tl.constexpr, OUT_BITS: tl.constexpr,
-                     QMAX: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr,
+                     seed, res_ptr, rscale_ptr, rs, decay, N: tl.constexpr, IN_BITS: tl.constexpr,
+                     OUT_BITS: tl.constexpr, QMAX: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr,
                      STOCHASTIC: tl.constexpr, FEEDBACK: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
     blk, e, t = tile_index(pid, BS, G, HALF)
     nb4 = padded_blocks(n, BS)
     xe, xo = sum_dequantized(buf_ptr, in_scale_ptr, k, K, in_wire, e, blk, t, n, in_so, nb4, N, IN_BITS, MASKED, BS,
                              G, HALF)  # fmt: skip
     if FEEDBACK:
-        re, ro = load_pairs(res_ptr + k * n, e, t, n, MASKED, BS, G, HALF)
+        re, ro = load_residual(res_ptr, rscale_ptr, k, e, blk, t, n, rs, FEEDBACK, MASKED, BS, G, HALF)
         xe, xo = with_feedback(xe, xo, re, ro, decay)
     ye, yo, scale = quantize_to_row(out_ptr, out_scale_ptr, k, pid, out_wire, out_so, nb4, xe, xo, seed, e, blk, t,
                                     OUT_BITS, QMAX, STOCHASTIC, MASKED, BS, G, HALF)  # fmt: skip
     if FEEDBACK:
         re, ro = lost_pairs(xe, xo, ye, yo, scale)
-        store_values(res_ptr + k * n, e, t, n, re, ro, MASKED, False, BS, G, HALF)
+        store_residual(res_ptr, rscale_ptr, k, e, blk, t, n, rs, re, ro, FEEDBACK, MASKED, BS, G, HALF)
 
 
 @triton.jit
 def _requantize_aligned_tile(pid, k, buf_ptr, in_scale_ptr, out_ptr, out_scale_ptr, n, K, in_wire, in_so, out_wire,
-                             out_so, seed, res_ptr, decay, table_ptr, nblk, N: tl.constexpr, IN_BITS: tl.constexpr,
-                             OUT_BITS: tl.constexpr, QMAX: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr,
-                             STOCHASTIC: tl.constexpr, FEEDBACK: tl.constexpr):  # fmt: skip
+                             out_so, seed, res_ptr, rscale_ptr, rs, decay, table_ptr, nblk, N: tl.constexpr,
+                             IN_BITS: tl.constexpr, OUT_BITS: tl.constexpr, QMAX: tl.constexpr, G: tl.constexpr,
+                             HALF: tl.constexpr, STOCHASTIC: tl.constexpr, FEEDBACK: tl.constexpr):  # fmt: skip
     blk, valid, length, e, inside = aligned_index(table_ptr, nblk, pid, G, HALF)
     xe, xo = sum_dequantized_aligned(buf_ptr, in_scale_ptr, table_ptr, nblk, k, K, in_wire, in_so, blk, valid, length,
                                      e, inside, N, IN_BITS, G, HALF)  # fmt: skip
     if FEEDBACK:
-        re, ro = load_pairs_aligned(res_ptr + k * n, e, inside, G, HALF)
+        re, ro = load_residual_aligned(res_ptr, rscale_ptr, k, rs, nblk, blk, valid, e, inside, FEEDBACK, G,
+                                       HALF)  # fmt: skip
         xe, xo = with_feedback(xe, xo, re, ro, decay)
     ye, yo, scale = quantize_to_row_aligned(out_ptr, out_scale_ptr, table_ptr, nblk, k, pid, out_wire, out_so, n, xe,
                                             xo, seed, blk, valid, length, e, inside, OUT_BITS, QMAX, STOCHASTIC, G,
                                             HALF)  # fmt: skip
     if FEEDBACK:
         re, ro = lost_pairs(xe, xo, ye, yo, scale)
-        tl.store(res_ptr + k * n + e, join_pairs(re, ro, G, HALF), mask=inside)
+        store_residual_aligned(res_ptr, rscale_ptr, k, rs, nblk, blk, valid, e, inside, re, ro, FEEDBACK, G,
+                               HALF)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["seed"])  # a fresh random seed per call must not recompile
 def _requantize_kernel(buf_ptr, in_scale_ptr, out_ptr, out_scale_ptr, n, K, in_wire, in_so, out_wire, out_so, seed,
-                       res_ptr, decay, table_ptr, nblk, N: tl.constexpr, IN_BITS: tl.constexpr,
+                       res_ptr, rscale_ptr, rs, decay, table_ptr, nblk, N: tl.constexpr, IN_BITS: tl.constexpr,
                        OUT_BITS: tl.constexpr, QMAX: tl.constexpr, BS: tl.constexpr, G: tl.constexpr,
                        HALF: tl.constexpr, STOCHASTIC: tl.constexpr, FEEDBACK: tl.constexpr, ALIGNED: tl.constexpr,
                        IDX64: tl.constexpr):  # fmt: skip
     pid, k = program_ids(IDX64)
     if ALIGNED:  # parameter-aligned blocks: every access masked by its block's length
         _requantize_aligned_tile(pid, k, buf_ptr, in_scale_ptr, out_ptr, out_scale_ptr, n, K, in_wire, in_so,
-                                 out_wire, out_so, seed, res_ptr, decay, table_ptr, nblk, N, IN_BITS, OUT_BITS, QMAX,
-                                 G, HALF, STOCHASTIC, FEEDBACK)  # fmt: skip
+                                 out_wire, out_so, seed, res_ptr, rscale_ptr, rs, decay, table_ptr, nblk, N, IN_BITS,
+                                 OUT_BITS, QMAX, G, HALF, STOCHASTIC, FEEDBACK)  # fmt: skip
     elif is_full_tile(pid, n, BS, G):  # every tile but a row's last: no masks, vector loads and stores
         _requantize_tile(pid, k, buf_ptr, in_scale_ptr, out_ptr, out_scale_ptr, n, K, in_wire, in_so, out_wire,
-                         out_so, seed, res_ptr, decay, N, IN_BITS, OUT_BITS, QMAX, BS, G, HALF, STOCHASTIC, FEEDBACK,
-                         False)  # fmt: skip
+                         out_so, seed, res_ptr, rscale_ptr, rs, decay, N, IN_BITS, OUT_BITS, QMAX, BS, G, HALF,
+                         STOCHASTIC, FEEDBACK, False)  # fmt: skip
     else:
         _requantize_tile(pid, k, buf_ptr, in_scale_ptr, out_ptr, out_scale_ptr, n, K, in_wire, in_so, out_wire,
-                         out_so, seed, res_ptr, decay, N, IN_BITS, OUT_BITS, QMAX, BS, G, HALF, STOCHASTIC, FEEDBACK,
-                         True)  # fmt: skip
+                         out_so, seed, res_ptr, rscale_ptr, rs, decay, N, IN_BITS, OUT_BITS, QMAX, BS, G, HALF,
+                         STOCHASTIC, FEEDBACK, True)  # fmt: skip
 
 
 def dequantize_reduce_quantize(buf: torch.Tensor, spec: DequantizeReduceQuantizeSpec) -> torch.Tensor:
     N, K, in_wire = buf.shape
     numel, in_bits, out_bits, block_size = spec.numel, spec.in_bits, spec.out_bits, spec.block_size
-    blocks, residual = spec.blocks, spec.residual
+    blocks = spec.blocks
     expected, in_so = row_format(numel, in_bits, block_size, blocks)
     out_wire, out_so = row_format(numel, out_bits, block_size, blocks)
     assert N >= 1 and in_wire == expected  # the kernel reads N rows of this size
-    if residual is not None:  # the kernel writes K rows of numel
-        assert residual.is_contiguous() and residual.numel() == K * numel
     buf = buf.contiguous()
     out = torch.empty(K, out_wire, dtype=torch.uint8, device=buf.device)
     if numel and K:
         t = tiling(numel, K, block_size, blocks, buf.device, wire_bits=out_bits)
+        fb = feedback_arguments(spec, K, numel)
         _requantize_kernel[t.grid](
             buf.view(torch.int8), buf.view(torch.float32), out.view(torch.int8), out.view(torch.float32), numel, K,
-            in_wire, in_so, out_wire, out_so, stochastic_seed(spec.seed) if spec.stochastic else 0, residual,
-            None if residual is None else float(spec.decay), t.table, t.nblk, N=N, IN_BITS=in_bits,
-            OUT_BITS=out_bits, QMAX=QMAX[out_bits], BS=block_size, G=t.G, HALF=t.HALF, STOCHASTIC=spec.stochastic,
-            FEEDBACK=residual is not None, ALIGNED=blocks is not None,
+            in_wire, in_so, out_wire, out_so, stochastic_seed(spec.seed) if spec.stochastic else 0, *fb.arguments,
+            t.table, t.nblk, N=N, IN_BITS=in_bits, OUT_BITS=out_bits, QMAX=QMAX[out_bits], BS=block_size, G=t.G,
+            HALF=t.HALF, STOCHASTIC=spec.stochastic, FEEDBACK=fb.bits, ALIGNED=blocks is not None,
             num_warps=4 if blocks is None else 8,  # aligned: N rows of scalar loads in flight; 4 warps need a stack
+            # aligned, ptxas for sm_80 otherwise keeps an INT8 residual's variant at 48 registers and an 8-byte stack
+            maxnreg=None if blocks is None else 128,
             IDX64=needs_int64(buf.numel() + t.tile, out.numel() + t.tile, t.grid[0] * K * t.G * t.HALF,
-                              0 if residual is None else residual.numel() + t.tile),
+                              fb.extent + t.tile),
             **LAUNCH_OPTIONS,
         )  # fmt: skip
     return out

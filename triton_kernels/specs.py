@@ -18,12 +18,13 @@ from typing import ClassVar
 
 import torch
 
-from .layout import Blocks, check_format, stage_bounds, wire_size
+from .layout import Blocks, check_format, num_blocks, stage_bounds, wire_size
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FLOATS = "float32, bfloat16 or float16"
 _SEED_LIMIT = 2**63  # torch.Generator.manual_seed takes any seed below it; the kernels reduce it mod 2**31 - 1
 _FROZEN = dict(frozen=True, eq=False)  # eq=False: some fields are tensors, which do not compare to a bool
+_RESIDUAL_BITS = {torch.float32: 32, torch.bfloat16: 16, torch.int8: 8}  # an error feedback residual's width
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -178,29 +179,74 @@ class _Rounding:
 @dataclass(**_FROZEN, kw_only=True)
 class _Feedback:
     """Args:
-    residual: error feedback: a float32 tensor, one value per element quantized; ``v = values + decay * residual``
-        is quantized, and ``residual`` is overwritten with what that quantization lost.
+    residual: error feedback: one value per element quantized, ``v = values + decay * residual`` is quantized and
+        ``residual`` overwritten with what that quantization lost, in the residual's own width: float32 (exact),
+        bfloat16 (rounded to nearest even), or int8 codes with ``residual_scales`` (the error block-quantized again
+        in the same blocks: ``scale = max|error| / 127`` per block, codes rounded to nearest, half to even). Int8 rows
+        may be padded (any row stride >= the row length; a multiple of 16 keeps the kernels' accesses vectorized).
+    residual_scales: with int8 ``residual``: one float32 scale per block of each row, contiguous; the residual is
+        ``codes * scale``.
     decay: the factor the residual is carried over with.
     """
 
     residual: torch.Tensor | None = None
+    residual_scales: torch.Tensor | None = None
     decay: float = 1.0
 
-    def _check_feedback(self, op: str, shape: tuple[int, ...], device: torch.device) -> None:
-        """``residual``: None, or a contiguous fp32 tensor of ``shape`` on ``device``; ``decay``: a finite float."""
-        residual, decay = self.residual, self.decay
+    @property
+    def feedback_bits(self) -> int:
+        """The residual's width in bits (32, 16 or 8), or 0 without error feedback."""
+        return 0 if self.residual is None else _RESIDUAL_BITS[self.residual.dtype]
+
+    def _check_feedback(self, op: str, shape: tuple[int, ...], device: torch.device, blocks_per_row: int) -> None:
+        """``residual``: None, a contiguous fp32 or bf16 tensor of ``shape`` on ``device``, or int8 codes of ``shape``
+        (rows of unit stride) with ``residual_scales`` (fp32, ``blocks_per_row`` per row, contiguous); ``decay``: a
+        finite float."""
+        residual, scales, decay = self.residual, self.residual_scales, self.decay
         if not _is_finite_real(decay):
             raise ValueError(f"{op}: `decay={decay!r}` is not allowed; use a finite float (0.8, say).")
         if residual is None:
+            if scales is not None:
+                raise ValueError(
+                    f"{op}: `residual_scales` is given without `residual`; pass both (an 8-bit residual) or neither."
+                )
             return
         _check_tensor(op, "residual", residual)
-        if residual.dtype != torch.float32 or tuple(residual.shape) != shape:
+        if residual.dtype not in _RESIDUAL_BITS or tuple(residual.shape) != shape:
             raise ValueError(
-                f"{op}: `residual` is {_describe(residual)}; use a float32 tensor of shape {shape} (one value per"
-                " element quantized)."
+                f"{op}: `residual` is {_describe(residual)}; use a float32 or bfloat16 tensor of shape {shape} (one"
+                " value per element quantized), or int8 codes of that shape with `residual_scales`."
             )
-        if residual.device != device or not residual.is_contiguous():
-            raise ValueError(f"{op}: `residual` is {_describe(residual)}; use a contiguous tensor on {device}.")
+        if residual.device != device:
+            raise ValueError(f"{op}: `residual` is {_describe(residual)}; use a tensor on {device}.")
+        if residual.dtype != torch.int8:
+            if not residual.is_contiguous():
+                raise ValueError(f"{op}: `residual` is {_describe(residual)}; use a contiguous tensor.")
+            if scales is not None:
+                raise ValueError(
+                    f"{op}: `residual_scales` is given with a {residual.dtype} `residual`; scales belong to an int8"
+                    " residual only: leave them out."
+                )
+            return
+        if residual.stride(-1) != 1 or (residual.dim() == 2 and residual.stride(0) < shape[-1]):
+            raise ValueError(
+                f"{op}: `residual` is {_describe(residual)} with strides {residual.stride()}; use rows of unit stride"
+                " that do not overlap."
+            )
+        want = (*shape[:-1], blocks_per_row)
+        if scales is None:
+            raise ValueError(
+                f"{op}: `residual` is int8 codes but `residual_scales` is missing; pass the float32 scales, shape"
+                f" {want} (one per block of each row)."
+            )
+        _check_tensor(op, "residual_scales", scales)
+        if scales.dtype != torch.float32 or tuple(scales.shape) != want:
+            raise ValueError(
+                f"{op}: `residual_scales` is {_describe(scales)}; use a float32 tensor of shape {want} (one scale per"
+                " block of each row)."
+            )
+        if scales.device != device or not scales.is_contiguous():
+            raise ValueError(f"{op}: `residual_scales` is {_describe(scales)}; use a contiguous tensor on {device}.")
 
 
 @dataclass(**_FROZEN)
@@ -236,7 +282,8 @@ class QuantizeSpec(_Feedback, _Rounding, _Spec):
     Args:
         bits: 8 or 4.
         block_size: elements per fp32 scale (even for 4 bits).
-        stochastic, seed, blocks, residual, decay: as the bases say; ``residual`` is shaped like ``x``.
+        stochastic, seed, blocks, residual, residual_scales, decay: as the bases say; ``residual`` is shaped like
+            ``x``.
     """
 
     name: ClassVar[str] = "quantize"
@@ -249,7 +296,8 @@ class QuantizeSpec(_Feedback, _Rounding, _Spec):
         check_format(self.bits, self.block_size, op=op)
         self._check_rounding(op)
         self._check_blocks(op, x.shape[-1], self.block_size, "a row of `x`")
-        self._check_feedback(op, tuple(x.shape), x.device)
+        blocks = self.blocks.count if self.blocks is not None else num_blocks(x.shape[-1], self.block_size)
+        self._check_feedback(op, tuple(x.shape), x.device, blocks)
 
 
 @dataclass(**_FROZEN)
@@ -339,8 +387,8 @@ class DequantizeReduceQuantizeSpec(_Feedback, _Rounding, _Spec):
         in_bits, out_bits: the received and the returned bit width (8 or 4).
         block_size, stochastic, seed: as :class:`QuantizeSpec` (the rounding is the re-quantization's).
         blocks: the pieces' blocks (both bit widths), as :class:`QuantizeSpec`.
-        residual, decay: error feedback on the re-quantization, as :class:`QuantizeSpec`; ``residual`` is
-            ``(K, numel)``.
+        residual, residual_scales, decay: error feedback on the re-quantization, as :class:`QuantizeSpec`;
+            ``residual`` is ``(K, numel)``.
     """
 
     name: ClassVar[str] = "dequantize_reduce_quantize"
@@ -361,7 +409,8 @@ class DequantizeReduceQuantizeSpec(_Feedback, _Rounding, _Spec):
         if buf.shape[0] == 0:
             raise ValueError(f"{op}: `buf` is {_describe(buf)}, pieces from no peer; use N >= 1 rows of pieces.")
         self._check_rounding(op)
-        self._check_feedback(op, (buf.shape[1], numel), buf.device)
+        blocks = self.blocks.count if self.blocks is not None else num_blocks(numel, self.block_size)
+        self._check_feedback(op, (buf.shape[1], numel), buf.device, blocks)
 
 
 @dataclass(**_FROZEN)

@@ -128,22 +128,75 @@ def check_aligned_quantize_dequantize(
                 assert c is out and _same(a.reshape(shape), out), f"dequantize {where} into {shape} {out_dtype}"
 
 
+def _residual_in(width: int, rows: torch.Tensor, block: int, blocks: tk.Blocks | None, padded: bool):
+    """``rows`` ``(R, n)`` as an error feedback residual of ``width`` bits: ``(residual, scales)``; 8 bits: int8 codes
+    (rows padded to 16 bytes when ``padded``, as qgZ keeps them) and their block scales, from the torch twin."""
+    if width == 32:
+        return rows.clone(), None
+    if width == 16:
+        return rows.to(torch.bfloat16), None
+    R, n = rows.shape
+    wire = tk.quantize(rows, 8, block, blocks=blocks, backend="torch")
+    count = blocks.count if blocks is not None else -(-n // block)
+    so = blocks.scale_offset(8) if blocks is not None else tk.scale_offset(n, 8)
+    codes = torch.zeros(R, -(-n // 16) * 16 if padded else n, dtype=torch.int8)[:, :n]
+    codes.copy_(wire[:, :n].view(torch.int8))
+    return codes, wire[:, so : so + 4 * count].contiguous().view(torch.float32)
+
+
+def _first_block(blocks: tk.Blocks | None, block: int) -> int:
+    return blocks.starts[1] if blocks is not None else block
+
+
 def check_feedback(
-    device: str, segments, block: int, bits: int, dtype: torch.dtype, rows: int | None = None, decay: float = 0.9
+    device: str,
+    segments,
+    block: int,
+    bits: int,
+    dtype: torch.dtype,
+    rows: int | None = None,
+    decay: float = 0.9,
+    width: int = 32,
 ) -> None:
-    """quantize with error feedback (in uniform blocks when ``segments`` is None): wire buffer and residual."""
+    """quantize with error feedback (in uniform blocks when ``segments`` is None) and a residual of ``width`` bits
+    (32, 16, or 8: codes and scales): wire buffer and residual. The first block of the input and of the residual is
+    zero, so an 8-bit residual's first block must come back with scale 0 and codes 0."""
     blocks = _blocks(segments, block)
     n = blocks.numel if blocks is not None else 301
     shape = (n,) if rows is None else (rows, n)
-    x = _inputs((rows or 1) * n, dtype, seed=n + bits).view(shape)
-    residual = _residual(shape, seed=n)
-    r_want, r_got = residual.clone(), residual.clone().to(device)
-    want = tk.quantize(x, bits, block, blocks=blocks, residual=r_want, decay=decay, backend="torch")
-    got = tk.quantize(x.to(device), bits, block, blocks=blocks, residual=r_got, decay=decay, backend="triton")
-    where = f"{segments=} {block=} {bits=} {dtype} {rows=}"
+    x = _inputs((rows or 1) * n, dtype, seed=n + bits).view(-1, n)
+    values = _residual((x.shape[0], n), seed=n)
+    first = _first_block(blocks, block)
+    x[:, :first], values[:, :first] = 0, 0
+    residual, scales = _residual_in(width, values, block, blocks, padded=rows is not None)
+    where = f"{segments=} {block=} {bits=} {dtype} {rows=} {width=}"
+    results = []
+    for backend, dev in (("torch", "cpu"), ("triton", device)):
+        r = _moved(residual, dev).view(shape)
+        fb = {"residual": r} if scales is None else {"residual": r, "residual_scales": _moved(scales, dev)}
+        if scales is not None:
+            fb["residual_scales"] = fb["residual_scales"].view(*shape[:-1], -1)
+        buf = tk.quantize(x.view(shape).to(dev), bits, block, blocks=blocks, decay=decay, backend=backend, **fb)
+        results.append((buf, r, fb.get("residual_scales")))
+    (want, r_want, s_want), (got, r_got, s_got) = results
     assert torch.equal(want, got.cpu()), f"quantize with feedback {where}: {(want != got.cpu()).nonzero()[:8]}"
     assert r_got.shape == shape and r_want.shape == shape, f"residual {where}: reshaped"
-    assert _same(r_want, r_got), f"residual {where}: {(r_want != r_got.cpu()).nonzero()[:8].tolist()}"
+    assert _same(r_want, r_got), f"residual {where}: {(r_want.float() != r_got.cpu().float()).nonzero()[:8].tolist()}"
+    if width == 8:
+        assert _same(s_want, s_got), f"residual scales {where}"
+        first_scales = s_want.view(-1, s_want.shape[-1])[:, 0]
+        assert torch.all(first_scales == 0), f"a zero block's residual scale is not 0 {where}"
+        assert torch.all(r_want.view(-1, n)[:, :first] == 0), f"a zero block's residual codes are not 0 {where}"
+        assert s_want.isnan().any() or n < 300, f"no NaN block in the residual {where}"
+
+
+def _moved(t: torch.Tensor, device: str) -> torch.Tensor:
+    """A copy of ``t`` on ``device`` with its strides (a padded view stays padded)."""
+    if t.dim() < 2 or t.is_contiguous():
+        return t.to(device, copy=True)
+    full = torch.zeros(t.shape[0], t.stride(0), dtype=t.dtype, device=device)
+    full[:, : t.shape[1]].copy_(t)
+    return full[:, : t.shape[1]]
 
 
 def check_swizzle_aligned(device: str, N: int, K: int, segments, block: int, stages: int, bits: int, dtype) -> None:
@@ -156,26 +209,31 @@ def check_swizzle_aligned(device: str, N: int, K: int, segments, block: int, sta
 
 
 def check_reduce_aligned(
-    device: str, N: int, K: int, segments, block: int, in_bits: int, out_bits: int, feedback: bool
+    device: str, N: int, K: int, segments, block: int, in_bits: int, out_bits: int, feedback: bool, width: int = 32
 ) -> None:
-    """dequantize_reduce_quantize (with or without error feedback) and dequantize_reduce in ``segments``' blocks (in
-    uniform blocks when None)."""
+    """dequantize_reduce_quantize (with or without error feedback, a residual of ``width`` bits) and
+    dequantize_reduce in ``segments``' blocks (in uniform blocks when None)."""
     blocks = _blocks(segments, block)
     n = blocks.numel if blocks is not None else 301
     values = _inputs(N * K * n, torch.float32, seed=n + K).view(N * K, n)
     buf = tk.quantize(values, in_bits, block, blocks=blocks, backend="torch").view(N, K, -1)
-    where = f"{N=} {K=} {segments=} {in_bits}->{out_bits}"
-    r_want = _residual((K, n), seed=N) if feedback else None
-    r_got = r_want.clone().to(device) if feedback else None
-    fb = {"residual": r_want, "decay": 0.75} if feedback else {}
-    want = tk.dequantize_reduce_quantize(buf, n, in_bits, out_bits, block, blocks=blocks, backend="torch", **fb)
-    fb = {"residual": r_got, "decay": 0.75} if feedback else {}
+    where = f"{N=} {K=} {segments=} {in_bits}->{out_bits} {width=}"
+    fb_want, fb_got = {}, {}
+    if feedback:
+        residual, scales = _residual_in(width, _residual((K, n), seed=N), block, blocks, padded=True)
+        fb_want = {"residual": _moved(residual, "cpu"), "decay": 0.75}
+        fb_got = {"residual": _moved(residual, device), "decay": 0.75}
+        if scales is not None:
+            fb_want["residual_scales"], fb_got["residual_scales"] = scales.clone(), scales.clone().to(device)
+    want = tk.dequantize_reduce_quantize(buf, n, in_bits, out_bits, block, blocks=blocks, backend="torch", **fb_want)
     got = tk.dequantize_reduce_quantize(
-        buf.to(device), n, in_bits, out_bits, block, blocks=blocks, backend="triton", **fb
+        buf.to(device), n, in_bits, out_bits, block, blocks=blocks, backend="triton", **fb_got
     )
     assert torch.equal(want, got.cpu()), f"dequantize_reduce_quantize {where}: {(want != got.cpu()).nonzero()[:8]}"
     if feedback:
-        assert _same(r_want, r_got), f"dequantize_reduce_quantize residual {where}"
+        assert _same(fb_want["residual"], fb_got["residual"]), f"dequantize_reduce_quantize residual {where}"
+        if width == 8:
+            assert _same(fb_want["residual_scales"], fb_got["residual_scales"]), f"residual scales {where}"
     for dtype, multiplier in ((torch.float32, 1.0), (torch.bfloat16, 1 / 3)):
         a = tk.dequantize_reduce(
             buf[:, 0], n, in_bits, block, multiplier=multiplier, dtype=dtype, blocks=blocks, backend="torch"

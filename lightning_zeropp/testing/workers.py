@@ -153,7 +153,8 @@ def train_worker(
     freeze_matrices: bool = False,
 ) -> dict[str, Any]:
     """Trains TinyLM with ``ZeroPPStrategy(**strategy_kwargs)``; returns the full weights (rank 0), the losses, the
-    ledger, what :class:`WeightProbe` saw, and the units whose quantization blocks could not follow parameters."""
+    ledger, what :class:`WeightProbe` saw, the units whose quantization blocks could not follow parameters, the
+    strategy's persistent memory and the elements its error feedback residuals hold."""
     from lightning_zeropp import ZeroPPStrategy
 
     x, y = torch.load(data_path, weights_only=True)
@@ -184,6 +185,8 @@ def train_worker(
         "weights_mismatched": probe.mismatched,
         "weights_mismatches": probe.mismatches[:8],
         "unaligned_blocks": unaligned,
+        "persistent_memory": strategy.persistent_memory,
+        "feedback_elements": comms.feedback.numel if comms is not None and comms.feedback is not None else 0,
     }
 
 
