@@ -30,6 +30,11 @@ __all__ = [
     "save_inputs",
     "fabric_train_worker",
     "full_state",
+    "GPT_SHAPE",
+    "example_gpt",
+    "gpt_reference_training",
+    "gpt_train_worker",
+    "save_gpt_inputs",
     "ledger_table",
     "train_worker",
     "unit_shard_numels",
@@ -225,13 +230,20 @@ def update_problems(
     init: dict[str, torch.Tensor],
     per_parameter: float,
     whole: float,
+    min_movement: float = 0.5,
 ) -> list[str]:
-    """What is wrong with a run's updates against the reference's: a parameter that never moved, one whose update
-    error exceeds ``per_parameter``, a whole-model error above ``whole``. The per-parameter bound catches one starved
-    parameter among many; the whole-model bound, set near the measured error, catches what a loose per-parameter bound
-    lets through (an update scaled by 0.5 scores 0.5 on every parameter)."""
+    """What is wrong with a run's updates against the reference's: a parameter that never moved, one that moved less
+    than ``min_movement`` times the reference's update (L2 norms: a starved parameter, whose gradient mostly rounds
+    to zero, moves a little but not that much), one whose update error exceeds ``per_parameter``, a whole-model error
+    above ``whole``. The whole-model bound, set near the measured error, catches what a loose per-parameter bound lets
+    through (an update scaled by 0.5 scores 0.5 on every parameter)."""
     per, total = update_errors(state, reference, init)
     problems = [f"{n}: never moved" for n in reference if torch.equal(state[n], init[n])]
+    for n in reference:
+        want = float((reference[n] - init[n]).float().norm())
+        got = float((state[n] - init[n]).float().norm())
+        if 0 < got < min_movement * want:
+            problems.append(f"{n}: moved {got / want:.3f} of the reference's update < {min_movement}")
     problems += [f"{n}: update error {e:.3f} > {per_parameter}" for n, e in per.items() if e > per_parameter]
     if total > whole:
         problems.append(f"whole model: update error {total:.4f} > {whole}")
@@ -345,4 +357,103 @@ def fabric_train_worker(
         "rest": {k: v for k, v in rest.items() if k in ("epoch", "global_step")} | {"keys": sorted(rest)},
         "drawn_after_load": drawn_after_load,
         "drawn_after_save": drawn_after_save,
+    }
+
+
+# ------------------------------------------------------------------------------------------------ the example GPT
+GPT_SHAPE = dict(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=44, dropout=0.0)
+"""The example GPT (``examples/gpt/model.py``) at a test's size: LayerNorms beside biases in each block, a head tied
+to the token embedding, and a width (44) that is not a multiple of the block sizes."""
+
+
+def example_gpt(root: Path | None = None):
+    """The example's ``GPTModule`` class trained with SGD + momentum (lr 0.1) instead of AdamW, for the reason
+    :class:`~lightning_zeropp.testing.models.TinyLM` gives. Loaded from ``examples/gpt/model.py`` of the repository
+    this package is installed from (or ``root``)."""
+    import importlib.util
+    import sys
+
+    root = root or Path(__file__).resolve().parents[2]
+    path = root / "examples" / "gpt" / "model.py"
+    if not path.is_file():
+        raise FileNotFoundError(f"example_gpt: {path} does not exist; run the tests from a clone of the repository.")
+    module = sys.modules.get("_zeropp_example_gpt_model")
+    if module is None:
+        spec = importlib.util.spec_from_file_location("_zeropp_example_gpt_model", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+
+    class SGDGPTModule(module.GPTModule):
+        def __init__(self, init_path: str | None = None, **shape: Any) -> None:
+            super().__init__(**shape)
+            self.init_path = init_path
+
+        def configure_model(self) -> None:
+            if self.net is not None:
+                return
+            super().configure_model()
+            if self.init_path is not None:
+                self.net.load_state_dict(torch.load(self.init_path, weights_only=True))
+
+        def configure_optimizers(self):
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    return SGDGPTModule
+
+
+def save_gpt_inputs(tmp: Path, n_samples: int, seed: int = 0) -> tuple[str, str, torch.Tensor, torch.Tensor]:
+    """As :func:`save_inputs`, for the example GPT at :data:`GPT_SHAPE`."""
+    torch.manual_seed(seed)
+    model = example_gpt()(**GPT_SHAPE)
+    model.configure_model()
+    init_path, data_path = str(tmp / "gpt_init.pt"), str(tmp / "gpt_data.pt")
+    torch.save(model.net.state_dict(), init_path)
+    x, y = make_batches(n_samples, GPT_SHAPE["block_size"], GPT_SHAPE["vocab_size"], seed)
+    torch.save((x, y), data_path)
+    return init_path, data_path, x, y
+
+
+def gpt_reference_training(
+    init_path: str, x: torch.Tensor, y: torch.Tensor, global_batch: int, steps: int
+) -> dict[str, torch.Tensor]:
+    """:func:`reference_training` for the example GPT: one process, the global batch; the final weights."""
+    model = example_gpt()(init_path, **GPT_SHAPE)
+    model.configure_model()
+    optimizer = model.configure_optimizers()["optimizer"]
+    for k in range(steps):
+        sl = slice(k * global_batch, (k + 1) * global_batch)
+        model._loss((x[sl], y[sl])).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {f"net.{k}": v.detach().clone() for k, v in model.net.state_dict().items()}
+
+
+def gpt_train_worker(
+    rank: int,
+    world_size: int,
+    strategy_kwargs: dict[str, Any],
+    init_path: str,
+    data_path: str,
+    batch_size: int,
+    steps: int,
+) -> dict[str, Any]:
+    """:func:`train_worker` for the example GPT at :data:`GPT_SHAPE`: the full weights (rank 0) and the units whose
+    blocks could not follow the parameters."""
+    from lightning_zeropp import ZeroPPStrategy
+
+    x, y = torch.load(data_path, weights_only=True)
+    model = example_gpt()(init_path, **GPT_SHAPE)
+    strategy = ZeroPPStrategy(**strategy_kwargs)
+    trainer = lightning_trainer(world_size, strategy, max_steps=steps, use_distributed_sampler=False)
+    local = TensorDataset(x[rank::world_size], y[rank::world_size])
+    trainer.fit(model, DataLoader(local, batch_size=batch_size, shuffle=False))
+    comms = strategy.comms
+    state = full_state(model)
+    return {
+        "state": state if rank == 0 else None,
+        "unaligned_blocks": {unit.name: unit.unaligned for unit in comms.units if unit.unaligned},
+        "units": len(comms.units),
     }
