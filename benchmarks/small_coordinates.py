@@ -3,7 +3,8 @@
 Gloo ranks emulating ``nodes x ranks_per_node`` (default 2 x 2) train the example GPT (a small shape: 2 layers,
 n_embd 128, 4 heads, 64 bytes of context, 8 windows per rank; 0.43M parameters) on the standard library's source as
 bytes, in a Fabric loop, 32-true, with the example's AdamW (betas 0.9 / 0.95, weight decay 0.1 on matrices) at a
-constant lr 3e-4, ``ZeroPPStrategy()`` defaults, once without and once with ``gradient_error_feedback=True``.
+constant lr 3e-4, ``ZeroPPStrategy()`` defaults, without and with ``gradient_error_feedback=True`` (the residual in
+INT8 with a scale per block, the default, and in fp32).
 
 Every gradient reduce-scatter qgZ runs is preceded by the exact reduce-scatter of a clone of its input (same groups,
 same op, a throwaway ledger: training never sees it), and (qgZ output ``q``, exact output ``e``) of each unit's chunk
@@ -39,7 +40,11 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "gpt"
 
 MODEL = dict(block_size=64, n_layer=2, n_head=4, n_embd=128)
-CONFIGS = {"qgz": dict(), "qgz_feedback": dict(gradient_error_feedback=True)}
+CONFIGS = {
+    "qgz": dict(),
+    "qgz_feedback": dict(gradient_error_feedback=True),  # the residual's default width: INT8 codes, a scale per block
+    "qgz_feedback_fp32": dict(gradient_error_feedback=True, error_feedback_bits=32),
+}
 LR, BETAS, EPS, BATCH = 3e-4, (0.9, 0.95), 1e-8, 8
 SMALL = 1 / 8  # a coordinate below this share of its block's largest is "small"
 SUMS = (
@@ -354,7 +359,12 @@ def table(rows: list[dict]) -> str:
 
 
 def _feedback(row: dict) -> str:
-    return "on" if row["strategy"].get("gradient_error_feedback") else "off"
+    strategy = row["strategy"]
+    if not strategy.get("gradient_error_feedback"):
+        return "off"
+    return {8: "on, INT8 residual", 16: "on, bf16 residual", 32: "on, fp32 residual"}[
+        strategy.get("error_feedback_bits", 8)
+    ]
 
 
 def main(argv: list[str] | None = None) -> None:

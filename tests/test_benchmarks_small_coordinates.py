@@ -97,7 +97,7 @@ def test_two_steps_on_two_nodes_of_one_rank_write_the_fields(tmp_path):
            "--configs", "qgz_feedback", "--n-layer", "1", "--json", str(out)]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "| on | 1-2 |" in proc.stdout
+    assert "| on, INT8 residual | 1-2 |" in proc.stdout
     (row,) = json.loads(out.read_text())
     assert row["config"] == "qgz_feedback" and (row["nodes"], row["ranks_per_node"]) == (2, 1)
     assert [g["steps"] for g in row["groups"]] == [[1, 2]] and [s["step"] for s in row["per_step"]] == [1, 2]
