@@ -42,7 +42,9 @@ from netns import TwoNodeCluster, exit_on_signals, missing_requirements  # noqa:
 from plots import cluster_png, try_plot  # noqa: E402
 
 FSDP_BASELINE = "fsdp"  # Lightning's ModelParallelStrategy, fully_shard per block (benchmarks/fsdp_baseline.py)
-CONFIG_NAMES = (*ZEROPP_CONFIGS, FSDP_BASELINE)
+# Step-time only: error feedback moves the same bytes as ``zeropp`` (comm_volume.py has no row for it)
+STEP_TIME_CONFIGS = {"zeropp_ef": dict(gradient_error_feedback=True)}
+CONFIG_NAMES = (*ZEROPP_CONFIGS, *STEP_TIME_CONFIGS, FSDP_BASELINE)
 NODES, DEVICES = 2, 2
 # A communication-bound setting: the demo's model (3.26M parameters, ~6.5 MB in bf16) and a micro-batch small
 # enough that on 2 shared CPU cores the step is dominated by moving weights and gradients between the nodes.
@@ -60,7 +62,10 @@ def run_config(name: str, probe_dir: Path, interface: str, steps: int, model: di
             "init_args": {"data_parallel_size": NODES * DEVICES, "tensor_parallel_size": 1},
         }
     else:
-        strategy = {"class_path": "lightning_zeropp.ZeroPPStrategy", "init_args": dict(ZEROPP_CONFIGS[name])}
+        strategy = {
+            "class_path": "lightning_zeropp.ZeroPPStrategy",
+            "init_args": dict({**ZEROPP_CONFIGS, **STEP_TIME_CONFIGS}[name]),
+        }
     return {
         "seed_everything": 1234,
         "trainer": {
