@@ -30,6 +30,7 @@ def _worker(rank: int, world: int, per_node: int, params: int, reps: int) -> dic
     from lightning_zeropp.comm import exact_reduce_scatter
     from lightning_zeropp.config import ZeroPPConfig
     from lightning_zeropp.deltas import WeightDeltas, _UnitCopy
+    from lightning_zeropp.feedback import ErrorFeedback
     from lightning_zeropp.ledger import CommLedger
     from lightning_zeropp.topology import ProcessGroups, Topology
 
@@ -48,11 +49,28 @@ def _worker(rank: int, world: int, per_node: int, params: int, reps: int) -> dic
     unit, copy = SimpleNamespace(name="unit", weights=lambda numel: None), _UnitCopy()
     deltas._refresh(copy, shard, groups)
     hpz = groups.group("hpz")
+
+    def qgz_with_feedback(bits: int):
+        """qgZ (2 stages) with error feedback at residual width ``bits``, as ``comm.py`` calls it."""
+        config = ZeroPPConfig(gradient_error_feedback=True, error_feedback_bits=bits)
+        feedback = ErrorFeedback(config.error_feedback_decay, 0, bits)
+        plan = qgz.Plan.of(topo, config, chunk, avg, None)
+        pieces = [(stage.size, stage.block_count(config.gradient_block_size)) for stage in plan.stages]
+
+        def call():
+            stages = feedback.pieces("unit", topo.num_nodes, pieces, grads.device, 0)
+            residuals = [stage.arguments(feedback.decay) for stage in stages]
+            qgz.quantized_reduce_scatter(out, grads.clone(), plan, groups, ledger, residuals)
+
+        return call
+
     cases = {
         "reduce-scatter exact": lambda: exact_reduce_scatter(out, grads.clone(), avg, None, groups, ledger),
         "reduce-scatter qgZ (2 stages)": lambda: qgz.quantized_reduce_scatter(
             out, grads.clone(), qgz.Plan.of(topo, ZeroPPConfig(), chunk, avg, None), groups, ledger
         ),
+        "reduce-scatter qgZ (2 stages) + error feedback, INT8 residual": qgz_with_feedback(8),
+        "reduce-scatter qgZ (2 stages) + error feedback, fp32 residual": qgz_with_feedback(32),
         "reduce-scatter qgZ (1 stage)": lambda: qgz.quantized_reduce_scatter(
             out, grads.clone(), qgz.Plan.of(topo, ZeroPPConfig(gradient_pieces=1), chunk, avg, None), groups, ledger
         ),
