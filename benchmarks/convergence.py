@@ -46,7 +46,8 @@ Precision: the demo's bf16-mixed where the CPU multiplies bf16 natively; otherwi
 matmul there is ~50x slower than fp32, ~36 s a step on 8 ranks) ``32-true`` (``--precision`` overrides).
 
 Duration, on this machine (2 shared cores), 8 ranks (4 nodes x 2), fp32: ~3.2 s a step, ~55 s start-up per run and
-~8.5 s per validation of 512 windows; so a run takes 55 s + steps x 3.2 s + evals x 8.5 s. The three studies:
+~8.5 s per validation of 512 windows; so a run takes 55 s + steps x 3.2 s + evals x 8.5 s. The calm study's runs
+(bf16-mixed, 100 steps, 20 evaluations) took 14-26 minutes each, with other jobs sharing the cores. The three studies:
 
     # calm: 5 configurations x 3 seeds x ~545 s = about 2.3 hours
     python benchmarks/convergence.py --regime calm --seeds 1 2 3 --steps 100 --evals 20 \\
