@@ -86,12 +86,18 @@ class WeightProbe(Callback):
 def save_inputs(tmp: Path, n_samples: int, seed: int = 0) -> tuple[str, str, torch.Tensor, torch.Tensor]:
     """Writes a fresh TinyLM's initial weights and ``n_samples`` token windows under ``tmp``; returns both paths
     and the data."""
+    return _save_model_inputs(tmp, "", TinyLM, TINY, n_samples, seed)
+
+
+def _save_model_inputs(
+    tmp: Path, prefix: str, make: Any, shape: dict[str, Any], n_samples: int, seed: int
+) -> tuple[str, str, torch.Tensor, torch.Tensor]:
     torch.manual_seed(seed)
-    model = TinyLM()
+    model = make()
     model.configure_model()
-    init_path, data_path = str(tmp / "init.pt"), str(tmp / "data.pt")
+    init_path, data_path = str(tmp / f"{prefix}init.pt"), str(tmp / f"{prefix}data.pt")
     torch.save(model.net.state_dict(), init_path)
-    x, y = make_batches(n_samples, TINY["block_size"], TINY["vocab_size"], seed)
+    x, y = make_batches(n_samples, shape["block_size"], shape["vocab_size"], seed)
     torch.save((x, y), data_path)
     return init_path, data_path, x, y
 
@@ -406,14 +412,7 @@ def example_gpt(root: Path | None = None):
 
 def save_gpt_inputs(tmp: Path, n_samples: int, seed: int = 0) -> tuple[str, str, torch.Tensor, torch.Tensor]:
     """As :func:`save_inputs`, for the example GPT at :data:`GPT_SHAPE`."""
-    torch.manual_seed(seed)
-    model = example_gpt()(**GPT_SHAPE)
-    model.configure_model()
-    init_path, data_path = str(tmp / "gpt_init.pt"), str(tmp / "gpt_data.pt")
-    torch.save(model.net.state_dict(), init_path)
-    x, y = make_batches(n_samples, GPT_SHAPE["block_size"], GPT_SHAPE["vocab_size"], seed)
-    torch.save((x, y), data_path)
-    return init_path, data_path, x, y
+    return _save_model_inputs(tmp, "gpt_", lambda: example_gpt()(**GPT_SHAPE), GPT_SHAPE, n_samples, seed)
 
 
 def gpt_reference_training(
