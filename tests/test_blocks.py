@@ -136,8 +136,10 @@ def test_kernel_arguments_checked():
     x = torch.randn(128)
     with pytest.raises(ValueError, match="`blocks` covers 128 elements, but a row of `x` has 129"):
         tk.quantize(torch.randn(129), 8, 128, blocks=blocks)
-    with pytest.raises(ValueError, match="longer than `block_size=64`"):
+    with pytest.raises(ValueError, match="built for blocks of 128 elements, but `block_size=64`"):
         tk.quantize(x, 8, 64, blocks=blocks)
+    with pytest.raises(ValueError, match="`block_size=64` must be an int >= the longest block"):
+        Blocks((0, 100, 128), 64)
     with pytest.raises(TypeError, match="`blocks` must be None or a layout.Blocks"):
         tk.quantize(x, 8, 128, blocks=[100, 28])
     with pytest.raises(ValueError, match="`residual` is a torch.float64"):

@@ -70,9 +70,26 @@ def test_stochastic_rounding(bits):
     check_stochastic(DEVICE, bits)
 
 
-# Parameter-aligned blocks: with block 128 (G = 32 blocks per tile: one tile), with block 512 (G = 8: a row of several
-# tiles, whose padding program 0 writes), a row that is one short segment, one segment of several blocks
-ALIGNED = [(SEGMENTS, 128), ((300, 3, 0, 1100, 5, 1, 257, 600), 512), ((5,), 128), ((1000,), 128), ((1, 2), 2)]
+# Parameter-aligned blocks: with block 128 (one tile), with block 512 (a row of several tiles, whose padding program 0
+# writes), a row that is one short segment, one segment of several blocks, a packed layout (block 2), and VECTOR: a row
+# whose whole blocks at starts that are multiples of 16 fill two vector tiles (32 blocks of 128 each; the others,
+# at odd starts or short, take the masked path)
+VECTOR = ((1030, 3, 1040, 1, 6, 8199), 128)
+ALIGNED = [(SEGMENTS, 128), ((300, 3, 0, 1100, 5, 1, 257, 600), 512), ((5,), 128), ((1000,), 128), ((1, 2), 2), VECTOR]
+
+
+def test_vector_tiles_are_taken_first():
+    from lightning_zeropp.kernels._launch import block_table, tile_shape
+
+    blocks = tk.Blocks.of_segments(list(VECTOR[0]), VECTOR[1])
+    G, HALF = tile_shape(VECTOR[1])
+    table, nvt = block_table(blocks, torch.device("cpu"), G, HALF)
+    assert nvt == 2 and G == 32  # 72 whole blocks at starts that are multiples of 16: 2 tiles, 8 left to the others
+    order = table[3 * (blocks.count + 1) :].tolist()
+    assert sorted(order) == list(range(blocks.count))
+    for b in order[: nvt * G]:
+        assert blocks.starts[b + 1] - blocks.starts[b] == 128 and blocks.starts[b] % 16 == 0
+        assert blocks.payload_offsets(8)[b] % 16 == 0 and blocks.payload_offsets(4)[b] % 16 == 0
 
 
 @pytest.mark.parametrize(("segments", "block"), ALIGNED)
@@ -89,7 +106,7 @@ def test_aligned_swizzle_quantize(N, K, stages, bits):
     check_swizzle_aligned(DEVICE, N, K, SEGMENTS, 128, stages, bits, torch.bfloat16 if bits == 4 else torch.float32)
 
 
-@pytest.mark.parametrize(("segments", "block"), [(None, 128), ALIGNED[0], ALIGNED[1]])
+@pytest.mark.parametrize(("segments", "block"), [(None, 128), ALIGNED[0], ALIGNED[1], VECTOR])
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("rows", [None, 2])
 @pytest.mark.parametrize("width", [32, 16, 8])  # the residual: fp32, bf16, INT8 codes with block scales
@@ -102,6 +119,17 @@ def test_quantize_with_feedback(segments, block, bits, rows, width):
 @pytest.mark.parametrize("feedback", [0, 32, 16, 8])  # no feedback, or the residual's width
 def test_aligned_reduce(N, K, in_bits, out_bits, feedback):
     check_reduce_aligned(DEVICE, N, K, SEGMENTS, 128, in_bits, out_bits, feedback > 0, width=feedback or 32)
+
+
+@pytest.mark.parametrize(("in_bits", "out_bits"), [(8, 4), (4, 4), (8, 8)])
+@pytest.mark.parametrize("feedback", [0, 32, 16, 8])
+def test_aligned_reduce_vector_tiles(in_bits, out_bits, feedback):
+    check_reduce_aligned(DEVICE, 2, 2, VECTOR[0], VECTOR[1], in_bits, out_bits, feedback > 0, width=feedback or 32)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_aligned_swizzle_quantize_vector_tiles(bits):
+    check_swizzle_aligned(DEVICE, 2, 2, VECTOR[0], VECTOR[1], 2, bits, torch.bfloat16)
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -135,6 +163,9 @@ def test_kernels_write_every_wire_byte(monkeypatch):
     odd = tk.Blocks.of_segments([300, 3, 0, 128, 5, 1, 257, 306], 128)  # 1000 elements, INT4 payload 502 bytes
     tiles = tk.Blocks.of_segments([1100, 5, 1, 257, 600, 1037], 512)  # 3000 elements, 11 blocks: 2 tiles of 8
     aligned_received = tk.quantize(x[:2000].view(2, 1000), 8, 128, blocks=odd, backend="torch").view(2, 1, -1)
+    vector = tk.Blocks.of_segments(list(VECTOR[0]), VECTOR[1])  # vector tiles, and short blocks' 16-byte padding
+    wide = torch.randn(2 * vector.numel)
+    vector_received = tk.quantize(wide.view(2, -1), 8, 128, blocks=vector, backend="torch").view(2, 1, -1)
 
     def outputs(backend: str) -> dict:
         return {
@@ -153,6 +184,11 @@ def test_kernels_write_every_wire_byte(monkeypatch):
             "aligned requantize": tk.dequantize_reduce_quantize(
                 aligned_received, 1000, 8, 4, 128, blocks=odd, residual=torch.zeros(1, 1000), backend=backend
             ),
+            "vector int8 rows": tk.quantize(wide.view(2, -1), 8, 128, blocks=vector, backend=backend),
+            "vector int4": tk.quantize(wide[: vector.numel], 4, 128, blocks=vector, backend=backend),
+            "vector requantize": tk.dequantize_reduce_quantize(
+                vector_received, vector.numel, 8, 4, 128, blocks=vector, backend=backend
+            ),  # fmt: skip
         }
 
     want = outputs("torch")

@@ -67,31 +67,43 @@ def stochastic_seed(seed: int | None) -> int:
     return int(torch.randint(0, 2**31 - 1, ()).item()) if seed is None else seed % (2**31 - 1)
 
 
-def block_table(blocks, device: torch.device, tile: int) -> torch.Tensor:
-    """The device table of aligned ``blocks`` (``layout.Blocks``) the kernels read: the blocks' first elements, then
-    their first INT4 payload bytes (``nibbles // 2``), ``count + 1`` entries each; int32 unless a tile's offsets
-    (``tile`` elements past a block's start) overflow it. Made once per (blocks, device, width) and cached on
-    ``blocks``."""
-    wide = needs_int64(blocks.numel + tile)
-    key = ("triton", torch.device(device), wide)
+def block_table(blocks: Blocks, device: torch.device, G: int, HALF: int) -> tuple[torch.Tensor, int]:
+    """The device table of aligned ``blocks`` (``layout.Blocks``) the kernels read (see ``_tiles``), and ``nvt``, the
+    number of vector tiles: the blocks' first elements, their first payload bytes at 8 and at 4 bits (``count + 1``
+    entries each), then the order in which programs take the blocks: ``nvt * G`` vector blocks (whole, starting at a
+    multiple of 16 elements, in a padded layout) in whole tiles of G, then every other block. int32 unless a tile's
+    offsets (a tile's elements past a block's start) overflow it. Made once per (blocks, device, tile, width) and
+    cached on ``blocks``."""
+    wide = needs_int64(blocks.numel + 2 * G * HALF, blocks.payload_bytes(8) + 2 * G * HALF)
+    key = ("triton", torch.device(device), G, HALF, wide)
 
-    def make() -> torch.Tensor:
-        values = blocks.starts + tuple(nibble // 2 for nibble in blocks.nibbles)
-        return torch.tensor(values, dtype=torch.int64 if wide else torch.int32, device=device)
+    def make() -> tuple[torch.Tensor, int]:
+        starts, size = blocks.starts, blocks.block_size
+        vector = [b for b in range(blocks.count) if blocks.padded and starts[b + 1] - starts[b] == size
+                  and starts[b] % 16 == 0]  # fmt: skip
+        nvt = len(vector) // G
+        first = vector[: nvt * G]
+        taken = set(first)
+        order = first + [b for b in range(blocks.count) if b not in taken]
+        values = starts + blocks.payload_offsets(8) + blocks.payload_offsets(4) + tuple(order)
+        return torch.tensor(values, dtype=torch.int64 if wide else torch.int32, device=device), nvt
 
     return blocks.cached(key, make)
 
 
 class Tiling(NamedTuple):
     """How a launch covers its rows: G blocks of (padded) 2 * HALF elements per program, the grid (programs along a
-    row, rows), and for aligned blocks the device table and block count (both None for uniform blocks: a constexpr
-    None keeps the uniform kernel's signature unchanged)."""
+    row, rows), and for aligned blocks the device table, the block count, the number of vector tiles, whether the
+    layout is padded (``Blocks.padded``); None (and False) for uniform blocks: a constexpr None keeps the uniform
+    kernel's signature unchanged."""
 
     G: int
     HALF: int
     grid: tuple[int, int]
     table: torch.Tensor | None
     nblk: int | None
+    nvt: int | None = None
+    padded: bool = False
 
     @property
     def tile(self) -> int:
@@ -105,9 +117,12 @@ def tiling(numel: int, rows: int, block_size: int, blocks: Blocks | None, device
     ``blocks``. ``wire_bits``: the kernel writes uniform wire rows of these bits, so its programs also cover the
     row's padding (:func:`quantize_grid`); None: they cover the elements only."""
     if blocks is not None:
-        G, HALF = aligned_tile_shape(block_size)
-        return Tiling(G, HALF, (triton.cdiv(blocks.count, G), rows), block_table(blocks, device, 2 * G * HALF),
-                      blocks.count)  # fmt: skip
+        # a padded layout's tiles are the uniform ones: its vector tiles move 16 payload bytes per thread
+        G, HALF = tile_shape(block_size) if blocks.padded else aligned_tile_shape(block_size)
+        table, nvt = block_table(blocks, device, G, HALF)
+        # at least one masked tile after the vector ones: the first writes the row's padding
+        along = nvt + max(1, triton.cdiv(blocks.count - nvt * G, G))
+        return Tiling(G, HALF, (along, rows), table, blocks.count, nvt, blocks.padded)
     G, HALF = tile_shape(block_size)
     if wire_bits is None:
         along = triton.cdiv(num_blocks(numel, block_size), G)

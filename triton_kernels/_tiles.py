@@ -391,110 +391,202 @@ def store_residual(res_ptr, rscale_ptr, row, e, blk, t, n, rs, le, lo, WIDTH: tl
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# Parameter-aligned blocks (layout.Blocks). A device table holds the blocks' first elements (``nblk + 1`` entries,
-# the last is ``numel``) and then their first INT4 payload bytes (``nibbles // 2``, ``nblk + 1`` entries). Each of a
-# tile's G blocks is still one row of the ``[G, 2 * HALF]`` tile, at its own start: element ``t`` of block ``b`` is
-# row element ``starts[b] + t``, valid while ``t < length[b]``. Starts are arbitrary, so these accesses are masked
-# and, in general, not vectorized.
+# Parameter-aligned blocks (layout.Blocks). A device table (``_launch.block_table``) holds four columns: the blocks'
+# first elements and their first payload bytes at 8 and at 4 bits (``nblk + 1`` entries each, the last one the row's
+# end), then the order in which the programs take the blocks (``nblk`` entries). Each of a tile's G blocks is one row
+# of the ``[G, 2 * HALF]`` tile, at its own start: element ``t`` of block ``b`` is row element ``starts[b] + t``.
+#
+# ``MODE`` says what the compiler may assume about a tile's blocks:
+#   2  vector: G whole blocks of BS elements, each starting at a multiple of 16 elements and (``Blocks.padded``) on a
+#      16-byte payload boundary. No masks (for a power-of-two BS): every load and store moves 16 bytes. The table's
+#      order lists these blocks first, in whole tiles, so programs ``pid < nvt`` take only them. A padded layout's
+#      tiles are the uniform kernels' (16 payload bytes per thread need that many elements).
+#   1  padded edge: any blocks of a padded layout (a segment's tail, a block at an odd start). Element accesses are
+#      masked by the block's length; payload accesses by its padded length (a multiple of 16 bytes), so they still
+#      move 16 bytes and the store writes the block's zero padding.
+#   0  packed: blocks of a layout that is not padded (``block_size`` not a multiple of 32); everything masked.
 
 
 @triton.jit
-def aligned_index(table_ptr, nblk, pid, G: tl.constexpr, HALF: tl.constexpr):
-    """Tile ``pid``'s block ids ``[G]``, which exist ``[G]``, their lengths ``[G]`` (0 past the last block), element
-    offsets ``[G, 2 * HALF]`` within the row, and which of those are the blocks' elements."""
-    blk = pid * G + tl.arange(0, G)
-    valid = blk < nblk
-    first = tl.load(table_ptr + blk, mask=valid, other=0)
-    length = tl.load(table_ptr + blk + 1, mask=valid, other=0) - first
+def aligned_index(table_ptr, nblk, base, MODE: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr):
+    """The block ids ``[G]`` of the tile at ``base`` in the table's order, which exist ``[G]``, their lengths
+    ``[G]``, element offsets ``[G, 2 * HALF]`` within the row, and which of those are the blocks' elements."""
+    i = base + tl.arange(0, G)
+    valid = i < nblk
     t = tl.arange(0, 2 * HALF)
+    order = table_ptr + 3 * (nblk + 1)
+    if MODE == 2:
+        blk = tl.load(order + i)
+        first = tl.multiple_of(tl.load(table_ptr + blk), 16)
+        length = tl.zeros_like(first) + BS
+    else:
+        blk = tl.load(order + i, mask=valid, other=0)
+        first = tl.load(table_ptr + blk, mask=valid, other=0)
+        length = tl.load(table_ptr + blk + 1, mask=valid, other=0) - first
     return blk, valid, length, first[:, None] + t[None, :], t[None, :] < length[:, None]
 
 
 @triton.jit
-def load_pairs_aligned(ptr, e, inside, G: tl.constexpr, HALF: tl.constexpr):
+def _load_elements(ptr, e, inside, MODE: tl.constexpr, BS: tl.constexpr, HALF: tl.constexpr):
+    """A tile's elements (0 outside its blocks); a vector tile of power-of-two blocks is not masked at all."""
+    if MODE == 2 and BS == 2 * HALF:
+        v = tl.load(ptr + e)
+    elif MODE == 2:
+        v = tl.load(ptr + e, mask=tl.arange(0, 2 * HALF)[None, :] < BS, other=0)
+    else:
+        v = tl.load(ptr + e, mask=inside, other=0)
+    return v
+
+
+@triton.jit
+def _store_elements(ptr, e, inside, v, MODE: tl.constexpr, BS: tl.constexpr, HALF: tl.constexpr):
+    if MODE == 2 and BS == 2 * HALF:
+        tl.store(ptr + e, v)
+    elif MODE == 2:
+        tl.store(ptr + e, v, mask=tl.arange(0, 2 * HALF)[None, :] < BS)
+    else:
+        tl.store(ptr + e, v, mask=inside)
+
+
+@triton.jit
+def _block_scales(scale_ptr, blk, valid, MODE: tl.constexpr):
+    """The fp32 scales of a tile's blocks (0 for blocks past the row's last)."""
+    if MODE == 2:
+        s = tl.load(scale_ptr + blk)
+    else:
+        s = tl.load(scale_ptr + blk, mask=valid, other=0.0)
+    return s
+
+
+@triton.jit
+def _store_block_scales(scale_ptr, blk, valid, scale, MODE: tl.constexpr):
+    if MODE == 2:
+        tl.store(scale_ptr + blk, scale)
+    else:
+        tl.store(scale_ptr + blk, scale, mask=valid)
+
+
+@triton.jit
+def load_pairs_aligned(ptr, e, inside, MODE: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr):
     """A tile of aligned blocks of a float input as fp32 even / odd pairs (elements past a block's end are 0)."""
-    return split_pairs(tl.load(ptr + e, mask=inside, other=0.0).to(tl.float32), G, HALF)
+    return split_pairs(_load_elements(ptr, e, inside, MODE, BS, HALF).to(tl.float32), G, HALF)
 
 
 @triton.jit
-def _aligned_bytes(table_ptr, nblk, blk, valid, length, HALF: tl.constexpr):
-    """INT4 payload byte offsets ``[G, HALF]`` of a tile's aligned blocks and which of them hold codes."""
-    j = tl.arange(0, HALF)
-    byte0 = tl.load(table_ptr + nblk + 1 + blk, mask=valid, other=0)
-    return byte0[:, None] + j[None, :], j[None, :] < (length[:, None] + 1) // 2
-
-
-@triton.jit
-def store_codes_aligned(out_ptr, scale_ptr, table_ptr, nblk, ye, yo, scale, blk, valid, length, e, inside,
-                        BITS: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr):  # fmt: skip
-    """Writes a tile's codes of aligned blocks into a wire row (payload at byte 0) and its scales. An odd block's
-    last high nibble is the code of a masked (zero) element: 0."""
-    if BITS == 8:
-        q = join_pairs(ye, yo, G, HALF).to(tl.int8)
-        tl.store(out_ptr + e, q, mask=inside)  # payload
+def _payload(table_ptr, nblk, blk, valid, length, BITS: tl.constexpr, MODE: tl.constexpr, HALF: tl.constexpr):
+    """Byte offsets ``[G, W]`` of a tile's payload in a wire row of ``BITS`` (W = 2 * HALF at 8 bits, HALF at 4) and
+    how many bytes of each block to move ``[G]``: its codes, or (padded layout) its codes and their padding."""
+    column = table_ptr + (nblk + 1) * (3 - BITS // 4)  # 8 bits: the second column, 4 bits: the third
+    if MODE == 2:
+        byte0 = tl.multiple_of(tl.load(column + blk), 16)
     else:
-        eb, has = _aligned_bytes(table_ptr, nblk, blk, valid, length, HALF)
-        packed = ((ye & 0xF) | (yo << 4)).to(tl.int8)
-        tl.store(out_ptr + eb, packed, mask=has)  # payload
-    tl.store(scale_ptr + blk, scale, mask=valid)
+        byte0 = tl.load(column + blk, mask=valid, other=0)
+        if MODE == 1:
+            byte0 = tl.multiple_of(byte0, 16)
+    if BITS == 8:
+        used = length
+        lane = tl.arange(0, 2 * HALF)
+    else:
+        used = (length + 1) // 2
+        lane = tl.arange(0, HALF)
+    if MODE == 1:
+        used = tl.multiple_of((used + 15) & -16, 16)
+    return byte0[:, None] + lane[None, :], used
 
 
 @triton.jit
-def store_padding_aligned(out_ptr, scale_ptr, table_ptr, nblk, n, so, BITS: tl.constexpr):
+def _store_payload(ptr, p, used, v, MODE: tl.constexpr, FULL: tl.constexpr, W: tl.constexpr):
+    """Stores a tile's payload bytes ``v`` at ``p`` (``used`` per block; FULL bytes per whole block, W lanes)."""
+    if MODE == 2 and FULL == W:  # payload
+        tl.store(ptr + p, v)  # payload
+    elif MODE == 2:  # payload
+        tl.store(ptr + p, v, mask=tl.arange(0, W)[None, :] < FULL)  # payload
+    else:  # payload
+        tl.store(ptr + p, v, mask=tl.arange(0, W)[None, :] < used[:, None])  # payload
+
+
+@triton.jit
+def _load_payload(ptr, p, used, MODE: tl.constexpr, FULL: tl.constexpr, W: tl.constexpr):
+    if MODE == 2 and FULL == W:  # payload
+        v = tl.load(ptr + p)  # payload
+    elif MODE == 2:  # payload
+        v = tl.load(ptr + p, mask=tl.arange(0, W)[None, :] < FULL, other=0)  # payload
+    else:  # payload
+        v = tl.load(ptr + p, mask=tl.arange(0, W)[None, :] < used[:, None], other=0)  # payload
+    return v
+
+
+@triton.jit
+def store_codes_aligned(out_ptr, scale_ptr, table_ptr, nblk, ye, yo, scale, blk, valid, length, BITS: tl.constexpr,
+                        MODE: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr):  # fmt: skip
+    """Writes a tile's codes of aligned blocks into a wire row and its scales. Lanes past a block's end hold the codes
+    of masked (zero) elements, 0: an odd block's last high nibble, and a padded block's padding."""
+    p, used = _payload(table_ptr, nblk, blk, valid, length, BITS, MODE, HALF)
+    if BITS == 8:
+        _store_payload(out_ptr, p, used, join_pairs(ye, yo, G, HALF).to(tl.int8), MODE, BS, 2 * HALF)
+    else:
+        _store_payload(out_ptr, p, used, ((ye & 0xF) | (yo << 4)).to(tl.int8), MODE, BS // 2, HALF)
+    _store_block_scales(scale_ptr, blk, valid, scale, MODE)
+
+
+@triton.jit
+def store_padding_aligned(out_ptr, scale_ptr, table_ptr, nblk, so, BITS: tl.constexpr, MODE: tl.constexpr):
     """Zeros in a wire row of aligned blocks where no block writes: after the payload up to ``so`` (fewer than 16
-    bytes) and after the last scale up to a multiple of 4 scales."""
-    if BITS == 8:
-        pb = n
-    else:
-        pb = tl.load(table_ptr + 2 * nblk + 1)
-    i = tl.arange(0, 16)
-    tl.store(out_ptr + pb + i, tl.zeros([16], tl.int8), mask=pb + i < so)
+    bytes; none in a padded layout, whose blocks write their own padding) and after the last scale up to a multiple
+    of 4 scales."""
+    if MODE == 0:
+        pb = tl.load(table_ptr + (nblk + 1) * (3 - BITS // 4) + nblk)
+        i = tl.arange(0, 16)
+        tl.store(out_ptr + pb + i, tl.zeros([16], tl.int8), mask=pb + i < so)
     slot = nblk + tl.arange(0, 4)
     tl.store(scale_ptr + slot, tl.zeros([4], tl.float32), mask=slot < (nblk + 3 & -4))
 
 
 @triton.jit
-def quantize_to_row_aligned(out_ptr, scale_ptr, table_ptr, nblk, row, pid, wire, so, n, xe, xo, seed, blk, valid,
-                            length, e, inside, BITS: tl.constexpr, QMAX: tl.constexpr, STOCHASTIC: tl.constexpr,
-                            G: tl.constexpr, HALF: tl.constexpr):  # fmt: skip
-    """:func:`quantize_to_row` for aligned blocks; program 0 of the row also writes the row's padding."""
-    counter0 = (row * tl.num_programs(0) + pid) * (G * HALF // 4)
+def quantize_to_row_aligned(out_ptr, scale_ptr, table_ptr, nblk, row, base, edge0, wire, so, xe, xo, seed, blk, valid,
+                            length, BITS: tl.constexpr, QMAX: tl.constexpr, STOCHASTIC: tl.constexpr,
+                            MODE: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr):  # fmt: skip
+    """:func:`quantize_to_row` for the aligned blocks of the tile at ``base`` in the table's order. The row's first
+    masked tile (at ``edge0``; the launch always has one) also writes the row's padding, so vector tiles have no
+    branch for it. The rounding noise's counters are numbered by (row, block slot in the order)."""
+    counter0 = (row * (nblk + G) + base) * HALF // 4
     ye, yo, scale = quantize_pairs(xe, xo, seed, counter0, QMAX, STOCHASTIC, G, HALF)
     payload, scales = wire_row(out_ptr, scale_ptr, row, wire, so)
-    store_codes_aligned(payload, scales, table_ptr, nblk, ye, yo, scale, blk, valid, length, e, inside, BITS, G, HALF)
-    if pid == 0:
-        store_padding_aligned(payload, scales, table_ptr, nblk, n, so, BITS)
+    store_codes_aligned(payload, scales, table_ptr, nblk, ye, yo, scale, blk, valid, length, BITS, MODE, BS, G, HALF)
+    if MODE != 2:
+        if base == edge0:
+            store_padding_aligned(payload, scales, table_ptr, nblk, so, BITS, MODE)
     return ye, yo, scale
 
 
 @triton.jit
-def load_dequantized_aligned(buf_ptr, scale_ptr, table_ptr, nblk, blk, valid, length, e, inside, BITS: tl.constexpr,
-                             G: tl.constexpr, HALF: tl.constexpr):  # fmt: skip
-    """Reads a tile of aligned blocks of a wire row back to fp32 pairs ``q * scale`` (elements past a block's end:
-    code 0)."""
+def load_dequantized_aligned(buf_ptr, scale_ptr, table_ptr, nblk, blk, valid, length, BITS: tl.constexpr,
+                             MODE: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr):  # fmt: skip
+    """Reads a tile of aligned blocks of a wire row back to fp32 pairs ``q * scale`` (lanes past a block's end: code
+    0 or the padding's zeros)."""
+    p, used = _payload(table_ptr, nblk, blk, valid, length, BITS, MODE, HALF)
     if BITS == 8:
-        q = tl.load(buf_ptr + e, mask=inside, other=0)  # payload
+        q = _load_payload(buf_ptr, p, used, MODE, BS, 2 * HALF)
         qe, qo = split_pairs(q.to(tl.float32), G, HALF)
     else:
-        eb, has = _aligned_bytes(table_ptr, nblk, blk, valid, length, HALF)
-        byte = tl.load(buf_ptr + eb, mask=has, other=0).to(tl.int32)  # payload
+        byte = _load_payload(buf_ptr, p, used, MODE, BS // 2, HALF).to(tl.int32)
         qe = ((byte << 28) >> 28).to(tl.float32)
         qo = (byte >> 4).to(tl.float32)
-    scale = tl.load(scale_ptr + blk, mask=valid, other=0.0)[:, None]
+    scale = _block_scales(scale_ptr, blk, valid, MODE)[:, None]
     return qe * scale, qo * scale
 
 
 @triton.jit
-def sum_dequantized_aligned(buf_ptr, scale_ptr, table_ptr, nblk, row0, row_step, wire, so, blk, valid, length, e,
-                            inside, ROWS: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
-                            HALF: tl.constexpr):  # fmt: skip
+def sum_dequantized_aligned(buf_ptr, scale_ptr, table_ptr, nblk, row0, row_step, wire, so, blk, valid, length,
+                            ROWS: tl.constexpr, BITS: tl.constexpr, MODE: tl.constexpr, BS: tl.constexpr,
+                            G: tl.constexpr, HALF: tl.constexpr):  # fmt: skip
     """:func:`sum_dequantized` for aligned blocks."""
     payload, scales = wire_row(buf_ptr, scale_ptr, row0, wire, so)
-    acc_e, acc_o = load_dequantized_aligned(payload, scales, table_ptr, nblk, blk, valid, length, e, inside, BITS, G,
+    acc_e, acc_o = load_dequantized_aligned(payload, scales, table_ptr, nblk, blk, valid, length, BITS, MODE, BS, G,
                                             HALF)  # fmt: skip
     for i in tl.static_range(1, ROWS):
         payload, scales = wire_row(buf_ptr, scale_ptr, row0 + i * row_step, wire, so)
-        ve, vo = load_dequantized_aligned(payload, scales, table_ptr, nblk, blk, valid, length, e, inside, BITS, G,
+        ve, vo = load_dequantized_aligned(payload, scales, table_ptr, nblk, blk, valid, length, BITS, MODE, BS, G,
                                           HALF)  # fmt: skip
         acc_e += ve
         acc_o += vo
@@ -502,36 +594,38 @@ def sum_dequantized_aligned(buf_ptr, scale_ptr, table_ptr, nblk, row0, row_step,
 
 
 @triton.jit
-def store_values_aligned(out_ptr, e, inside, ve, vo, BF16_BY_HAND: tl.constexpr, G: tl.constexpr,
-                         HALF: tl.constexpr):  # fmt: skip
+def store_values_aligned(out_ptr, e, inside, ve, vo, BF16_BY_HAND: tl.constexpr, MODE: tl.constexpr,
+                         BS: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr):  # fmt: skip
     """:func:`store_values` for a tile of aligned blocks."""
-    tl.store(out_ptr + e, _output_values(out_ptr, join_pairs(ve, vo, G, HALF), BF16_BY_HAND), mask=inside)
+    v = _output_values(out_ptr, join_pairs(ve, vo, G, HALF), BF16_BY_HAND)
+    _store_elements(out_ptr, e, inside, v, MODE, BS, HALF)
 
 
 @triton.jit
 def load_residual_aligned(res_ptr, rscale_ptr, row, rs, nblk, blk, valid, e, inside, WIDTH: tl.constexpr,
-                          G: tl.constexpr, HALF: tl.constexpr):  # fmt: skip
+                          MODE: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr):  # fmt: skip
     """:func:`load_residual` for a tile of aligned blocks (``nblk`` per row; elements past a block's end are 0)."""
     res_ptr += row * rs
     if WIDTH == 32:
-        v = tl.load(res_ptr + e, mask=inside, other=0.0)
+        v = _load_elements(res_ptr, e, inside, MODE, BS, HALF)
     elif WIDTH == 16:
-        v = _bf16_bits_to_f32(tl.load(res_ptr + e, mask=inside, other=0))
+        v = _bf16_bits_to_f32(_load_elements(res_ptr, e, inside, MODE, BS, HALF))
     else:
-        q = tl.load(res_ptr + e, mask=inside, other=0)
-        scale = tl.load(rscale_ptr + row * nblk + blk, mask=valid, other=0.0)[:, None]
-        v = tl.where(inside, q.to(tl.float32) * scale, 0.0)
+        q = _load_elements(res_ptr, e, inside, MODE, BS, HALF)
+        v = q.to(tl.float32) * _block_scales(rscale_ptr + row * nblk, blk, valid, MODE)[:, None]
+        if MODE != 2 or BS != 2 * HALF:
+            v = tl.where(inside, v, 0.0)  # a scale of NaN must not reach the lanes past a block's end
     return split_pairs(v, G, HALF)
 
 
 @triton.jit
 def store_residual_aligned(res_ptr, rscale_ptr, row, rs, nblk, blk, valid, e, inside, le, lo, WIDTH: tl.constexpr,
-                           G: tl.constexpr, HALF: tl.constexpr):  # fmt: skip
+                           MODE: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr):  # fmt: skip
     """:func:`store_residual` for a tile of aligned blocks."""
     res_ptr += row * rs
     if WIDTH == 8:
         ye, yo, scale = quantize_pairs(le, lo, 0, 0, 127, False, G, HALF)
-        tl.store(res_ptr + e, join_pairs(ye, yo, G, HALF).to(tl.int8), mask=inside)
-        tl.store(rscale_ptr + row * nblk + blk, scale, mask=valid)
+        _store_elements(res_ptr, e, inside, join_pairs(ye, yo, G, HALF).to(tl.int8), MODE, BS, HALF)
+        _store_block_scales(rscale_ptr + row * nblk, blk, valid, scale, MODE)
     else:
-        store_values_aligned(res_ptr, e, inside, le, lo, WIDTH == 16, G, HALF)
+        store_values_aligned(res_ptr, e, inside, le, lo, WIDTH == 16, MODE, BS, G, HALF)

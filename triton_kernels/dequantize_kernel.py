@@ -45,27 +45,36 @@ def _dequantize_tile(pid, r, buf_ptr, scale_ptr, out_ptr, n, wire, so, multiplie
 
 
 @triton.jit
-def _dequantize_aligned_tile(pid, r, buf_ptr, scale_ptr, out_ptr, n, wire, so, multiplier, table_ptr, nblk,
-                             ROWS: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr,
-                             SCALED: tl.constexpr, BF16_BY_HAND: tl.constexpr):  # fmt: skip
-    blk, valid, length, e, inside = aligned_index(table_ptr, nblk, pid, G, HALF)
+def _dequantize_aligned_tile(base, r, buf_ptr, scale_ptr, out_ptr, n, wire, so, multiplier, table_ptr, nblk,
+                             ROWS: tl.constexpr, BITS: tl.constexpr, BS: tl.constexpr, G: tl.constexpr,
+                             HALF: tl.constexpr, SCALED: tl.constexpr, BF16_BY_HAND: tl.constexpr,
+                             MODE: tl.constexpr):  # fmt: skip
+    blk, valid, length, e, inside = aligned_index(table_ptr, nblk, base, MODE, BS, G, HALF)
     ve, vo = sum_dequantized_aligned(buf_ptr, scale_ptr, table_ptr, nblk, r * ROWS, 1, wire, so, blk, valid, length,
-                                     e, inside, ROWS, BITS, G, HALF)  # fmt: skip
+                                     ROWS, BITS, MODE, BS, G, HALF)  # fmt: skip
     if SCALED:
         ve *= multiplier
         vo *= multiplier
-    store_values_aligned(out_ptr + r * n, e, inside, ve, vo, BF16_BY_HAND, G, HALF)
+    store_values_aligned(out_ptr + r * n, e, inside, ve, vo, BF16_BY_HAND, MODE, BS, G, HALF)
 
 
 @triton.jit
-def _dequantize_kernel(buf_ptr, scale_ptr, out_ptr, n, wire, so, multiplier, table_ptr, nblk, ROWS: tl.constexpr,
-                       BITS: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr,
-                       SCALED: tl.constexpr, BF16_BY_HAND: tl.constexpr, ALIGNED: tl.constexpr,
+def _dequantize_kernel(buf_ptr, scale_ptr, out_ptr, n, wire, so, multiplier, table_ptr, nblk, nvt,
+                       ROWS: tl.constexpr, BITS: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr,
+                       SCALED: tl.constexpr, BF16_BY_HAND: tl.constexpr, ALIGNED: tl.constexpr, PADDED: tl.constexpr,
                        IDX64: tl.constexpr):  # fmt: skip
     pid, r = program_ids(IDX64)
-    if ALIGNED:  # parameter-aligned blocks: every access masked by its block's length
-        _dequantize_aligned_tile(pid, r, buf_ptr, scale_ptr, out_ptr, n, wire, so, multiplier, table_ptr, nblk, ROWS,
-                                 BITS, G, HALF, SCALED, BF16_BY_HAND)  # fmt: skip
+    if ALIGNED:  # parameter-aligned blocks: the tiles of whole aligned blocks first (vector), then the others
+        if PADDED:
+            if pid < nvt:
+                _dequantize_aligned_tile(pid * G, r, buf_ptr, scale_ptr, out_ptr, n, wire, so, multiplier, table_ptr,
+                                         nblk, ROWS, BITS, BS, G, HALF, SCALED, BF16_BY_HAND, 2)  # fmt: skip
+            else:
+                _dequantize_aligned_tile(pid * G, r, buf_ptr, scale_ptr, out_ptr, n, wire, so, multiplier, table_ptr,
+                                         nblk, ROWS, BITS, BS, G, HALF, SCALED, BF16_BY_HAND, 1)  # fmt: skip
+        else:
+            _dequantize_aligned_tile(pid * G, r, buf_ptr, scale_ptr, out_ptr, n, wire, so, multiplier, table_ptr, nblk,
+                                     ROWS, BITS, BS, G, HALF, SCALED, BF16_BY_HAND, 0)  # fmt: skip
     elif is_full_tile(pid, n, BS, G):  # every tile but a row's last: no masks, vector loads and stores
         _dequantize_tile(pid, r, buf_ptr, scale_ptr, out_ptr, n, wire, so, multiplier, ROWS, BITS, BS, G, HALF,
                          SCALED, BF16_BY_HAND, False)  # fmt: skip
@@ -87,8 +96,8 @@ def _launch(rows: torch.Tensor, out: torch.Tensor, numel: int, bits: int, block_
     t = tiling(numel, rows.shape[0] // summed, block_size, blocks, rows.device)
     _dequantize_kernel[t.grid](
         rows.view(torch.int8), rows.view(torch.float32), output_view(out), numel, rows.shape[1], so,
-        float(multiplier), t.table, t.nblk, ROWS=summed, BITS=bits, BS=block_size, G=t.G, HALF=t.HALF,
-        SCALED=multiplier != 1.0, BF16_BY_HAND=bf16_by_hand(out), ALIGNED=blocks is not None,
+        float(multiplier), t.table, t.nblk, t.nvt, ROWS=summed, BITS=bits, BS=block_size, G=t.G, HALF=t.HALF,
+        SCALED=multiplier != 1.0, BF16_BY_HAND=bf16_by_hand(out), ALIGNED=blocks is not None, PADDED=t.padded,
         IDX64=needs_int64(rows.numel() + t.tile, out.numel() + t.tile), **LAUNCH_OPTIONS,
     )  # fmt: skip
 

@@ -94,26 +94,32 @@ class Blocks:
     row's element count and payload are unchanged; the scales grow by at most one per segment. Block ``b`` covers
     elements ``[starts[b], starts[b + 1])``.
 
-    The payload: INT8 codes sit at their element's position, as in the uniform format. INT4 codes start every block on
-    a byte (``nibbles[b]``, always even, is the nibble where block ``b`` starts), so two blocks never share a byte: a
-    block of odd length leaves its last high nibble 0. The scales follow the payload as in the uniform format::
+    The payload: block ``b``'s codes start at byte ``payload_offsets(bits)[b]``, packed like the uniform format's
+    (INT8 one byte per element, INT4 element 2i in the low nibble); two blocks never share a byte (a block of odd length
+    leaves its last high nibble 0). Where a whole block fills whole 16-byte lines at both widths (``block_size`` a
+    multiple of 32: :attr:`padded`), each block's payload is padded with zeros to a multiple of 16 bytes, so every
+    block starts on a 16-byte boundary and the kernels move its codes in 16-byte vectors. Only a block shorter than
+    ``block_size`` (a segment's tail, at most one per segment) gets padding: at most 15 bytes per segment. Otherwise
+    the blocks are packed (INT8 codes at their element's position, INT4 blocks each starting on a byte). The scales
+    follow the payload as in the uniform format::
 
-        [ payload (numel bytes, or nibbles[-1] / 2) | pad to 16 | fp32 scale x count | pad to 16 ]
+        [ payload (payload_bytes(bits)) | pad to 16 | fp32 scale x count | pad to 16 ]
 
     A ``Blocks`` is immutable; the kernels cache its device tables on it, so build one per layout and reuse it.
     """
 
-    __slots__ = ("starts", "nibbles", "_cache")
+    __slots__ = ("starts", "block_size", "_cache")
 
-    def __init__(self, starts: tuple[int, ...]) -> None:
+    def __init__(self, starts: tuple[int, ...], block_size: int | None = None) -> None:
         starts = tuple(int(s) for s in starts)
         if not starts or starts[0] != 0 or any(b <= a for a, b in zip(starts, starts[1:])):
             raise ValueError(f"Blocks: `starts` must begin at 0 and increase strictly, got {starts[:8]}...")
         self.starts = starts
-        nibbles = [0]
-        for a, b in zip(starts, starts[1:]):
-            nibbles.append(nibbles[-1] + _round_up(b - a, 2))
-        self.nibbles = tuple(nibbles)
+        longest = max((b - a for a, b in zip(starts, starts[1:])), default=0)
+        if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int)
+                                       or block_size < longest):  # fmt: skip
+            raise ValueError(f"Blocks: `block_size={block_size!r}` must be an int >= the longest block ({longest}).")
+        self.block_size = longest if block_size is None else block_size
         self._cache: dict = {}
 
     @classmethod
@@ -127,7 +133,7 @@ class Blocks:
             offset += length
             if length:
                 starts.append(offset)
-        return cls(tuple(starts))
+        return cls(tuple(starts), block_size)
 
     @property
     def numel(self) -> int:
@@ -141,8 +147,24 @@ class Blocks:
     def longest(self) -> int:
         return max((b - a for a, b in zip(self.starts, self.starts[1:])), default=0)
 
+    @property
+    def padded(self) -> bool:
+        """Whether each block's payload is padded to 16 bytes (a whole block fills 16-byte lines at 4 and 8 bits)."""
+        return self.block_size > 0 and self.block_size % 32 == 0
+
+    def payload_offsets(self, bits: int) -> tuple[int, ...]:
+        """Byte offset of each block's first code in a wire row of ``bits``, then the payload's end (``count + 1``)."""
+        key = ("payload", bits)
+        if key not in self._cache:
+            offsets = [0]
+            for a, b in zip(self.starts, self.starts[1:]):
+                size = b - a if bits == 8 else _round_up(b - a, 2) // 2
+                offsets.append(offsets[-1] + (_round_up(size, ALIGN) if self.padded else size))
+            self._cache[key] = tuple(offsets)
+        return self._cache[key]
+
     def payload_bytes(self, bits: int) -> int:
-        return self.numel if bits == 8 else self.nibbles[-1] // 2
+        return self.payload_offsets(bits)[-1]
 
     def scale_offset(self, bits: int) -> int:
         return _round_up(self.payload_bytes(bits), ALIGN)
@@ -153,7 +175,7 @@ class Blocks:
     def piece(self, first: int, last: int) -> Blocks:
         """Blocks ``[first, last)`` as a row of their own (element offsets rebased to the first block's start)."""
         base = self.starts[first]
-        return Blocks(tuple(s - base for s in self.starts[first : last + 1]))
+        return Blocks(tuple(s - base for s in self.starts[first : last + 1]), self.block_size)
 
     def stages(self, stages: int) -> list[tuple[int, Blocks]]:
         """The row cut into ``stages`` pipeline pieces at block boundaries: ``(element start, blocks)`` per piece,
@@ -180,10 +202,10 @@ class Blocks:
         return self._cache[key]
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Blocks) and other.starts == self.starts
+        return isinstance(other, Blocks) and other.starts == self.starts and other.block_size == self.block_size
 
     def __hash__(self) -> int:
-        return hash(self.starts)
+        return hash((self.starts, self.block_size))
 
     def __repr__(self) -> str:
-        return f"Blocks(numel={self.numel}, count={self.count}, longest={self.longest})"
+        return f"Blocks(numel={self.numel}, count={self.count}, block_size={self.block_size}, longest={self.longest})"

@@ -60,35 +60,45 @@ def _quantize_tile(pid, row, x_ptr, out_ptr, scale_ptr, n, chunk, start, N, K, w
 
 
 @triton.jit
-def _quantize_aligned_tile(pid, row, x_ptr, out_ptr, scale_ptr, n, chunk, start, N, K, wire, so, seed, res_ptr,
+def _quantize_aligned_tile(base, edge0, row, x_ptr, out_ptr, scale_ptr, chunk, start, N, K, wire, so, seed, res_ptr,
                            rscale_ptr, rs, decay, table_ptr, nblk, BITS: tl.constexpr, QMAX: tl.constexpr,
-                           G: tl.constexpr, HALF: tl.constexpr, STOCHASTIC: tl.constexpr,
-                           FEEDBACK: tl.constexpr):  # fmt: skip
-    blk, valid, length, e, inside = aligned_index(table_ptr, nblk, pid, G, HALF)
-    xe, xo = load_pairs_aligned(x_ptr + swizzle_source(row, N, K) * chunk + start, e, inside, G, HALF)
+                           BS: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr, STOCHASTIC: tl.constexpr,
+                           FEEDBACK: tl.constexpr, MODE: tl.constexpr):  # fmt: skip
+    blk, valid, length, e, inside = aligned_index(table_ptr, nblk, base, MODE, BS, G, HALF)
+    xe, xo = load_pairs_aligned(x_ptr + swizzle_source(row, N, K) * chunk + start, e, inside, MODE, BS, G, HALF)
     if FEEDBACK:
-        re, ro = load_residual_aligned(res_ptr, rscale_ptr, row, rs, nblk, blk, valid, e, inside, FEEDBACK, G,
-                                       HALF)  # fmt: skip
+        re, ro = load_residual_aligned(res_ptr, rscale_ptr, row, rs, nblk, blk, valid, e, inside, FEEDBACK, MODE, BS,
+                                       G, HALF)  # fmt: skip
         xe, xo = with_feedback(xe, xo, re, ro, decay)
-    ye, yo, scale = quantize_to_row_aligned(out_ptr, scale_ptr, table_ptr, nblk, row, pid, wire, so, n, xe, xo, seed,
-                                            blk, valid, length, e, inside, BITS, QMAX, STOCHASTIC, G,
+    ye, yo, scale = quantize_to_row_aligned(out_ptr, scale_ptr, table_ptr, nblk, row, base, edge0, wire, so, xe, xo,
+                                            seed, blk, valid, length, BITS, QMAX, STOCHASTIC, MODE, BS, G,
                                             HALF)  # fmt: skip
     if FEEDBACK:
         re, ro = lost_pairs(xe, xo, ye, yo, scale)
-        store_residual_aligned(res_ptr, rscale_ptr, row, rs, nblk, blk, valid, e, inside, re, ro, FEEDBACK, G,
-                               HALF)  # fmt: skip
+        store_residual_aligned(res_ptr, rscale_ptr, row, rs, nblk, blk, valid, e, inside, re, ro, FEEDBACK, MODE, BS,
+                               G, HALF)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["seed"])  # a fresh random seed per call must not recompile
 def _quantize_kernel(x_ptr, out_ptr, scale_ptr, n, chunk, start, N, K, wire, so, seed, res_ptr, rscale_ptr, rs, decay,
-                     table_ptr, nblk, BITS: tl.constexpr, QMAX: tl.constexpr, BS: tl.constexpr, G: tl.constexpr,
-                     HALF: tl.constexpr, STOCHASTIC: tl.constexpr, FEEDBACK: tl.constexpr, ALIGNED: tl.constexpr,
-                     IDX64: tl.constexpr):  # fmt: skip
+                     table_ptr, nblk, nvt, BITS: tl.constexpr, QMAX: tl.constexpr, BS: tl.constexpr,
+                     G: tl.constexpr, HALF: tl.constexpr, STOCHASTIC: tl.constexpr, FEEDBACK: tl.constexpr,
+                     ALIGNED: tl.constexpr, PADDED: tl.constexpr, IDX64: tl.constexpr):  # fmt: skip
     pid, row = program_ids(IDX64)
-    if ALIGNED:  # parameter-aligned blocks: every access masked by its block's length
-        _quantize_aligned_tile(pid, row, x_ptr, out_ptr, scale_ptr, n, chunk, start, N, K, wire, so, seed, res_ptr,
-                               rscale_ptr, rs, decay, table_ptr, nblk, BITS, QMAX, G, HALF, STOCHASTIC,
-                               FEEDBACK)  # fmt: skip
+    if ALIGNED:  # parameter-aligned blocks: the tiles of whole aligned blocks first (vector), then the others
+        if PADDED:
+            if pid < nvt:
+                _quantize_aligned_tile(pid * G, nvt * G, row, x_ptr, out_ptr, scale_ptr, chunk, start, N, K, wire, so,
+                                       seed, res_ptr, rscale_ptr, rs, decay, table_ptr, nblk, BITS, QMAX, BS, G, HALF,
+                                       STOCHASTIC, FEEDBACK, 2)  # fmt: skip
+            else:
+                _quantize_aligned_tile(pid * G, nvt * G, row, x_ptr, out_ptr, scale_ptr, chunk, start, N, K, wire, so,
+                                       seed, res_ptr, rscale_ptr, rs, decay, table_ptr, nblk, BITS, QMAX, BS, G, HALF,
+                                       STOCHASTIC, FEEDBACK, 1)  # fmt: skip
+        else:
+            _quantize_aligned_tile(pid * G, 0, row, x_ptr, out_ptr, scale_ptr, chunk, start, N, K, wire, so, seed,
+                                   res_ptr, rscale_ptr, rs, decay, table_ptr, nblk, BITS, QMAX, BS, G, HALF,
+                                   STOCHASTIC, FEEDBACK, 0)  # fmt: skip
     elif is_full_tile(pid, n, BS, G):  # every tile but a row's last: no masks, vector loads and stores
         _quantize_tile(pid, row, x_ptr, out_ptr, scale_ptr, n, chunk, start, N, K, wire, so, seed, res_ptr, rscale_ptr,
                        rs, decay, BITS, QMAX, BS, G, HALF, STOCHASTIC, FEEDBACK, False)  # fmt: skip
@@ -111,9 +121,9 @@ def _launch(src: torch.Tensor, rows: int, n: int, chunk: int, start: int, N: int
         fb = feedback_arguments(spec, rows, n)
         _quantize_kernel[t.grid](
             src, out.view(torch.int8), out.view(torch.float32), n, chunk, start, N, K, wire, so,
-            stochastic_seed(spec.seed) if spec.stochastic else 0, *fb.arguments, t.table, t.nblk, BITS=bits,
+            stochastic_seed(spec.seed) if spec.stochastic else 0, *fb.arguments, t.table, t.nblk, t.nvt, BITS=bits,
             QMAX=QMAX[bits], BS=block_size, G=t.G, HALF=t.HALF, STOCHASTIC=spec.stochastic, FEEDBACK=fb.bits,
-            ALIGNED=blocks is not None,
+            ALIGNED=blocks is not None, PADDED=t.padded,
             IDX64=needs_int64(src.numel() + t.tile, out.numel() + t.tile, t.grid[0] * t.grid[1] * t.G * t.HALF,
                               fb.extent + t.tile),
             maxnreg=128,  # ptxas otherwise caps some INT4 variants at 80 registers and spills two

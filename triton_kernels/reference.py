@@ -121,14 +121,15 @@ def _dequantize_f32(buf: torch.Tensor, numel: int, bits: int, block_size: int) -
 
 
 class _Padded:
-    """Where the elements (and INT4 payload bytes) of a row laid out in ``blocks`` sit in the padded row: as runs of
+    """Where the elements and the payload bytes of a row laid out in ``blocks`` sit in the padded row: as runs of
     consecutive blocks that are contiguous in both layouts (a run ends after each short block, i.e. at each segment
-    end), so moving between the two is one slice copy per run, about one per parameter."""
+    end), so moving between the two is one slice copy per run, about one per parameter. A payload run includes the
+    zero padding after its short block (``Blocks.padded``), which the padded row's codes of zeros supply."""
 
     def __init__(self, blocks: Blocks, block_size: int) -> None:
         self.width = blocks.count * block_size
         self.element_runs: list[tuple[int, int, int]] = []  # (compact start, padded start, length)
-        self.byte_runs: list[tuple[int, int, int]] = []
+        self.byte_runs: dict[int, list[tuple[int, int, int]]] = {8: [], 4: []}
         first = 0
         for b in range(blocks.count):
             length = blocks.starts[b + 1] - blocks.starts[b]
@@ -139,8 +140,9 @@ class _Padded:
     def _add_run(self, blocks: Blocks, block_size: int, first: int, last: int) -> None:
         start, end = blocks.starts[first], blocks.starts[last]
         self.element_runs.append((start, first * block_size, end - start))
-        byte_start, byte_end = blocks.nibbles[first] // 2, blocks.nibbles[last] // 2
-        self.byte_runs.append((byte_start, first * block_size // 2, byte_end - byte_start))
+        for bits, runs in self.byte_runs.items():
+            offsets = blocks.payload_offsets(bits)
+            runs.append((offsets[first], first * block_size * bits // 8, offsets[last] - offsets[first]))
 
     @staticmethod
     def of(blocks: Blocks, block_size: int) -> _Padded:
@@ -161,7 +163,7 @@ class _Padded:
         R, count = uniform.shape[0], blocks.count
         so = blocks.scale_offset(bits)
         out = torch.zeros(R, blocks.wire_size(bits), dtype=torch.uint8, device=uniform.device)
-        for compact, padded, n in self.element_runs if bits == 8 else self.byte_runs:
+        for compact, padded, n in self.byte_runs[bits]:
             out[:, compact : compact + n] = uniform[:, padded : padded + n]
         uso = scale_offset(self.width, bits)
         out[:, so : so + 4 * count] = uniform[:, uso : uso + 4 * count]
@@ -172,7 +174,7 @@ class _Padded:
         R, count = buf.shape[0], blocks.count
         so = blocks.scale_offset(bits)
         out = torch.zeros(R, wire_size(self.width, bits, block_size), dtype=torch.uint8, device=buf.device)
-        for compact, padded, n in self.element_runs if bits == 8 else self.byte_runs:
+        for compact, padded, n in self.byte_runs[bits]:
             out[:, padded : padded + n] = buf[:, compact : compact + n]
         uso = scale_offset(self.width, bits)
         out[:, uso : uso + 4 * count] = buf[:, so : so + 4 * count]

@@ -58,37 +58,48 @@ def _requantize_tile(pid, k, buf_ptr, in_scale_ptr, out_ptr, out_scale_ptr, n, K
 
 
 @triton.jit
-def _requantize_aligned_tile(pid, k, buf_ptr, in_scale_ptr, out_ptr, out_scale_ptr, n, K, in_wire, in_so, out_wire,
-                             out_so, seed, res_ptr, rscale_ptr, rs, decay, table_ptr, nblk, N: tl.constexpr,
-                             IN_BITS: tl.constexpr, OUT_BITS: tl.constexpr, QMAX: tl.constexpr, G: tl.constexpr,
-                             HALF: tl.constexpr, STOCHASTIC: tl.constexpr, FEEDBACK: tl.constexpr):  # fmt: skip
-    blk, valid, length, e, inside = aligned_index(table_ptr, nblk, pid, G, HALF)
+def _requantize_aligned_tile(base, edge0, k, buf_ptr, in_scale_ptr, out_ptr, out_scale_ptr, K, in_wire, in_so,
+                             out_wire, out_so, seed, res_ptr, rscale_ptr, rs, decay, table_ptr, nblk, N: tl.constexpr,
+                             IN_BITS: tl.constexpr, OUT_BITS: tl.constexpr, QMAX: tl.constexpr, BS: tl.constexpr,
+                             G: tl.constexpr, HALF: tl.constexpr, STOCHASTIC: tl.constexpr, FEEDBACK: tl.constexpr,
+                             MODE: tl.constexpr):  # fmt: skip
+    blk, valid, length, e, inside = aligned_index(table_ptr, nblk, base, MODE, BS, G, HALF)
     xe, xo = sum_dequantized_aligned(buf_ptr, in_scale_ptr, table_ptr, nblk, k, K, in_wire, in_so, blk, valid, length,
-                                     e, inside, N, IN_BITS, G, HALF)  # fmt: skip
+                                     N, IN_BITS, MODE, BS, G, HALF)  # fmt: skip
     if FEEDBACK:
-        re, ro = load_residual_aligned(res_ptr, rscale_ptr, k, rs, nblk, blk, valid, e, inside, FEEDBACK, G,
+        re, ro = load_residual_aligned(res_ptr, rscale_ptr, k, rs, nblk, blk, valid, e, inside, FEEDBACK, MODE, BS, G,
                                        HALF)  # fmt: skip
         xe, xo = with_feedback(xe, xo, re, ro, decay)
-    ye, yo, scale = quantize_to_row_aligned(out_ptr, out_scale_ptr, table_ptr, nblk, k, pid, out_wire, out_so, n, xe,
-                                            xo, seed, blk, valid, length, e, inside, OUT_BITS, QMAX, STOCHASTIC, G,
+    ye, yo, scale = quantize_to_row_aligned(out_ptr, out_scale_ptr, table_ptr, nblk, k, base, edge0, out_wire, out_so,
+                                            xe, xo, seed, blk, valid, length, OUT_BITS, QMAX, STOCHASTIC, MODE, BS, G,
                                             HALF)  # fmt: skip
     if FEEDBACK:
         re, ro = lost_pairs(xe, xo, ye, yo, scale)
-        store_residual_aligned(res_ptr, rscale_ptr, k, rs, nblk, blk, valid, e, inside, re, ro, FEEDBACK, G,
+        store_residual_aligned(res_ptr, rscale_ptr, k, rs, nblk, blk, valid, e, inside, re, ro, FEEDBACK, MODE, BS, G,
                                HALF)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["seed"])  # a fresh random seed per call must not recompile
 def _requantize_kernel(buf_ptr, in_scale_ptr, out_ptr, out_scale_ptr, n, K, in_wire, in_so, out_wire, out_so, seed,
-                       res_ptr, rscale_ptr, rs, decay, table_ptr, nblk, N: tl.constexpr, IN_BITS: tl.constexpr,
-                       OUT_BITS: tl.constexpr, QMAX: tl.constexpr, BS: tl.constexpr, G: tl.constexpr,
-                       HALF: tl.constexpr, STOCHASTIC: tl.constexpr, FEEDBACK: tl.constexpr, ALIGNED: tl.constexpr,
-                       IDX64: tl.constexpr):  # fmt: skip
+                       res_ptr, rscale_ptr, rs, decay, table_ptr, nblk, nvt, N: tl.constexpr,
+                       IN_BITS: tl.constexpr, OUT_BITS: tl.constexpr, QMAX: tl.constexpr, BS: tl.constexpr,
+                       G: tl.constexpr, HALF: tl.constexpr, STOCHASTIC: tl.constexpr, FEEDBACK: tl.constexpr,
+                       ALIGNED: tl.constexpr, PADDED: tl.constexpr, IDX64: tl.constexpr):  # fmt: skip
     pid, k = program_ids(IDX64)
-    if ALIGNED:  # parameter-aligned blocks: every access masked by its block's length
-        _requantize_aligned_tile(pid, k, buf_ptr, in_scale_ptr, out_ptr, out_scale_ptr, n, K, in_wire, in_so,
-                                 out_wire, out_so, seed, res_ptr, rscale_ptr, rs, decay, table_ptr, nblk, N, IN_BITS,
-                                 OUT_BITS, QMAX, G, HALF, STOCHASTIC, FEEDBACK)  # fmt: skip
+    if ALIGNED:  # parameter-aligned blocks: the tiles of whole aligned blocks first (vector), then the others
+        if PADDED:
+            if pid < nvt:
+                _requantize_aligned_tile(pid * G, nvt * G, k, buf_ptr, in_scale_ptr, out_ptr, out_scale_ptr, K, in_wire,
+                                         in_so, out_wire, out_so, seed, res_ptr, rscale_ptr, rs, decay, table_ptr, nblk,
+                                         N, IN_BITS, OUT_BITS, QMAX, BS, G, HALF, STOCHASTIC, FEEDBACK, 2)  # fmt: skip
+            else:
+                _requantize_aligned_tile(pid * G, nvt * G, k, buf_ptr, in_scale_ptr, out_ptr, out_scale_ptr, K, in_wire,
+                                         in_so, out_wire, out_so, seed, res_ptr, rscale_ptr, rs, decay, table_ptr, nblk,
+                                         N, IN_BITS, OUT_BITS, QMAX, BS, G, HALF, STOCHASTIC, FEEDBACK, 1)  # fmt: skip
+        else:
+            _requantize_aligned_tile(pid * G, 0, k, buf_ptr, in_scale_ptr, out_ptr, out_scale_ptr, K, in_wire, in_so,
+                                     out_wire, out_so, seed, res_ptr, rscale_ptr, rs, decay, table_ptr, nblk, N,
+                                     IN_BITS, OUT_BITS, QMAX, BS, G, HALF, STOCHASTIC, FEEDBACK, 0)  # fmt: skip
     elif is_full_tile(pid, n, BS, G):  # every tile but a row's last: no masks, vector loads and stores
         _requantize_tile(pid, k, buf_ptr, in_scale_ptr, out_ptr, out_scale_ptr, n, K, in_wire, in_so, out_wire,
                          out_so, seed, res_ptr, rscale_ptr, rs, decay, N, IN_BITS, OUT_BITS, QMAX, BS, G, HALF,
@@ -114,10 +125,13 @@ def dequantize_reduce_quantize(buf: torch.Tensor, spec: DequantizeReduceQuantize
         _requantize_kernel[t.grid](
             buf.view(torch.int8), buf.view(torch.float32), out.view(torch.int8), out.view(torch.float32), numel, K,
             in_wire, in_so, out_wire, out_so, stochastic_seed(spec.seed) if spec.stochastic else 0, *fb.arguments,
-            t.table, t.nblk, N=N, IN_BITS=in_bits, OUT_BITS=out_bits, QMAX=QMAX[out_bits], BS=block_size, G=t.G,
+            t.table, t.nblk, t.nvt, N=N, IN_BITS=in_bits, OUT_BITS=out_bits, QMAX=QMAX[out_bits], BS=block_size, G=t.G,
             HALF=t.HALF, STOCHASTIC=spec.stochastic, FEEDBACK=fb.bits, ALIGNED=blocks is not None,
-            num_warps=4 if blocks is None else 8,  # aligned: N rows of scalar loads in flight; 4 warps need a stack
-            # aligned, ptxas for sm_80 otherwise keeps an INT8 residual's variant at 48 registers and an 8-byte stack
+            PADDED=t.padded,
+            # packed aligned blocks: N rows of scalar loads in flight, and 4 warps would need a stack; a padded
+            # layout's tiles are the uniform ones, and 4 warps keep 16 INT4 payload bytes per thread
+            num_warps=4 if blocks is None or blocks.padded else 8,
+            # packed, ptxas for sm_80 otherwise keeps an INT8 residual's variant at 48 registers and an 8-byte stack
             maxnreg=None if blocks is None else 128,
             IDX64=needs_int64(buf.numel() + t.tile, out.numel() + t.tile, t.grid[0] * K * t.G * t.HALF,
                               fb.extent + t.tile),

@@ -135,7 +135,7 @@ class _Spec:
         return f"lightning_zeropp.kernels.{self.name}"
 
     def _check_blocks(self, op: str, numel: int, block_size: int, what: str) -> None:
-        """``blocks``: None, or of ``numel`` elements (``what`` says whose), none longer than ``block_size``."""
+        """``blocks``: None, or of ``numel`` elements (``what`` says whose), built for ``block_size``."""
         blocks = self.blocks
         if blocks is None:
             return
@@ -146,9 +146,9 @@ class _Spec:
                 f"{op}: `blocks` covers {blocks.numel} elements, but {what} has {numel}; build the blocks for this"
                 " row (Blocks.of_segments of its segment lengths)."
             )
-        if blocks.longest > block_size:
+        if blocks.block_size != block_size:  # the block size sets the wire layout (``Blocks.padded``)
             raise ValueError(
-                f"{op}: `blocks` has a block of {blocks.longest} elements, longer than `block_size={block_size}`;"
+                f"{op}: `blocks` were built for blocks of {blocks.block_size} elements, but `block_size={block_size}`;"
                 " build them with Blocks.of_segments(segments, block_size)."
             )
 
