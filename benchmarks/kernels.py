@@ -150,8 +150,27 @@ def _static_name(c: dict) -> str:
     return f"dequantize_reduce_quantize N={k['N']} int{k['IN_BITS']} -> int{k['OUT_BITS']} {rounding}{variant}"
 
 
+def _default_path(c: dict) -> bool:
+    """Whether the strategy's defaults launch this specialization: parameter-aligned blocks, bf16 compute, nearest
+    rounding, no error feedback; qwZ's INT8 weights (quantize, dequantize to bf16), qgZ's INT8 intra-node hop (the
+    swizzle-quantize) and INT4 inter-node hop (INT8 -> INT4 re-quantization, the INT4 dequantize-reduce to bf16)."""
+    k, sig = c["constexprs"], c["signature"]
+    if k.get("ALIGNED") != "True" or k.get("STOCHASTIC") == "True" or k.get("FEEDBACK") not in (None, "0"):
+        return False
+    if c["kernel"] == "_quantize_kernel":
+        return sig["x_ptr"] == "*bf16" and k["BITS"] == "8"
+    if c["kernel"] == "_dequantize_kernel":
+        return sig["out_ptr"] == "*bf16" and k["BITS"] == ("8" if k["ROWS"] == "1" else "4")
+    return k["IN_BITS"] == "8" and k["OUT_BITS"] == "4"
+
+
+SECTIONS = ("default path (parameter-aligned, bf16, INT8 weights, INT8 -> INT4 gradients, nearest)",
+            "other parameter-aligned specializations", "uniform blocks (block_alignment='flat')")  # fmt: skip
+
+
 def static_table(archs: list[int], json_path: Path | None) -> None:
-    """The static performance table from the compiled code (see the module docstring)."""
+    """The static performance table from the compiled code (see the module docstring): what the defaults run first,
+    then every other parameter-aligned specialization, then the uniform ones."""
     os.environ.pop("TRITON_INTERPRET", None)
     sys.path.insert(0, str(ROOT))
     from lightning_zeropp.kernels import aot
@@ -160,20 +179,31 @@ def static_table(archs: list[int], json_path: Path | None) -> None:
     failed = [c for c in report["compiled"] if c["error"]]
     if failed:
         sys.exit(f"{len(failed)} configurations failed to compile; run pytest tests/test_compile_gate.py")
-    rows = [dict(aot.static_row(c), name=_static_name(c), block=int(c["constexprs"]["BS"]), aligned=c["aligned"])
-            for c in report["compiled"]]  # fmt: skip
+    rows = []
+    for c in report["compiled"]:
+        section = 0 if _default_path(c) else 1 if c["constexprs"].get("ALIGNED") == "True" else 2
+        payload = [a["bytes"] for a in c["accesses"] if a["tag"] == "payload"]  # a full (vector) tile's
+        rows.append(dict(aot.static_row(c), name=_static_name(c), block=int(c["constexprs"]["BS"]),
+                         aligned=c["aligned"], section=SECTIONS[section], spills=c["spill_instructions"],
+                         narrowest_payload_access=min(payload, default=0)))  # fmt: skip
     print("| kernel | block | sm | registers | occupancy | SASS instr / element / thread | bytes / element |"
-          " issue ceiling vs H100 HBM | vs H200 HBM |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|")
+          " narrowest payload access (B) | issue ceiling vs H100 HBM | vs H200 HBM |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
     shown = set()
-    for r in sorted(rows, key=lambda r: (r["arch"], r["kernel"], r["name"], r["block"])):
+    order = {name: i for i, name in enumerate(SECTIONS)}
+    current = None
+    for r in sorted(rows, key=lambda r: (order[r["section"]], r["arch"], r["kernel"], r["name"], r["block"])):
         key = (r["arch"], r["name"], r["block"])
         if not r["aligned"] or key in shown:  # one row per configuration: aligned sizes (the others in the JSON)
             continue
+        if r["section"] != current:
+            current = r["section"]
+            print(f"| **{current}** |||||||||")
         shown.add(key)
         print(
             f"| {r['name']} | {r['block']} | {r['arch']} | {r['registers']} | {100 * r['occupancy']:.0f}% |"
             f" {r['instructions_per_thread_element']:.1f} | {r['bytes_per_element']:.2f} |"
+            f" {r['narrowest_payload_access']} |"
             f" {100 * r['issue_ceiling_vs_H100_hbm']:.0f}% | {100 * r['issue_ceiling_vs_H200_hbm']:.0f}% |"
         )
     if json_path:

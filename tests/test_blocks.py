@@ -51,6 +51,30 @@ def test_blocks_follow_segments(block):
         assert (a - segment_start) % block == 0
 
 
+@pytest.mark.parametrize("block", [128, 64, 256, 48, 8])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_padded_layout_starts_every_block_on_16_bytes(block, bits):
+    """Block sizes that are multiples of 32: every block's payload starts on a 16-byte boundary, and only a segment's
+    short tail block is padded, by at most 15 bytes (the wire's cost: at most 15 bytes per segment). Other block
+    sizes keep the packed layout (INT8 codes at their element's position, INT4 blocks on whole bytes)."""
+    segments = [300, 3, 0, 128, 5, 1, 257, 1024, 33]
+    b = Blocks.of_segments(segments, block)
+    offsets = b.payload_offsets(bits)
+    packed = [0]
+    for a, z in zip(b.starts, b.starts[1:]):
+        packed.append(packed[-1] + ((z - a) if bits == 8 else (z - a + 1) // 2))
+    assert b.padded == (block % 32 == 0)
+    if not b.padded:
+        assert offsets == tuple(packed)
+        return
+    assert all(o % 16 == 0 for o in offsets)
+    assert offsets[-1] - packed[-1] <= 15 * sum(1 for n in segments if n % block)
+    for i, (a, z) in enumerate(zip(b.starts, b.starts[1:])):
+        size = (z - a) if bits == 8 else (z - a + 1) // 2
+        assert offsets[i + 1] - offsets[i] - size == (-size) % 16  # the padding: only what reaches 16 bytes
+    assert b.wire_size(bits) == b.scale_offset(bits) + -(-4 * b.count // 16) * 16
+
+
 @pytest.mark.parametrize("stages", [1, 2, 3, 7, 40])
 def test_stages_cut_at_block_boundaries(stages):
     b = Blocks.of_segments(SEGMENTS, 64)

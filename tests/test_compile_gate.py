@@ -23,16 +23,84 @@ ROOT = Path(__file__).resolve().parents[1]
 REQUIRED_ARCHS = {80, 90}
 
 
+ENV = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the interpreter replaces the compiler
+
+
 @pytest.fixture(scope="module")
-def report(tmp_path_factory):
-    out = tmp_path_factory.mktemp("aot") / "report.json"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the interpreter replaces the compiler
+def captured(tmp_path_factory):
+    """The launches of real training steps (``lightning_zeropp.testing.capture``): the path of the records."""
+    out = tmp_path_factory.mktemp("capture") / "captured.json"
     done = subprocess.run(
-        [sys.executable, "-m", "lightning_zeropp.kernels.aot", "--json", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800,  # 297 specializations x 3 targets, 2 cores
+        [sys.executable, "-m", "lightning_zeropp.testing.capture", "--json", str(out)],
+        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=1800,  # 4 configurations x 2 models x 3 topologies
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory, captured):
+    out = tmp_path_factory.mktemp("aot") / "report.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "lightning_zeropp.kernels.aot", "--json", str(out), "--captured", str(captured)],
+        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=1800,  # ~300 specializations x 3 targets, 2 cores
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(out.read_text())
+
+
+def test_the_gate_compiles_what_training_steps_launch(report, captured):
+    """Every launch the captured steps made (each topology, configuration and model; every op) is a compiled entry,
+    and the default path's specializations are among them: the gate's list comes from training, not from a list
+    kept by hand beside the collectives (hand-picked edge shapes are added to it)."""
+    from lightning_zeropp.testing.capture import CONFIGS, TOPOLOGIES
+
+    records = json.loads(Path(captured).read_text())
+    labels = {r["label"] for r in records}
+    for topology in TOPOLOGIES:
+        for config in CONFIGS:
+            for model in ("TinyLM", "example GPT"):
+                seen = {
+                    label.rsplit(" ", 1)[1]
+                    for label in labels
+                    if label.startswith(f"captured {topology} {config} {model} ")
+                }
+                assert {
+                    "swizzle_quantize",
+                    "dequantize_reduce_quantize",
+                    "dequantize_reduce",
+                    "quantize",
+                    "dequantize",
+                } <= seen, (topology, config, model, seen)
+    compiled_labels = " | ".join(c["label"] for c in report["compiled"])
+    assert all(label in compiled_labels for label in labels)
+    default = [c for c in report["compiled"] if c["kernel"] == "_requantize_kernel" and "captured" in c["label"]
+               and c["constexprs"].get("ALIGNED") == "True" and c["constexprs"]["IN_BITS"] == "8"
+               and c["constexprs"]["OUT_BITS"] == "4" and c["constexprs"]["STOCHASTIC"] == "False"]  # fmt: skip
+    assert default, "the default qgZ re-quantization was not captured"
+
+
+def test_a_launch_added_to_a_collective_is_caught(tmp_path):
+    """The negative control: qgZ's dequantize-reduce made to launch one more kernel (INT4 in blocks of 96, which no
+    hand-picked entry has). The capture records it, so the gate compiles it; the hand-written list alone would not."""
+    code = f"""
+from pathlib import Path
+import json
+from lightning_zeropp.kernels import aot
+from lightning_zeropp.testing.capture import capture
+records = capture(["2x2"], ["defaults, bf16-mixed"], setup="an_extra_launch")
+path = Path({str(tmp_path)!r}) / "captured.json"
+path.write_text(json.dumps(records))
+hand = {{aot.specialization_key(launch) for launch in aot.strategy_launches()}}
+new = [launch for launch in aot.load_captured(path) if aot.specialization_key(launch) not in hand]
+extra = [launch for launch in new if launch.kwargs["BS"] == 96]
+assert extra and all("dequantize_reduce" not in launch.label or launch.kwargs["BS"] == 96 for launch in new), new
+compiled = aot.compile_launch(extra[0], 90)
+assert not compiled.error, compiled.error
+print("caught", len(extra), extra[0].label)
+"""
+    done = _without_interpreter(code)
+    assert done.returncode == 0 and "caught" in done.stdout, done.stderr[-3000:]
 
 
 def _where(c):
@@ -121,20 +189,26 @@ def test_payload_loads_and_stores_are_vectorized(report):
     """Every access of the wire payload (lines of _tiles.py marked ``# payload``) moves 8 or 16 bytes per thread
     (PTX ``ld/st.global.v2`` or ``.v4``), in INT8 and INT4, also on a row's last, masked tile, with and without error
     feedback. Parameter-aligned blocks (``ALIGNED``, the default layout) in a padded layout (block sizes that are
-    multiples of 32, as every one here) start every block's payload on a 16-byte boundary: every payload access moves
-    16 bytes, on the vector tiles and on the masked ones alike."""
+    multiples of 32, as every one here) start every block's payload on a 16-byte boundary: on their vector tiles
+    (whole blocks at starts that are multiples of 16 elements: nearly every block of a real model) every payload
+    access moves 16 bytes; their masked tiles (``# payload-edge``: a segment's tail, odd starts) go a quarter tile at a
+    time and move 4 bytes (INT4) or 8 (INT8), never one."""
     scalar = []
     aligned = 0
     for c in report["compiled"]:
         payload = [a for a in c["accesses"] if a["tag"] == "payload"]
+        edge = [a for a in c["accesses"] if a["tag"] == "payload-edge"]
         ops = {a["op"] for a in payload}
         expected = {"_quantize_kernel": {"st"}, "_dequantize_kernel": {"ld"}, "_requantize_kernel": {"ld", "st"}}
         assert ops == expected[c["kernel"]], f"{_where(c)}: payload accesses found: {ops}"
         if _variant(c)[0]:
             assert int(c["constexprs"]["BS"]) % 32 == 0 and c["constexprs"]["PADDED"] == "True", _where(c)
+            assert {a["op"] for a in edge} == ops, f"{_where(c)}: masked-tile payload accesses: {edge}"
             aligned += 1
             scalar += [f"{_where(c)}: {a}" for a in payload if a["bytes"] < 16]
+            scalar += [f"{_where(c)}: masked tile {a}" for a in edge if a["bytes"] < 4]
         else:
+            assert not edge, _where(c)
             scalar += [f"{_where(c)}: {a}" for a in payload if a["vector"] < 2 or a["bytes"] < 8]
         # only the wire buffers hold bytes: an access of one byte is payload moved byte by byte, however attributed
         scalar += [f"{_where(c)}: one-byte access {a}" for a in c["accesses"] if a["bytes"] == 1]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 import os
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -113,12 +114,21 @@ def _signature_of(spec: type):
     return decorate
 
 
+# Called as ``observer(tensor, spec)`` after every op, in the order added: the compile gate's step capture
+# (``lightning_zeropp.testing.capture``) records what the Triton launchers would launch for each call a training
+# step makes. Empty otherwise.
+observers: list[Callable[[torch.Tensor, object], None]] = []
+
+
 def _run(tensor: torch.Tensor, spec, backend: Backend) -> torch.Tensor:
     """Checks the call in full, then runs it on the implementation ``backend`` picks for ``tensor``'s device."""
     op = spec.op
     _check_backend_name(op, "backend", backend)
     spec.check(tensor)
-    return getattr(_impl(op, backend, tensor.device), spec.name)(tensor, spec)
+    out = getattr(_impl(op, backend, tensor.device), spec.name)(tensor, spec)
+    for observe in observers:
+        observe(tensor, spec)
+    return out
 
 
 @_signature_of(QuantizeSpec)

@@ -104,6 +104,7 @@ class Tiling(NamedTuple):
     nblk: int | None
     nvt: int | None = None
     padded: bool = False
+    GE: int | None = None  # blocks per masked sub-tile of a padded layout (its masked tiles go a quarter at a time)
 
     @property
     def tile(self) -> int:
@@ -122,7 +123,7 @@ def tiling(numel: int, rows: int, block_size: int, blocks: Blocks | None, device
         table, nvt = block_table(blocks, device, G, HALF)
         # at least one masked tile after the vector ones: the first writes the row's padding
         along = nvt + max(1, triton.cdiv(blocks.count - nvt * G, G))
-        return Tiling(G, HALF, (along, rows), table, blocks.count, nvt, blocks.padded)
+        return Tiling(G, HALF, (along, rows), table, blocks.count, nvt, blocks.padded, max(1, G // 4))
     G, HALF = tile_shape(block_size)
     if wire_bits is None:
         along = triton.cdiv(num_blocks(numel, block_size), G)

@@ -401,9 +401,10 @@ def store_residual(res_ptr, rscale_ptr, row, e, blk, t, n, rs, le, lo, WIDTH: tl
 #      16-byte payload boundary. No masks (for a power-of-two BS): every load and store moves 16 bytes. The table's
 #      order lists these blocks first, in whole tiles, so programs ``pid < nvt`` take only them. A padded layout's
 #      tiles are the uniform kernels' (16 payload bytes per thread need that many elements).
-#   1  padded edge: any blocks of a padded layout (a segment's tail, a block at an odd start). Element accesses are
-#      masked by the block's length; payload accesses by its padded length (a multiple of 16 bytes), so they still
-#      move 16 bytes and the store writes the block's zero padding.
+#   1  padded edge: any blocks of a padded layout (a segment's tail, a block at an odd start), a quarter of a tile at
+#      a time (each masked element needs its own address; a whole tile would spill). Element accesses are masked by
+#      the block's length; payload accesses by its padded length (a multiple of 16 bytes): they move what a quarter
+#      tile gives a thread (8 bytes of INT8, 4 of INT4), and the store writes the block's zero padding.
 #   0  packed: blocks of a layout that is not padded (``block_size`` not a multiple of 32); everything masked.
 
 
@@ -501,8 +502,8 @@ def _store_payload(ptr, p, used, v, MODE: tl.constexpr, FULL: tl.constexpr, W: t
         tl.store(ptr + p, v)  # payload
     elif MODE == 2:  # payload
         tl.store(ptr + p, v, mask=tl.arange(0, W)[None, :] < FULL)  # payload
-    else:  # payload
-        tl.store(ptr + p, v, mask=tl.arange(0, W)[None, :] < used[:, None])  # payload
+    else:  # payload-edge
+        tl.store(ptr + p, v, mask=tl.arange(0, W)[None, :] < used[:, None])  # payload-edge
 
 
 @triton.jit
@@ -511,8 +512,8 @@ def _load_payload(ptr, p, used, MODE: tl.constexpr, FULL: tl.constexpr, W: tl.co
         v = tl.load(ptr + p)  # payload
     elif MODE == 2:  # payload
         v = tl.load(ptr + p, mask=tl.arange(0, W)[None, :] < FULL, other=0)  # payload
-    else:  # payload
-        v = tl.load(ptr + p, mask=tl.arange(0, W)[None, :] < used[:, None], other=0)  # payload
+    else:  # payload-edge
+        v = tl.load(ptr + p, mask=tl.arange(0, W)[None, :] < used[:, None], other=0)  # payload-edge
     return v
 
 

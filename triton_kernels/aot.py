@@ -10,8 +10,9 @@ still not compile. This module compiles exactly what the launchers launch:
    ptxas the wheel bundles;
 3. the result carries registers and local memory (``cuobjdump -res-usage``), spill instructions and the instruction
    count per path of the SASS (``nvdisasm``), and every global load and store of the PTX with its width and the
-   source line it came from. Lines of ``_tiles.py`` that move wire payload end in ``# payload``, and so do the
-   constexpr branches that choose among them (Triton's line info for a masked load may point at its branch).
+   source line it came from. Lines of ``_tiles.py`` that move wire payload end in ``# payload`` (``# payload-edge``
+   for the masked tiles of parameter-aligned blocks), and so do the constexpr branches that choose among them
+   (Triton's line info for a masked load may point at its branch).
 
 Triton's launch internals that steps 1 and 2 need are in ``lightning_zeropp.compat.triton``, and only this tool
 imports it: a Triton upgrade that moves them breaks the gate, never a training run.
@@ -104,7 +105,7 @@ class Compiled:
 def _tagged_lines() -> dict[int, str]:
     tags = {}
     for i, line in enumerate(Path(__file__).with_name("_tiles.py").read_text().splitlines(), 1):
-        m = re.search(r"#\s*(payload)\b", line)
+        m = re.search(r"#\s*(payload(?:-edge)?)\b", line)
         if m:
             tags[i] = m.group(1)
     return tags
@@ -427,24 +428,53 @@ def _compile_one(job: tuple[int, int]) -> dict:
     return dataclasses.asdict(compile_launch(launch, arch))
 
 
+def _rebuilt_argument(argument: list) -> object:
+    """An argument of a captured launch (``lightning_zeropp.testing.capture.record_of``) as the binder needs it: a
+    value, or a CPU tensor of the dtype that starts on 16 bytes or not (CPU allocations start on 64 bytes; one element
+    in, they do not)."""
+    import torch
+
+    if argument[0] == "value":
+        return argument[1]
+    _, dtype, aligned = argument
+    t = torch.zeros(32, dtype=getattr(torch, dtype))
+    return t if aligned else t[1:]
+
+
+def load_captured(path: Path) -> list[Launch]:
+    """The launches ``python -m lightning_zeropp.testing.capture`` recorded from training steps."""
+    import importlib
+
+    launches = []
+    for r in json.loads(Path(path).read_text()):
+        module, name = r["kernel"]
+        kernel = getattr(importlib.import_module(module), name)
+        args = tuple(_rebuilt_argument(a) for a in r["args"])
+        launches.append(Launch(kernel, args, dict(r["kwargs"]), tuple(r["grid"]), r["label"]))
+    return launches
+
+
 _UNIQUE: list[Launch] = []
 
 
-def _init_worker() -> None:
+def _init_worker(captured: Path | None = None) -> None:
     global _UNIQUE
-    _UNIQUE = unique_launches(strategy_launches())
+    _UNIQUE = unique_launches((load_captured(captured) if captured else []) + strategy_launches())
 
 
-def report(archs: list[int], workers: int) -> dict:
+def report(archs: list[int], workers: int, captured: Path | None = None) -> dict:
+    """Compiles every launch: those ``captured`` from training steps (a file of
+    ``lightning_zeropp.testing.capture``), then the hand-picked edge shapes of :func:`strategy_launches`; a
+    specialization both make is compiled once, its label naming both."""
     # sm_80 and sm_90 are required by the gate; newer targets are compiled where the toolchain knows them
     skipped = [a for a in archs if a not in (80, 90) and not compat.target_supported(a)]
     archs = [a for a in archs if a not in skipped]
-    _init_worker()
+    _init_worker(captured)
     jobs = [(i, arch) for arch in archs for i in range(len(_UNIQUE))]
     if workers > 1:
         # spawn, not fork: forking a process that runs torch's and Triton's threads can deadlock the children
         with ProcessPoolExecutor(
-            workers, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker
+            workers, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker, initargs=(captured,)
         ) as pool:
             results = list(pool.map(_compile_one, jobs, chunksize=4))
     else:
@@ -457,10 +487,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--arch", type=int, nargs="+", default=None, help="compute capabilities (default: all)")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--json", type=Path, required=True)
+    captured = "launches captured from training steps (python -m lightning_zeropp.testing.capture)"
+    parser.add_argument("--captured", type=Path, default=None, help=captured)
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         sys.exit("lightning_zeropp.kernels.aot: unset TRITON_INTERPRET: the interpreter replaces the compiler.")
-    out = report(args.arch or list(ARCHS), args.workers)
+    out = report(args.arch or list(ARCHS), args.workers, args.captured)
     args.json.write_text(json.dumps(out))
     failed = [c for c in out["compiled"] if c["error"]]
     print(f"{len(out['compiled'])} compilations ({out['launches']} specializations x {len(out['archs'])} targets),"

@@ -62,16 +62,18 @@ def _dequantize_aligned_tile(base, r, buf_ptr, scale_ptr, out_ptr, n, wire, so, 
 def _dequantize_kernel(buf_ptr, scale_ptr, out_ptr, n, wire, so, multiplier, table_ptr, nblk, nvt,
                        ROWS: tl.constexpr, BITS: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr,
                        SCALED: tl.constexpr, BF16_BY_HAND: tl.constexpr, ALIGNED: tl.constexpr, PADDED: tl.constexpr,
-                       IDX64: tl.constexpr):  # fmt: skip
+                       GE: tl.constexpr, IDX64: tl.constexpr):  # fmt: skip
     pid, r = program_ids(IDX64)
     if ALIGNED:  # parameter-aligned blocks: the tiles of whole aligned blocks first (vector), then the others
         if PADDED:
             if pid < nvt:
                 _dequantize_aligned_tile(pid * G, r, buf_ptr, scale_ptr, out_ptr, n, wire, so, multiplier, table_ptr,
                                          nblk, ROWS, BITS, BS, G, HALF, SCALED, BF16_BY_HAND, 2)  # fmt: skip
-            else:
-                _dequantize_aligned_tile(pid * G, r, buf_ptr, scale_ptr, out_ptr, n, wire, so, multiplier, table_ptr,
-                                         nblk, ROWS, BITS, BS, G, HALF, SCALED, BF16_BY_HAND, 1)  # fmt: skip
+            else:  # a quarter of the tile at a time: the masked accesses need an address each
+                for sub in range(0, G, GE):
+                    _dequantize_aligned_tile(pid * G + sub, r, buf_ptr, scale_ptr, out_ptr, n, wire, so, multiplier,
+                                             table_ptr, nblk, ROWS, BITS, BS, GE, HALF, SCALED, BF16_BY_HAND,
+                                             1)  # fmt: skip
         else:
             _dequantize_aligned_tile(pid * G, r, buf_ptr, scale_ptr, out_ptr, n, wire, so, multiplier, table_ptr, nblk,
                                      ROWS, BITS, BS, G, HALF, SCALED, BF16_BY_HAND, 0)  # fmt: skip
@@ -97,7 +99,7 @@ def _launch(rows: torch.Tensor, out: torch.Tensor, numel: int, bits: int, block_
     _dequantize_kernel[t.grid](
         rows.view(torch.int8), rows.view(torch.float32), output_view(out), numel, rows.shape[1], so,
         float(multiplier), t.table, t.nblk, t.nvt, ROWS=summed, BITS=bits, BS=block_size, G=t.G, HALF=t.HALF,
-        SCALED=multiplier != 1.0, BF16_BY_HAND=bf16_by_hand(out), ALIGNED=blocks is not None, PADDED=t.padded,
+        SCALED=multiplier != 1.0, BF16_BY_HAND=bf16_by_hand(out), ALIGNED=blocks is not None, PADDED=t.padded, GE=t.GE,
         IDX64=needs_int64(rows.numel() + t.tile, out.numel() + t.tile), **LAUNCH_OPTIONS,
     )  # fmt: skip
 

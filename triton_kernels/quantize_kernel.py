@@ -83,7 +83,7 @@ def _quantize_aligned_tile(base, edge0, row, x_ptr, out_ptr, scale_ptr, chunk, s
 def _quantize_kernel(x_ptr, out_ptr, scale_ptr, n, chunk, start, N, K, wire, so, seed, res_ptr, rscale_ptr, rs, decay,
                      table_ptr, nblk, nvt, BITS: tl.constexpr, QMAX: tl.constexpr, BS: tl.constexpr,
                      G: tl.constexpr, HALF: tl.constexpr, STOCHASTIC: tl.constexpr, FEEDBACK: tl.constexpr,
-                     ALIGNED: tl.constexpr, PADDED: tl.constexpr, IDX64: tl.constexpr):  # fmt: skip
+                     ALIGNED: tl.constexpr, PADDED: tl.constexpr, GE: tl.constexpr, IDX64: tl.constexpr):  # fmt: skip
     pid, row = program_ids(IDX64)
     if ALIGNED:  # parameter-aligned blocks: the tiles of whole aligned blocks first (vector), then the others
         if PADDED:
@@ -91,10 +91,11 @@ def _quantize_kernel(x_ptr, out_ptr, scale_ptr, n, chunk, start, N, K, wire, so,
                 _quantize_aligned_tile(pid * G, nvt * G, row, x_ptr, out_ptr, scale_ptr, chunk, start, N, K, wire, so,
                                        seed, res_ptr, rscale_ptr, rs, decay, table_ptr, nblk, BITS, QMAX, BS, G, HALF,
                                        STOCHASTIC, FEEDBACK, 2)  # fmt: skip
-            else:
-                _quantize_aligned_tile(pid * G, nvt * G, row, x_ptr, out_ptr, scale_ptr, chunk, start, N, K, wire, so,
-                                       seed, res_ptr, rscale_ptr, rs, decay, table_ptr, nblk, BITS, QMAX, BS, G, HALF,
-                                       STOCHASTIC, FEEDBACK, 1)  # fmt: skip
+            else:  # a quarter of the tile at a time: the masked accesses need an address each
+                for sub in range(0, G, GE):
+                    _quantize_aligned_tile(pid * G + sub, nvt * G, row, x_ptr, out_ptr, scale_ptr, chunk, start, N, K,
+                                           wire, so, seed, res_ptr, rscale_ptr, rs, decay, table_ptr, nblk, BITS,
+                                           QMAX, BS, GE, HALF, STOCHASTIC, FEEDBACK, 1)  # fmt: skip
         else:
             _quantize_aligned_tile(pid * G, 0, row, x_ptr, out_ptr, scale_ptr, chunk, start, N, K, wire, so, seed,
                                    res_ptr, rscale_ptr, rs, decay, table_ptr, nblk, BITS, QMAX, BS, G, HALF,
@@ -123,7 +124,7 @@ def _launch(src: torch.Tensor, rows: int, n: int, chunk: int, start: int, N: int
             src, out.view(torch.int8), out.view(torch.float32), n, chunk, start, N, K, wire, so,
             stochastic_seed(spec.seed) if spec.stochastic else 0, *fb.arguments, t.table, t.nblk, t.nvt, BITS=bits,
             QMAX=QMAX[bits], BS=block_size, G=t.G, HALF=t.HALF, STOCHASTIC=spec.stochastic, FEEDBACK=fb.bits,
-            ALIGNED=blocks is not None, PADDED=t.padded,
+            ALIGNED=blocks is not None, PADDED=t.padded, GE=t.GE,
             IDX64=needs_int64(src.numel() + t.tile, out.numel() + t.tile, t.grid[0] * t.grid[1] * t.G * t.HALF,
                               fb.extent + t.tile),
             maxnreg=128,  # ptxas otherwise caps some INT4 variants at 80 registers and spills two

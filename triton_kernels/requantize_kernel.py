@@ -84,7 +84,7 @@ def _requantize_kernel(buf_ptr, in_scale_ptr, out_ptr, out_scale_ptr, n, K, in_w
                        res_ptr, rscale_ptr, rs, decay, table_ptr, nblk, nvt, N: tl.constexpr,
                        IN_BITS: tl.constexpr, OUT_BITS: tl.constexpr, QMAX: tl.constexpr, BS: tl.constexpr,
                        G: tl.constexpr, HALF: tl.constexpr, STOCHASTIC: tl.constexpr, FEEDBACK: tl.constexpr,
-                       ALIGNED: tl.constexpr, PADDED: tl.constexpr, IDX64: tl.constexpr):  # fmt: skip
+                       ALIGNED: tl.constexpr, PADDED: tl.constexpr, GE: tl.constexpr, IDX64: tl.constexpr):  # fmt: skip
     pid, k = program_ids(IDX64)
     if ALIGNED:  # parameter-aligned blocks: the tiles of whole aligned blocks first (vector), then the others
         if PADDED:
@@ -92,10 +92,12 @@ def _requantize_kernel(buf_ptr, in_scale_ptr, out_ptr, out_scale_ptr, n, K, in_w
                 _requantize_aligned_tile(pid * G, nvt * G, k, buf_ptr, in_scale_ptr, out_ptr, out_scale_ptr, K, in_wire,
                                          in_so, out_wire, out_so, seed, res_ptr, rscale_ptr, rs, decay, table_ptr, nblk,
                                          N, IN_BITS, OUT_BITS, QMAX, BS, G, HALF, STOCHASTIC, FEEDBACK, 2)  # fmt: skip
-            else:
-                _requantize_aligned_tile(pid * G, nvt * G, k, buf_ptr, in_scale_ptr, out_ptr, out_scale_ptr, K, in_wire,
-                                         in_so, out_wire, out_so, seed, res_ptr, rscale_ptr, rs, decay, table_ptr, nblk,
-                                         N, IN_BITS, OUT_BITS, QMAX, BS, G, HALF, STOCHASTIC, FEEDBACK, 1)  # fmt: skip
+            else:  # a quarter of the tile at a time: the masked accesses need an address each
+                for sub in range(0, G, GE):
+                    _requantize_aligned_tile(pid * G + sub, nvt * G, k, buf_ptr, in_scale_ptr, out_ptr, out_scale_ptr,
+                                             K, in_wire, in_so, out_wire, out_so, seed, res_ptr, rscale_ptr, rs, decay,
+                                             table_ptr, nblk, N, IN_BITS, OUT_BITS, QMAX, BS, GE, HALF, STOCHASTIC,
+                                             FEEDBACK, 1)  # fmt: skip
         else:
             _requantize_aligned_tile(pid * G, 0, k, buf_ptr, in_scale_ptr, out_ptr, out_scale_ptr, K, in_wire, in_so,
                                      out_wire, out_so, seed, res_ptr, rscale_ptr, rs, decay, table_ptr, nblk, N,
@@ -127,12 +129,13 @@ def dequantize_reduce_quantize(buf: torch.Tensor, spec: DequantizeReduceQuantize
             in_wire, in_so, out_wire, out_so, stochastic_seed(spec.seed) if spec.stochastic else 0, *fb.arguments,
             t.table, t.nblk, t.nvt, N=N, IN_BITS=in_bits, OUT_BITS=out_bits, QMAX=QMAX[out_bits], BS=block_size, G=t.G,
             HALF=t.HALF, STOCHASTIC=spec.stochastic, FEEDBACK=fb.bits, ALIGNED=blocks is not None,
-            PADDED=t.padded,
+            PADDED=t.padded, GE=t.GE,
             # packed aligned blocks: N rows of scalar loads in flight, and 4 warps would need a stack; a padded
             # layout's tiles are the uniform ones, and 4 warps keep 16 INT4 payload bytes per thread
             num_warps=4 if blocks is None or blocks.padded else 8,
-            # packed, ptxas for sm_80 otherwise keeps an INT8 residual's variant at 48 registers and an 8-byte stack
-            maxnreg=None if blocks is None else 128,
+            # packed, ptxas for sm_80 otherwise keeps an INT8 residual's variant at 48 registers and an 8-byte stack;
+            # padded, a cap of 128 spills the widest variants (N = 8, feedback, stochastic): ptxas chooses
+            maxnreg=128 if blocks is not None and not blocks.padded else None,
             IDX64=needs_int64(buf.numel() + t.tile, out.numel() + t.tile, t.grid[0] * K * t.G * t.HALF,
                               fb.extent + t.tile),
             **LAUNCH_OPTIONS,
