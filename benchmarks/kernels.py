@@ -182,12 +182,12 @@ def static_table(archs: list[int], json_path: Path | None) -> None:
     rows = []
     for c in report["compiled"]:
         section = 0 if _default_path(c) else 1 if c["constexprs"].get("ALIGNED") == "True" else 2
-        payload = [a["bytes"] for a in c["accesses"] if a["tag"] == "payload"]  # a full (vector) tile's
+        payload = [a["bytes"] for a in c["accesses"] if a["tag"] == "payload"]
         rows.append(dict(aot.static_row(c), name=_static_name(c), block=int(c["constexprs"]["BS"]),
                          aligned=c["aligned"], section=SECTIONS[section], spills=c["spill_instructions"],
-                         narrowest_payload_access=min(payload, default=0)))  # fmt: skip
+                         payload_access_bytes=f"{min(payload, default=0)}-{max(payload, default=0)}"))  # fmt: skip
     print("| kernel | block | sm | registers | occupancy | SASS instr / element / thread | bytes / element |"
-          " narrowest payload access (B) | issue ceiling vs H100 HBM | vs H200 HBM |")  # fmt: skip
+          " payload bytes / access | issue ceiling vs H100 HBM | vs H200 HBM |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|")
     shown = set()
     order = {name: i for i, name in enumerate(SECTIONS)}
@@ -203,7 +203,7 @@ def static_table(archs: list[int], json_path: Path | None) -> None:
         print(
             f"| {r['name']} | {r['block']} | {r['arch']} | {r['registers']} | {100 * r['occupancy']:.0f}% |"
             f" {r['instructions_per_thread_element']:.1f} | {r['bytes_per_element']:.2f} |"
-            f" {r['narrowest_payload_access']} |"
+            f" {r['payload_access_bytes']} |"
             f" {100 * r['issue_ceiling_vs_H100_hbm']:.0f}% | {100 * r['issue_ceiling_vs_H200_hbm']:.0f}% |"
         )
     if json_path:

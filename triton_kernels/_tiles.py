@@ -405,6 +405,8 @@ def store_residual(res_ptr, rscale_ptr, row, e, blk, t, n, rs, le, lo, WIDTH: tl
 #      a time (each masked element needs its own address; a whole tile would spill). Element accesses are masked by
 #      the block's length; payload accesses by its padded length (a multiple of 16 bytes): they move what a quarter
 #      tile gives a thread (8 bytes of INT8, 4 of INT4), and the store writes the block's zero padding.
+# The PTX's line info cannot tell a vector tile's payload access from a masked tile's (a masked load's may point at a
+# neighbouring line), so the compile gate checks the widths per kernel: the widest is 16 bytes, the narrowest 4.
 #   0  packed: blocks of a layout that is not padded (``block_size`` not a multiple of 32); everything masked.
 
 
@@ -502,8 +504,8 @@ def _store_payload(ptr, p, used, v, MODE: tl.constexpr, FULL: tl.constexpr, W: t
         tl.store(ptr + p, v)  # payload
     elif MODE == 2:  # payload
         tl.store(ptr + p, v, mask=tl.arange(0, W)[None, :] < FULL)  # payload
-    else:  # payload-edge
-        tl.store(ptr + p, v, mask=tl.arange(0, W)[None, :] < used[:, None])  # payload-edge
+    else:  # payload
+        tl.store(ptr + p, v, mask=tl.arange(0, W)[None, :] < used[:, None])  # payload
 
 
 @triton.jit
@@ -512,9 +514,9 @@ def _load_payload(ptr, p, used, MODE: tl.constexpr, FULL: tl.constexpr, W: tl.co
         v = tl.load(ptr + p)  # payload
     elif MODE == 2:  # payload
         v = tl.load(ptr + p, mask=tl.arange(0, W)[None, :] < FULL, other=0)  # payload
-    else:  # payload-edge
-        v = tl.load(ptr + p, mask=tl.arange(0, W)[None, :] < used[:, None], other=0)  # payload-edge
-    return v
+    else:  # payload
+        v = tl.load(ptr + p, mask=tl.arange(0, W)[None, :] < used[:, None], other=0)  # payload
+    return v  # payload (the line info of a masked load may point past it)
 
 
 @triton.jit

@@ -10,9 +10,8 @@ still not compile. This module compiles exactly what the launchers launch:
    ptxas the wheel bundles;
 3. the result carries registers and local memory (``cuobjdump -res-usage``), spill instructions and the instruction
    count per path of the SASS (``nvdisasm``), and every global load and store of the PTX with its width and the
-   source line it came from. Lines of ``_tiles.py`` that move wire payload end in ``# payload`` (``# payload-edge``
-   for the masked tiles of parameter-aligned blocks), and so do the constexpr branches that choose among them
-   (Triton's line info for a masked load may point at its branch).
+   source line it came from. Lines of ``_tiles.py`` that move wire payload end in ``# payload``, and so do the
+   constexpr branches that choose among them (Triton's line info for a masked load may point at its branch).
 
 Triton's launch internals that steps 1 and 2 need are in ``lightning_zeropp.compat.triton``, and only this tool
 imports it: a Triton upgrade that moves them breaks the gate, never a training run.
@@ -105,7 +104,7 @@ class Compiled:
 def _tagged_lines() -> dict[int, str]:
     tags = {}
     for i, line in enumerate(Path(__file__).with_name("_tiles.py").read_text().splitlines(), 1):
-        m = re.search(r"#\s*(payload(?:-edge)?)\b", line)
+        m = re.search(r"#\s*(payload)\b", line)
         if m:
             tags[i] = m.group(1)
     return tags
@@ -399,14 +398,26 @@ def strategy_launches() -> list[Launch]:
     for dtype in float_dtypes:
         for bits in (8, 4):
             qwz_aligned(dtype, bits, weights)
+    # (the launches captured from training steps add these at the test models' odd sizes: error feedback, weight
+    # deltas and every precision; here, one qgZ shape for each feedback width, two without)
     for dtype in (torch.float32, torch.bfloat16):
         for bits in (8, 4):
             for stochastic in (False, True):
                 for feedback in (0, *FEEDBACK_WIDTHS):
-                    for N, K, stages, _ in feedback_shapes(feedback):
+                    for N, K, stages, _ in shapes[: 1 if feedback else 2]:
                         qgz_aligned(dtype, bits, 4, stochastic, N, K, stages, chunk_blocks, feedback)
         for feedback in (0, *FEEDBACK_WIDTHS):  # INT8 on both hops
             qgz_aligned(dtype, 8, 8, False, *shapes[0][:3], chunk_blocks, feedback)
+    # parameter-aligned blocks at a real model's sizes (multiples of 16: nearly every block in a vector tile), the
+    # rows the static table shows
+    real_weights = Blocks.of_segments((4096 * 4, 4096, 4096, 1024 * 11), 256)
+    real_chunk = Blocks.of_segments((4096, 512, 512, 4096 + 16), 128)
+    for dtype in (torch.bfloat16, torch.float32):
+        for bits in (8, 4):
+            qwz_aligned(dtype, bits, real_weights)
+            for stochastic in (False, True):
+                qgz_aligned(dtype, bits, 4, stochastic, *shapes[1][:3], real_chunk, 0)
+    qgz_aligned(torch.bfloat16, 8, 4, False, *shapes[0][:3], real_chunk, 8)
     return launches
 
 

@@ -127,7 +127,9 @@ def _launch(src: torch.Tensor, rows: int, n: int, chunk: int, start: int, N: int
             ALIGNED=blocks is not None, PADDED=t.padded, GE=t.GE,
             IDX64=needs_int64(src.numel() + t.tile, out.numel() + t.tile, t.grid[0] * t.grid[1] * t.G * t.HALF,
                               fb.extent + t.tile),
-            maxnreg=128,  # ptxas otherwise caps some INT4 variants at 80 registers and spills two
+            # ptxas otherwise caps some INT4 variants at 80 registers and spills two; a padded layout's variants with
+            # error feedback at rows that do not start on 16 bytes (scalar loads on the unmasked tiles) need more
+            maxnreg=None if blocks is not None and blocks.padded and fb.bits else 128,
             **LAUNCH_OPTIONS,
         )  # fmt: skip
     return out

@@ -31,13 +31,13 @@ import torch
 
 # name -> (ZeroPPStrategy arguments, Trainer precision). Together they cover INT8 and INT4 weights, both intra-node
 # gradient widths and both inter-node ones, nearest and stochastic rounding, error feedback at every residual width,
-# weight deltas at both widths, one and two qgZ pieces, and the three precisions; combined, so that a capture is four
+# weight deltas at both widths, one and two qgZ pieces, fp32, bf16 and fp16 compute; combined, so that a capture is four
 # short fits per model and topology.
 CONFIGS: dict[str, tuple[dict[str, Any], str]] = {
     "defaults, bf16-mixed": ({}, "bf16-mixed"),
-    "int4 weights, int4 intra-node, stochastic, feedback 8, 16-mixed": (
+    "int4 weights, int4 intra-node, stochastic, feedback 8, 16-true": (
         dict(weight_bits=4, intra_node_gradient_bits=4, gradient_rounding="stochastic", gradient_error_feedback=True),
-        "16-mixed",
+        "16-true",
     ),
     "int8 gradients, feedback 32, weight deltas int8, one piece, 32-true": (
         dict(
@@ -50,12 +50,13 @@ CONFIGS: dict[str, tuple[dict[str, Any], str]] = {
         ),
         "32-true",
     ),  # fmt: skip
-    "stochastic, feedback 16, weight deltas int4, bf16-mixed": (
+    "stochastic, feedback 16, weight deltas int4, bf16-true": (
         dict(gradient_rounding="stochastic", gradient_error_feedback=True, error_feedback_bits=16, weight_deltas=True),
-        "bf16-mixed",
+        "bf16-true",
     ),
 }
 TOPOLOGIES = ("2x2", "3x2", "4x2")
+MODELS = ("TinyLM", "example GPT")
 
 
 def record_of(kernel: Any, args: tuple, kwargs: dict, grid: tuple) -> dict[str, Any]:
@@ -118,8 +119,8 @@ class _Namespace:
         return self._replaced[name] if name in self._replaced else getattr(self._module, name)
 
 
-def capture_worker(rank: int, world_size: int, per_node: int, configs: list[str], root: str,
-                   setup: str | None = None) -> list[dict[str, Any]]:  # fmt: skip
+def capture_worker(rank: int, world_size: int, per_node: int, configs: list[str], root: str, setup: str | None = None,
+                   models: tuple[str, ...] = MODELS) -> list[dict[str, Any]]:  # fmt: skip
     """One rank: a two-step ``Trainer.fit`` of TinyLM and of the example GPT in each configuration, every op's launch
     recorded (rank 0 returns the records; the ranks' launches differ only in what every rank shares). ``setup``: the
     name of a function of this module to call first (:func:`an_extra_launch`)."""
@@ -142,7 +143,7 @@ def capture_worker(rank: int, world_size: int, per_node: int, configs: list[str]
     records: list[dict[str, Any]] = []
     for name in configs:
         kwargs, precision = CONFIGS[name]
-        for model_name in ("TinyLM", "example GPT"):
+        for model_name in models:
             seed_everything(0, verbose=False)
             if model_name == "TinyLM":
                 model, data = (
@@ -165,7 +166,7 @@ def capture_worker(rank: int, world_size: int, per_node: int, configs: list[str]
     return records if rank == 0 else []
 
 
-def capture(topologies: list[str], configs: list[str], setup: str | None = None,
+def capture(topologies: list[str], configs: list[str], setup: str | None = None, models: tuple[str, ...] = MODELS,
             timeout: float = 900) -> list[dict[str, Any]]:  # fmt: skip
     """The records of :func:`capture_worker` at each topology (``"NxR"``: N emulated nodes of R ranks)."""
     from lightning_zeropp.testing.distributed import spawn
@@ -177,7 +178,7 @@ def capture(topologies: list[str], configs: list[str], setup: str | None = None,
         save_gpt_inputs(Path(root), 32)
         for topology in topologies:
             nodes, per_node = (int(v) for v in topology.split("x"))
-            results = spawn(capture_worker, nodes * per_node, per_node, configs, root, setup, timeout=timeout)
+            results = spawn(capture_worker, nodes * per_node, per_node, configs, root, setup, models, timeout=timeout)
             records.extend(results[0])
     return records
 
