@@ -135,13 +135,16 @@ def _delta_bytes(world: int, bits: int = 4, block: int = 256) -> list[int]:
 
 def _closed_form_wire(segments: list[int], bits: int, block: int = 256) -> int:
     """The wire size of one quantized buffer from the format alone (README, "Kernels"): per parameter segment whole
-    blocks from its start and a shorter tail; INT4 codes two per byte, each block starting on a byte; the payload
-    padded to 16 bytes, one fp32 scale per block, padded to 16 bytes."""
+    blocks from its start and a shorter tail; INT4 codes two per byte; with a block size that is a multiple of 32,
+    each tail's codes padded to 16 bytes (every block then starts on 16 bytes), else each block starting on a byte;
+    the payload padded to 16 bytes, one fp32 scale per block, padded to 16 bytes."""
     blocks = sum(-(-n // block) for n in segments)
-    if bits == 8:
-        payload = sum(segments)
-    else:
-        payload = sum((n // block) * (block // 2) + -(-(n % block) // 2) for n in segments)
+    tail_pad = 16 if block % 32 == 0 else 1
+    full = block if bits == 8 else block // 2
+    payload = 0
+    for n in segments:
+        tail = n % block if bits == 8 else -(-(n % block) // 2)
+        payload += (n // block) * full + -(-tail // tail_pad) * tail_pad
     return -(-(-(-payload // 16) * 16 + 4 * blocks) // 16) * 16
 
 
