@@ -76,7 +76,7 @@ class ZeroPPComms:
         """The job's groups, built again if :meth:`release_groups` destroyed them (collective, as every call needing
         them is: a sharded model used after ``Trainer.fit`` returned, or the next run of the same strategy)."""
         if self._groups is None:
-            self._groups = ProcessGroups.build(self.topology, self._group_timeout)
+            self._groups = ProcessGroups.build(self.topology, self._group_timeout, self.config.hybrid)
         return self._groups
 
     def use_units(self, units: list[UnitBlocks]) -> None:
@@ -143,10 +143,11 @@ class ZeroPPComms:
     ) -> None:
         groups = self.ensure_groups()
         role = groups.role_of(fsdp_group)
-        if role != "world":  # FSDP reduces over the whole data-parallel group; anything else is a sharding error
+        expected = "node" if self.config.hybrid and self.topology.num_nodes > 1 else "world"
+        if role != expected:  # FSDP reduces over its shard group (all ranks; HSDP: the node); else a sharding error
             raise RuntimeError(
                 f"ZeroPPStrategy: FSDP asked to reduce gradients over the {role} group {groups.ranks(role)}"
-                " instead of all ranks; the model was sharded with a mesh other than the strategy's."
+                f" instead of {groups.ranks(expected)}; the model was sharded with a mesh other than the strategy's."
             )
         base_op, premul = split_reduce_op(op)
         if self.quantizes_gradients():
@@ -162,7 +163,16 @@ class ZeroPPComms:
                 residuals = [stage.arguments(self.feedback.decay) for stage in stages]
             qgz.quantized_reduce_scatter(output, input, plan, groups, self.ledger, residuals)
             return
-        exact_reduce_scatter(output, input, base_op, premul, groups, self.ledger)
+        exact_reduce_scatter(output, input, base_op, premul, groups, self.ledger, role)
+
+    def all_reduced(self, reduced: torch.Tensor) -> None:
+        """HSDP: FSDP all-reduced one unit's reduce-scattered gradients across nodes (on the rail of ranks with this
+        local rank), called by FSDP's all-reduce hook. Recorded as a reduce-scatter of the buffer in one piece per
+        rail rank followed by an all-gather of this rank's piece (what any all-reduce algorithm must move)."""
+        ranks = self.topology.rail_ranks()
+        pieces = _pieces(reduced.numel(), len(ranks), reduced.element_size())
+        mine = pieces[ranks.index(self.topology.rank)]
+        self.ledger.record_to_peers("gradient_all_reduce", ranks, [p + mine for p in pieces])
 
     def quantizes_gradients(self) -> bool:
         """Whether this step's gradients take qgZ: on with more than one node, for the first
@@ -256,6 +266,11 @@ class ZeroPPComms:
         }
 
 
+def _pieces(numel: int, parts: int, element_size: int) -> list[int]:
+    """Bytes of ``parts`` consecutive pieces of ``numel`` elements, as even as whole elements allow."""
+    return [(numel * (i + 1) // parts - numel * i // parts) * element_size for i in range(parts)]
+
+
 def _ranks(layout: dict[str, Any]) -> int:
     return int(layout["ranks_per_node"]) * int(layout["num_nodes"])
 
@@ -267,10 +282,12 @@ def exact_reduce_scatter(
     premul: float | None,
     groups: ProcessGroups,
     ledger: CommLedger,
+    role: str = "world",
 ) -> None:
-    """The ZeRO-3 reduce-scatter, on our world group. PREMUL_SUM is a multiply then SUM (gloo has no PREMUL_SUM)."""
+    """The ZeRO-3 reduce-scatter on our group of ``role`` ("world"; HSDP: "node"). PREMUL_SUM is a multiply then SUM
+    (gloo has no PREMUL_SUM)."""
     if premul is not None:
         input.mul_(premul)  # the input is FSDP's scratch buffer, consumed by this call
-    ranks = groups.ranks("world")
+    ranks = groups.ranks(role)
     ledger.record_to_peers("gradient_reduce_scatter", ranks, output.numel() * output.element_size())
-    reduce_scatter_flat(output, input, groups.world, base_op)
+    reduce_scatter_flat(output, input, groups.group(role), base_op)

@@ -29,6 +29,7 @@ from lightning_zeropp.kernels import Backend as KernelBackend
 StateDictType = Literal["sharded", "full"]
 GradientRounding = Literal["nearest", "stochastic"]
 BlockAlignment = Literal["parameter", "flat"]
+ShardingStrategy = Literal["FULL_SHARD", "HYBRID_SHARD"]
 ModulePolicy = Callable[[nn.Module], bool]
 ModuleSelection = set[type[nn.Module]] | list[str] | ModulePolicy | None
 """What ``auto_wrap_policy`` and ``activation_checkpointing_policy`` take, as Lightning's FSDP strategies do: a set (or
@@ -62,6 +63,7 @@ _KERNEL_BACKENDS = get_args(KernelBackend)
 _STATE_DICT_TYPES = get_args(StateDictType)
 _GRADIENT_ROUNDINGS = get_args(GradientRounding)
 _BLOCK_ALIGNMENTS = get_args(BlockAlignment)
+_SHARDING_STRATEGIES = get_args(ShardingStrategy)
 
 
 def _fail(name: str, value: object, allowed: str) -> ValueError:
@@ -397,6 +399,15 @@ class ZeroPPConfig:
         " (world, node, rail, hpZ) get it, so a frozen rank ends the job on the others after it.",
         shown="Lightning's (30 min)",
     )
+    sharding_strategy: ShardingStrategy = argument(
+        "FULL_SHARD",
+        '"FULL_SHARD": ZeRO-3, every parameter sharded over all ranks (ZeRO++ builds on it); "HYBRID_SHARD": HSDP,'
+        " sharded over the ranks of each node and replicated across nodes (weights are gathered inside the node,"
+        " gradients reduce-scattered inside it, then all-reduced across nodes; exact). HYBRID_SHARD needs"
+        ' quantize_weights=False and quantize_gradients=False (strategy="hsdp" sets them): ZeRO++\'s techniques'
+        " cut cross-node weight and gradient traffic HSDP does not have.",
+        check=_one_of(_SHARDING_STRATEGIES),
+    )
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -411,6 +422,8 @@ class ZeroPPConfig:
 
     def _check_rules(self) -> None:
         """The rules across fields (each field's own value is checked already)."""
+        if self.sharding_strategy == "HYBRID_SHARD":
+            self._check_hybrid()
         _check_even_block("weight_block_size", self.weight_block_size, self.weight_bits)
         _check_even_block(
             "gradient_block_size", self.gradient_block_size, min(self.gradient_bits, self.intra_node_gradient_bits)
@@ -438,6 +451,37 @@ class ZeroPPConfig:
                     "ZeroPPStrategy: `weight_deltas=True` keeps 1/R of the weights on the device across steps, which"
                     " `cpu_offload=True` exists to avoid; turn one of them off."
                 )
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether the model is sharded HSDP-style (``sharding_strategy="HYBRID_SHARD"``)."""
+        return self.sharding_strategy == "HYBRID_SHARD"
+
+    def _check_hybrid(self) -> None:
+        """HYBRID_SHARD gathers weights and reduce-scatters gradients inside each node and replicates across nodes:
+        the ZeRO++ techniques, which shrink the cross-node all-gathers and reduce-scatter of FULL_SHARD, do not
+        apply (quantizing HSDP's cross-node all-reduce is not built)."""
+        reasons = {
+            "quantize_weights": "qwZ quantizes the cross-node weight all-gather; HSDP gathers weights inside the node",
+            "quantize_gradients": "qgZ's 2-hop all-to-all replaces the world-wide reduce-scatter; HSDP reduce-scatters"
+            " inside the node and all-reduces across nodes exactly",
+            "weight_deltas": "weight deltas keep hpZ's node copy; HSDP's weights never leave the node",
+        }
+        wrong = [name for name in reasons if getattr(self, name)]
+        if wrong:
+            raise ValueError(
+                "ZeroPPStrategy: `sharding_strategy='HYBRID_SHARD'` (HSDP) does not combine with "
+                + "; ".join(f"`{name}=True` ({reasons[name]})" for name in wrong)
+                + f'. Set {", ".join(f"{name}=False" for name in wrong)} (strategy="hsdp" does), or use'
+                " sharding_strategy='FULL_SHARD' for ZeRO++."
+            )
+        if self.hpz_partition_size not in ("auto", 1):
+            raise _fail(
+                "hpz_partition_size",
+                self.hpz_partition_size,
+                "with sharding_strategy='HYBRID_SHARD' the backward all-gather already runs inside the node (HSDP's"
+                " shard group); leave it at 'auto'",
+            )
 
     @classmethod
     def from_arguments(cls, arguments: Mapping[str, Any]) -> ZeroPPConfig:
@@ -469,6 +513,8 @@ class ZeroPPConfig:
                 f"it must divide the {local_world_size} ranks launched per machine, or ranks of different machines"
                 f" would count as one node; use 'auto' or one of {_divisors(local_world_size)}",
             )
+        if self.sharding_strategy == "HYBRID_SHARD":  # the shard group is the node: FSDP's own reshard is hpZ's
+            return ranks_per_node, 1
         hpz = ranks_per_node if self.hpz_partition_size == "auto" else self.hpz_partition_size
         if self.weight_deltas and hpz == 1:
             raise ValueError(

@@ -34,7 +34,7 @@ from .ledger import CommLedger
 from .materialize import materialize_meta_tensors
 from .preemption import Preemption
 from .sharding import apply_zeropp, refuse_fsdp1
-from .topology import ProcessGroups, Topology, check_launch
+from .topology import ProcessGroups, Topology, check_launch, own_group
 
 SUPPORTED_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-true")
 _SHARDED = "_zeropp_sharded"  # the one attribute sharding sets on the user's model: its ShardedModel
@@ -49,6 +49,7 @@ class Layout:
     reshard_after_forward: bool | int
     precision: str
     cpu_offload: bool
+    sharding_strategy: str = "FULL_SHARD"
 
     def differences(self, now: Layout) -> list[str]:
         return [
@@ -146,14 +147,28 @@ class ZeroPPCore:
                     " so some hpZ groups span two nodes and their backward all-gather crosses nodes. Use a divisor of"
                     f" {ranks_per_node} to keep it inside a node."
                 )
-            self.mesh = init_device_mesh(device_type, (world_size,), mesh_dim_names=("data_parallel",))
+            self.mesh = self._build_mesh(topology, device_type)
             self._topology = topology
             self.release()
             self._ledger = CommLedger(topology)
-            self._comms = ZeroPPComms(self.config, ProcessGroups.build(topology, self.config.timeout), self._ledger)
+            groups = ProcessGroups.build(topology, self.config.timeout, self.config.hybrid)
+            self._comms = ZeroPPComms(self.config, groups, self._ledger)
         assert self._comms is not None and self.mesh is not None
         self._comms.ensure_groups()  # built again if the last run's teardown released them
         return self.mesh
+
+    def _build_mesh(self, topology: Topology, device_type: str) -> DeviceMesh:
+        """The mesh every ``fully_shard`` call gets: all ranks (ZeRO-3), or (HSDP) nodes x ranks per node,
+        ``("replicate", "shard")``: sharded inside each node, FSDP's all-reduce on the rails. The HSDP groups are
+        FSDP's, made here with the strategy's ``timeout`` and kept for the job (the strategy's own groups are
+        released at every teardown, and a model keeps its mesh)."""
+        if not self.config.hybrid:
+            return init_device_mesh(device_type, (topology.world_size,), mesh_dim_names=("data_parallel",))
+        K, N, rank, timeout = topology.num_nodes, topology.ranks_per_node, topology.rank, self.config.timeout
+        replicate = own_group([topology.rail_ranks(local) for local in range(N)], rank, timeout)
+        shard = own_group([topology.intra_node_ranks(node) for node in range(K)], rank, timeout)
+        ranks = torch.arange(topology.world_size).view(K, N)
+        return DeviceMesh.from_group([replicate, shard], device_type, ranks, mesh_dim_names=("replicate", "shard"))
 
     def release(self) -> None:
         """Destroys the strategy's own process groups (the next run, or a call of the model, builds them again)."""
@@ -191,7 +206,7 @@ class ZeroPPCore:
     def layout(self, precision: str, front_door: str) -> Layout:
         """What the sharding of a model depends on; a model sharded differently cannot be adopted."""
         return Layout(front_door, self.topology.world_size, self.reshard_after_forward, precision,
-                      offloads(self.config.cpu_offload))  # fmt: skip
+                      offloads(self.config.cpu_offload), self.config.sharding_strategy)  # fmt: skip
 
     def shard(
         self,
@@ -347,6 +362,13 @@ class FrontDoor:
         return cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(config)}, **kwargs)
 
     @property
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        """Every rank is a data-parallel replica, whatever the mesh (HSDP's has two dimensions): the sampler splits
+        the data over all ranks."""
+        strategy: Any = self
+        return {"num_replicas": strategy.world_size, "rank": strategy.global_rank}
+
+    @property
     def zeropp_config(self) -> ZeroPPConfig:
         return self._core.config
 
@@ -459,8 +481,13 @@ class FrontDoor:
         self._core.release()
 
 
+HSDP_ARGUMENTS = dict(sharding_strategy="HYBRID_SHARD", quantize_weights=False, quantize_gradients=False)
+"""What ``"hsdp"`` sets: HSDP (shard inside each node, replicate across nodes) with exact collectives."""
+
+
 def register_names(registry: Any, strategy_class: type) -> None:
-    """Registers ``"zeropp"`` (the defaults) and ``"zero3"`` (qwZ, hpZ and qgZ off) in a Trainer or Fabric registry."""
+    """Registers ``"zeropp"`` (the defaults), ``"zero3"`` (qwZ, hpZ and qgZ off) and ``"hsdp"`` (HYBRID_SHARD) in a
+    Trainer or Fabric registry."""
     registry.register(
         "zeropp",
         strategy_class,
@@ -475,6 +502,14 @@ def register_names(registry: Any, strategy_class: type) -> None:
         quantize_weights=False,
         hpz_partition_size=1,
         quantize_gradients=False,
+    )
+    registry.register(
+        "hsdp",
+        strategy_class,
+        description="HSDP on FSDP2 (ZeroPPStrategy with sharding_strategy='HYBRID_SHARD'): sharded inside each node,"
+        " replicated across nodes; the baseline beside ZeRO-3 and ZeRO++",
+        override=True,
+        **HSDP_ARGUMENTS,
     )
 
 

@@ -25,6 +25,7 @@ KINDS = (
     "gradient_reduce_scatter",
     "gradient_all_to_all_intra",
     "gradient_all_to_all_inter",
+    "gradient_all_reduce",  # HSDP: the node's reduce-scattered gradients, all-reduced across nodes
     "weight_delta_all_to_all",  # weight_deltas: INT4 deltas, each shard to the one holder per node
     "weight_delta_refresh",  # weight_deltas: a shard itself, exact, to the same holders (first step, refreshes)
     "weight_all_gather_node_copy",  # weight_deltas: forward, the node copy's slices (inside the hpZ group)

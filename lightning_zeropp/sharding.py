@@ -170,16 +170,18 @@ def _check_user_units(model: nn.Module, mesh: DeviceMesh, reshard_after_forward:
             " `fully_shard(block, mesh=device_mesh, reshard_after_forward=strategy.reshard_after_forward)` on the"
             " units you choose, or pass no `parallelize_fn` to shard the blocks by default."
         )
-    want = mesh.size() if reshard_after_forward is True else int(reshard_after_forward)
+    shards = mesh.size(mesh.ndim - 1)  # all ranks; HSDP: the ranks of a node
+    want = shards if reshard_after_forward is True else int(reshard_after_forward)
     for name, module in units:
         shard_size, post_forward = unit_mesh_sizes(module)
         if shard_size is None:
             continue  # manages no parameter of its own
-        if shard_size != mesh.size() or post_forward != want:
+        if shard_size != shards or post_forward != want:
+            over = f"all {shards} ranks" if mesh.ndim == 1 else f"the {shards} ranks of each node (HSDP)"
             raise ValueError(
                 f"ZeroPPStrategy: `parallelize_fn` sharded {name or '<root>'!r} over {shard_size} ranks keeping"
                 f" {'whole weights' if post_forward is None else f'1/{post_forward} of the weights'} after forward;"
-                f" this strategy shards over all {mesh.size()} ranks and keeps 1/{want} (hpZ). Call"
+                f" this strategy shards over {over} and keeps 1/{want}. Call"
                 " `fully_shard(module, mesh=device_mesh, reshard_after_forward=strategy.reshard_after_forward)`."
             )
     return [m for name, m in units if m is not model]

@@ -95,24 +95,28 @@ class ProcessGroups:
     inter_node: dist.ProcessGroup
     hpz: dist.ProcessGroup | None
     timeout: timedelta | None = None
+    hybrid: bool = False
     _by_ranks: dict[tuple[int, ...], str] = field(default_factory=dict)
 
     @classmethod
-    def build(cls, topology: Topology, timeout: timedelta | None = None) -> ProcessGroups:
+    def build(cls, topology: Topology, timeout: timedelta | None = None, hybrid: bool = False) -> ProcessGroups:
         """Creates every group (with the default group's backend); all ranks must call this in the same order.
 
         ``timeout``: how long a collective on these groups waits for a peer before it raises (torch's default, 30
         minutes for gloo and NCCL, when None). Every group gets it: a frozen rank must end the job on the others.
+        ``hybrid``: the model is sharded HSDP-style, so FSDP's collectives run on the node's ranks ("node").
         """
         world_ranks = list(range(topology.world_size))
         world = dist.new_group(world_ranks, timeout=timeout)
-        intra = _own_group([topology.intra_node_ranks(n) for n in range(topology.num_nodes)], topology.rank, timeout)
-        inter = _own_group([topology.rail_ranks(lr) for lr in range(topology.ranks_per_node)], topology.rank, timeout)
+        intra = own_group([topology.intra_node_ranks(n) for n in range(topology.num_nodes)], topology.rank, timeout)
+        inter = own_group([topology.rail_ranks(lr) for lr in range(topology.ranks_per_node)], topology.rank, timeout)
         hpz = None
         if 1 < topology.hpz_partition_size < topology.world_size:
             R = topology.hpz_partition_size
-            hpz = _own_group([list(range(s, s + R)) for s in range(0, topology.world_size, R)], topology.rank, timeout)
-        groups = cls(topology, world, intra, inter, hpz, timeout)
+            hpz = own_group([list(range(s, s + R)) for s in range(0, topology.world_size, R)], topology.rank, timeout)
+        groups = cls(topology, world, intra, inter, hpz, timeout, hybrid)
+        if hybrid:
+            groups._by_ranks[tuple(topology.intra_node_ranks())] = "node"
         groups._by_ranks[tuple(world_ranks)] = "world"
         if hpz is not None:
             groups._by_ranks[tuple(topology.hpz_ranks())] = "hpz"
@@ -125,13 +129,14 @@ class ProcessGroups:
         self._by_ranks.clear()
 
     def role_of(self, group: dist.ProcessGroup) -> str:
-        """ "world" or "hpz" for a group FSDP passes to a collective (matched by its ranks), else raises."""
+        """ "world", "hpz" or (HSDP) "node" for a group FSDP passes to a collective (matched by its ranks), else
+        raises."""
         ranks = tuple(dist.get_process_group_ranks(group))
         role = self._by_ranks.get(ranks)
         if role is None:
             raise RuntimeError(
-                f"ZeroPPStrategy: FSDP asked for a collective on ranks {list(ranks)}, which is neither the world nor"
-                f" this rank's hpZ group {self.topology.hpz_ranks()}. Was the module sharded outside ZeroPPStrategy?"
+                f"ZeroPPStrategy: FSDP asked for a collective on ranks {list(ranks)}, which is none of this rank's"
+                f" groups ({', '.join(map(str, self._by_ranks))}). Was the module sharded outside ZeroPPStrategy?"
             )
         return role
 
@@ -141,6 +146,8 @@ class ProcessGroups:
         if role == "hpz":
             assert self.hpz is not None
             return self.hpz
+        if role == "node":
+            return self.intra_node
         raise KeyError(role)
 
     def ranks(self, role: str) -> list[int]:
@@ -148,10 +155,12 @@ class ProcessGroups:
             return list(range(self.topology.world_size))
         if role == "hpz":
             return self.topology.hpz_ranks()
+        if role == "node":
+            return self.topology.intra_node_ranks()
         raise KeyError(role)
 
 
-def _own_group(partition: list[list[int]], rank: int, timeout: timedelta | None) -> dist.ProcessGroup:
+def own_group(partition: list[list[int]], rank: int, timeout: timedelta | None) -> dist.ProcessGroup:
     """Creates every group of a partition of the ranks (collective) and returns the one holding ``rank``."""
     own = None
     for ranks in partition:

@@ -1,0 +1,169 @@
+"""HSDP (``sharding_strategy="HYBRID_SHARD"``, registered as ``"hsdp"``): exact training (per parameter, against one
+process) through the Trainer and Fabric, the ledger's exact bytes per kind, checkpoints that load into FULL_SHARD runs
+and back, and the combinations refused at construction."""
+
+import pytest
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_zeropp import ZeroPPConfig, ZeroPPStrategy
+from lightning_zeropp.core import HSDP_ARGUMENTS
+from lightning_zeropp.testing.distributed import lightning_trainer, spawn
+from lightning_zeropp.testing.models import TinyLM
+from lightning_zeropp.testing.workers import (
+    LossRecorder,
+    fabric_train_worker,
+    reference_training,
+    relative_error,
+    save_inputs,
+    train_worker,
+    unit_shard_numels,
+)
+
+BATCH, STEPS = 2, 3
+HSDP = dict(HSDP_ARGUMENTS)
+ZERO3 = dict(quantize_weights=False, hpz_partition_size=1, quantize_gradients=False)
+
+
+# ------------------------------------------------------------------------------------------------ construction
+def test_hsdp_alias_and_argument():
+    config = ZeroPPConfig(**HSDP)
+    assert config.hybrid and config.sharding_strategy == "HYBRID_SHARD"
+    assert not ZeroPPConfig().hybrid  # FULL_SHARD is the default
+    assert config.resolve(8, 8) == (8, 1)  # the node is the shard group: no secondary partition of its own
+    assert config.resolve(8, 4) == (4, 1)
+
+
+@pytest.mark.parametrize(
+    ("given", "named"),
+    [
+        (dict(sharding_strategy="HYBRID_SHARD"), ["quantize_weights=True", "quantize_gradients=True"]),
+        (dict(sharding_strategy="HYBRID_SHARD", quantize_gradients=False), ["quantize_weights=True"]),
+        (dict(HSDP, weight_deltas=True), ["weight_deltas=True"]),
+        (dict(HSDP, hpz_partition_size=2), ["hpz_partition_size=2", "HYBRID_SHARD"]),
+        (dict(sharding_strategy="hybrid"), ["sharding_strategy='hybrid'", "FULL_SHARD"]),
+    ],
+    ids=["defaults", "qwz", "deltas", "hpz", "spelling"],
+)
+def test_refused_combinations_name_argument_and_fix(given, named):
+    with pytest.raises(ValueError) as err:
+        ZeroPPStrategy(**given)
+    for text in named:
+        assert text in str(err.value), str(err.value)
+
+
+def test_error_feedback_needs_qgz_under_hsdp_too():
+    with pytest.raises(ValueError, match="gradient_error_feedback"):
+        ZeroPPStrategy(**HSDP, gradient_error_feedback=True)
+
+
+# ------------------------------------------------------------------------------------------------ exact training
+def expected_hsdp_ledger(world: int, per_node: int, steps: int, element: int = 4) -> list[dict]:
+    """Per rank, the bytes HSDP sends in ``steps`` steps of TinyLM, from the model's shapes alone: every all-gather and
+    reduce-scatter among the node's ranks; per unit, an all-reduce of its reduce-scattered shard across the nodes, as a
+    reduce-scatter in one piece per node (as even as whole elements allow) and an all-gather of this rank's piece."""
+    model = TinyLM()
+    model.configure_model()
+    shards = unit_shard_numels(model, per_node)
+    units, nodes = len(shards), world // per_node
+    own = sum(element * s for s in shards)
+    out = []
+    for rank in range(world):
+        node = rank // per_node
+        gathers = (steps * own * (per_node - 1), 0, steps * units)
+        reduce_bytes = 0
+        for s in shards:
+            pieces = [(s * (i + 1) // nodes - s * i // nodes) * element for i in range(nodes)]
+            reduce_bytes += sum(p + pieces[node] for i, p in enumerate(pieces) if i != node)
+        out.append(
+            {
+                "weight_all_gather": gathers,
+                "weight_all_gather_backward": gathers,
+                "gradient_reduce_scatter": gathers,
+                "gradient_all_reduce": (0, steps * reduce_bytes, steps * units),
+            }
+        )
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.version_sensitive
+@pytest.mark.parametrize("front_door", ["trainer", "fabric"])
+def test_hsdp_trains_exactly_with_exact_bytes(tmp_path, front_door):
+    world, per_node = 6, 2  # 3 nodes x 2: shards of odd sizes split over the rails unevenly
+    init_path, data_path, x, y = save_inputs(tmp_path, world * BATCH * STEPS)
+    strategy = dict(HSDP, ranks_per_node=per_node)
+    if front_door == "trainer":
+        results = spawn(train_worker, world, strategy, init_path, data_path, BATCH, STEPS)
+    else:
+        results = spawn(fabric_train_worker, world, strategy, init_path, data_path, BATCH, STEPS)
+    ref_state, ref_losses = reference_training(init_path, x, y, world * BATCH, STEPS)
+
+    state = results[0]["state"]
+    init = torch.load(init_path, weights_only=True)
+    for name, ref in ref_state.items():
+        err = relative_error(state[name], ref)
+        assert err <= 2e-6, f"{name}: relative error {err:.2e} after {STEPS} steps"
+        moved = relative_error(ref, init[name.removeprefix("net.")])
+        assert moved > 1e-4, f"{name}: the reference barely moved ({moved:.1e}); the check would be vacuous"
+    mean_losses = torch.tensor([r["losses"] for r in results]).mean(0)
+    torch.testing.assert_close(mean_losses, torch.tensor(ref_losses), rtol=1e-6, atol=0)
+
+    for rank, (r, want) in enumerate(zip(results, expected_hsdp_ledger(world, per_node, STEPS), strict=True)):
+        assert r["ledger"] == want, f"rank {rank}: ledger {r['ledger']} != analytic {want}"
+
+
+# ------------------------------------------------------------------------------------------------ checkpoints
+def _full(model):
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def _save_then_load(rank, world, init_path, data_path, ckpt, save_kwargs, load_kwargs, state_dict_type):
+    """Trains 2 steps with ``save_kwargs`` and saves; loads the checkpoint into a model of ``load_kwargs`` and into one
+    of ``save_kwargs`` and trains each one more step; returns the weights right after the load and after that step."""
+    x, y = torch.load(data_path, weights_only=True)
+    train = DataLoader(TensorDataset(x[rank::world][: 3 * BATCH], y[rank::world][: 3 * BATCH]), batch_size=BATCH)
+    out = {}
+
+    def trainer(kwargs, steps):
+        strategy = ZeroPPStrategy(ranks_per_node=2, state_dict_type=state_dict_type, **kwargs)
+        recorder = LossRecorder()
+        return lightning_trainer(
+            world, strategy, max_steps=steps, callbacks=[recorder], use_distributed_sampler=False
+        ), recorder
+
+    t, _ = trainer(save_kwargs, 2)
+    model = TinyLM(init_path)
+    t.fit(model, train)
+    t.save_checkpoint(ckpt)
+    out["saved"] = _full(model)
+    for name, kwargs in (("other", load_kwargs), ("same", save_kwargs)):
+        t, recorder = trainer(kwargs, 3)
+        model = TinyLM(init_path)
+        t.validate(model, DataLoader(TensorDataset(x[:4], y[:4]), batch_size=4), ckpt_path=ckpt, verbose=False)
+        out[f"{name}_loaded"] = _full(model)
+        t.fit(model, train, ckpt_path=ckpt)
+        out[f"{name}_stepped"] = _full(model)
+        out[f"{name}_losses"] = recorder.losses
+    return out if rank == 0 else {"losses": out["other_losses"]}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.version_sensitive
+@pytest.mark.parametrize(
+    ("direction", "state_dict_type"),
+    [("full_to_hybrid", "sharded"), ("hybrid_to_full", "sharded"), ("hybrid_to_full", "full")],
+)
+def test_checkpoints_cross_between_full_and_hybrid_shard(tmp_path, direction, state_dict_type):
+    init_path, data_path, *_ = save_inputs(tmp_path, 4 * 3 * BATCH)
+    save_kwargs, load_kwargs = (ZERO3, HSDP) if direction == "full_to_hybrid" else (HSDP, ZERO3)
+    ckpt = str(tmp_path / ("ckpt" if state_dict_type == "sharded" else "last.ckpt"))
+    r = spawn(_save_then_load, 4, init_path, data_path, ckpt, save_kwargs, load_kwargs, state_dict_type)[0]
+    for name, saved in r["saved"].items():
+        assert torch.equal(r["other_loaded"][name], saved), f"{name}: changed by the load into the other sharding"
+        # the optimizer state came along: the next step agrees with the one the saving sharding takes
+        err = relative_error(r["other_stepped"][name], r["same_stepped"][name])
+        assert err <= 1e-6, f"{name}: step after the load differs by {err:.2e}"
+        assert not torch.equal(r["same_stepped"][name], saved), f"{name}: the step after the load did not move it"
+    assert len(r["other_losses"]) == 1
