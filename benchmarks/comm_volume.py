@@ -1,11 +1,11 @@
-"""Bytes per training step, inside and across nodes, for ZeRO-3 and each ZeRO++ technique (from the ledger).
+"""Bytes per training step, inside and across nodes, for ZeRO-3, HSDP and each ZeRO++ technique (from the ledger).
 
 Two optimizer steps of the example GPT (the CPU demo's shape) in bf16-mixed, on gloo ranks emulating
 ``nodes x ranks_per_node``; the figures are the second step's (the steady state: with weight deltas the first step
 fills the node copies exactly; its bytes are reported separately). The ledger's accounting is logical per peer
 (README), so the figures are exact and repeatable; ``benchmarks/cluster.py`` measures what a real link carries.
 
-    python benchmarks/comm_volume.py [--topologies 2x2 4x2] [--json benchmarks/comm_volume.json]
+    python benchmarks/comm_volume.py [--topologies 2x2 3x2 4x2] [--json benchmarks/comm_volume.json]
 """
 
 from __future__ import annotations
@@ -20,10 +20,12 @@ EXAMPLE = ROOT / "examples" / "gpt"
 
 CONFIGS = {
     "zero3": dict(quantize_weights=False, hpz_partition_size=1, quantize_gradients=False),
+    "hsdp": dict(sharding_strategy="HYBRID_SHARD", quantize_weights=False, quantize_gradients=False),
     "qwz": dict(quantize_weights=True, hpz_partition_size=1, quantize_gradients=False),
     "hpz": dict(quantize_weights=False, hpz_partition_size="auto", quantize_gradients=False),
     "qgz": dict(quantize_weights=False, hpz_partition_size=1, quantize_gradients=True),
     "zeropp": dict(),
+    "zeropp_ef": dict(gradient_error_feedback=True),
     "zeropp_deltas": dict(weight_deltas=True),
     "zeropp_deltas8": dict(weight_deltas=True, weight_delta_bits=8),
 }
@@ -53,12 +55,16 @@ def _one_step(rank: int, world_size: int, per_node: int, strategy_kwargs: dict) 
     tokens = torch.randint(0, 256, (8, MODEL["block_size"] + 1))
     strategy = ZeroPPStrategy(ranks_per_node=per_node, **strategy_kwargs)
     first: list[int] = []
+    persistent: dict[str, int] = {}
 
     class PerStep(Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
             if trainer.global_step == 1:
                 first.append(strategy.comm_ledger.step().inter_node_bytes)
             strategy.comm_ledger.start_step()
+
+        def on_train_end(self, trainer, pl_module) -> None:  # before teardown frees the weight deltas' copies
+            persistent.update(strategy.persistent_memory)
 
     trainer = Trainer(
         accelerator="cpu", devices=world_size, strategy=strategy, precision="bf16-mixed", max_steps=2,
@@ -75,6 +81,7 @@ def _one_step(rank: int, world_size: int, per_node: int, strategy_kwargs: dict) 
         "first_step_inter": first[0],
         "per_kind": per_kind,
         "params": params,
+        "persistent_memory": persistent,
     }
 
 
@@ -105,6 +112,7 @@ def measure(topologies: list[tuple[int, int]]) -> list[dict]:
                     "backward_all_gather_inter_node_bytes": per_kind.get("weight_all_gather_secondary", [0, 0])[1]
                     + per_kind.get("weight_all_gather_backward", [0, 0])[1],
                     "per_kind": per_kind,
+                    "persistent_memory": results[0]["persistent_memory"],
                 }
             )
     return rows

@@ -21,11 +21,13 @@ PACKAGE = Path(lightning_zeropp.__file__).parent
 LAYERS = {
     "__init__": 9,
     "callback": 8,
+    "plan": 7,
     "argument_table": 8,
     "fabric": 6,
     "strategy": 6,
     "consolidate": 6,
     "core": 5,
+    "costs": 5,
     "sharding": 4,
     "fsdp_hooks": 4,
     "materialize": 4,

@@ -1,0 +1,160 @@
+"""The planner (``python -m lightning_zeropp.plan``) checked against what it predicts.
+
+``--paper``: the paper's end-to-end table (384 V100 GPUs, 24 nodes x 16; 18B-138B GPT models; 1K and 2K tokens per
+GPU; 1 or 8 InfiniBand connections of 100 Gbit/s per node; baseline ZeRO-3 and ZeRO++ TFLOP/s per GPU). The planner's
+two free parameters, compute efficiency and overlap, are fitted on two of its 16 speedups (``--fit``); the other 14
+are predicted. Stated hardware: V100 peak 120 TFLOP/s (the paper's figure), 32 GiB, NVSwitch 150 GB/s per GPU per
+direction (1200 Gbit/s), fp16 mixed precision (bytes as bf16-mixed). The models' shapes are not in the paper's table:
+each is a GPT of the example's structure with the width below and ``L = P / (12 d^2)`` layers, vocabulary 50304,
+2048 positions.
+
+``--bytes FILE``: the planner's bytes per kind against the ledgers ``benchmarks/comm_volume.py`` measured (the same
+example GPT, every configuration and topology there): equal, or the kinds that differ.
+
+    python benchmarks/plan_check.py --paper [--json benchmarks/plan_paper.json]
+    python benchmarks/plan_check.py --bytes benchmarks/comm_volume.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# (parameters, width): 12 L d^2 = P gives 40, 60, 72 and 76 layers
+MODELS = {"18B": (18e9, 6144), "49B": (49e9, 8192), "91B": (91e9, 10240), "138B": (138e9, 12288)}
+# (model, tokens per GPU, IB connections): (baseline TFLOP/s, ZeRO++ TFLOP/s), from the paper's table
+PAPER = {
+    ("138B", 2048, 1): (19.96, 37.90), ("138B", 2048, 8): (47.55, 55.30),
+    ("138B", 1024, 1): (11.25, 21.81), ("138B", 1024, 8): (34.19, 44.38),
+    ("91B", 2048, 1): (19.99, 38.06), ("91B", 2048, 8): (47.74, 56.26),
+    ("91B", 1024, 1): (11.27, 21.93), ("91B", 1024, 8): (34.49, 44.36),
+    ("49B", 2048, 1): (20.06, 38.08), ("49B", 2048, 8): (48.05, 56.24),
+    ("49B", 1024, 1): (11.27, 21.95), ("49B", 1024, 8): (34.54, 44.46),
+    ("18B", 2048, 1): (25.98, 46.40), ("18B", 2048, 8): (47.31, 53.65),
+    ("18B", 1024, 1): (14.15, 30.57), ("18B", 1024, 8): (31.27, 37.87),
+}  # fmt: skip
+FIT = [("138B", 2048, 1), ("18B", 1024, 8)]
+
+
+def paper_rows() -> list[dict]:
+    """Per table row: FLOPs per GPU and both configurations' communication seconds (which do not depend on the two
+    fitted parameters), from the planner's model."""
+    from lightning_zeropp.config import ZeroPPConfig
+    from lightning_zeropp.costs import gpt_units, step_bytes
+    from lightning_zeropp.plan import CONFIGS, Cluster, Workload, collective_seconds, step_flops
+
+    rows = []
+    units_of = {name: gpt_units(50304, 2048, round(p / (12 * d * d)), d) for name, (p, d) in MODELS.items()}
+    configs = {name: ZeroPPConfig(**CONFIGS[name]) for name in ("zero3", "zeropp")}
+    # the bytes depend on the model alone (not on the tokens or the links): once per model
+    by_kind = {(m, n): step_bytes(units_of[m], c, 384, 16, 0, "bf16-mixed") for m in MODELS for n, c in configs.items()}
+    for (model, tokens, ib), (base, zpp) in PAPER.items():
+        cluster = Cluster(24, 16, 100.0 * ib, 1200.0, gpu_memory_gib=32.0, peak_tflops=120.0)
+        workload = Workload(tokens, "bf16-mixed")
+        comm = {
+            name: sum(collective_seconds(k, *v, cluster, config) for k, v in by_kind[model, name].items())
+            for name, config in configs.items()
+        }
+        flops = step_flops(units_of[model], workload)
+        rows.append(dict(model=model, tokens=tokens, ib=ib, paper_base=base, paper_zeropp=zpp,
+                         paper_speedup=zpp / base, flops=flops, comm=comm))  # fmt: skip
+    return rows
+
+
+def predict(row: dict, efficiency: float, overlap: float) -> tuple[float, float, float]:
+    """``(baseline TFLOP/s, ZeRO++ TFLOP/s, speedup)`` of one row at the two parameters (6PT FLOPs, as the paper
+    counts; the compute time has the recomputation's 8PT)."""
+    compute = row["flops"] / (120e12 * efficiency)
+
+    def step(comm: float) -> float:
+        return max(compute, comm) + (1 - overlap) * min(compute, comm)
+
+    t0, t1 = step(row["comm"]["zero3"]), step(row["comm"]["zeropp"])
+    useful = row["flops"] * 6 / 8
+    return useful / t0 / 1e12, useful / t1 / 1e12, t0 / t1
+
+
+def fit(rows: list[dict], keys: list[tuple]) -> tuple[float, float]:
+    """The (efficiency, overlap) on a grid that best predicts the speedups of the rows ``keys`` names (least
+    squares of the relative errors)."""
+    chosen = [r for r in rows if (r["model"], r["tokens"], r["ib"]) in keys]
+    grid_e = [i / 200 for i in range(10, 201)]
+    grid_o = [i / 100 for i in range(0, 101)]
+
+    def loss(e: float, o: float) -> float:
+        return sum((predict(r, e, o)[2] / r["paper_speedup"] - 1) ** 2 for r in chosen)
+
+    return min(itertools.product(grid_e, grid_o), key=lambda eo: loss(*eo))
+
+
+def check_paper(fit_keys: list[tuple], json_path: Path | None) -> None:
+    rows = paper_rows()
+    e, o = fit(rows, fit_keys)
+    print(f"fitted on {', '.join(f'{m} {t // 1024}K {ib} IB' for m, t, ib in fit_keys)}: efficiency {e:.3f},"
+          f" overlap {o:.2f}\n")  # fmt: skip
+    print(
+        "| model | tokens/GPU | IB | paper baseline -> ZeRO++ TFLOP/s | predicted | paper speedup | predicted |"
+        " error | |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    within = 0
+    for r in rows:
+        b, z, s = predict(r, e, o)
+        err = s / r["paper_speedup"] - 1
+        fitted = (r["model"], r["tokens"], r["ib"]) in fit_keys
+        within += abs(err) <= 0.20 and not fitted
+        r.update(predicted_base=b, predicted_zeropp=z, predicted_speedup=s, error=err, fitted=fitted)
+        print(f"| {r['model']} | {r['tokens'] // 1024}K | {r['ib']} | {r['paper_base']:.2f} -> {r['paper_zeropp']:.2f}"
+              f" | {b:.2f} -> {z:.2f} | {r['paper_speedup']:.2f}x | {s:.2f}x | {err:+.1%} |"
+              f" {'fitted' if fitted else ''} |")  # fmt: skip
+    print(f"\npredicted within 20%: {within} of {len(rows) - len(fit_keys)} (goal: 14 of 14)")
+    if json_path:
+        json_path.write_text(json.dumps({"efficiency": e, "overlap": o, "fit": fit_keys, "rows": rows}, indent=2))
+        print(f"wrote {json_path}")
+
+
+def check_bytes(path: Path) -> int:
+    """The planner's bytes per kind (rank 0) against each row of a ``comm_volume.py`` JSON; returns the mismatches."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from comm_volume import CONFIGS, MODEL
+
+    from lightning_zeropp.config import ZeroPPConfig
+    from lightning_zeropp.costs import gpt_units, persistent_memory, step_bytes
+
+    units = gpt_units(256, MODEL["block_size"], MODEL["n_layer"], MODEL["n_embd"])
+    bad = 0
+    for row in json.loads(path.read_text()):
+        world, per_node = row["nodes"] * row["ranks_per_node"], row["ranks_per_node"]
+        config = ZeroPPConfig(**CONFIGS[row["config"]], ranks_per_node=per_node)
+        planned = {k: [v[0], v[1]] for k, v in step_bytes(units, config, world, per_node, 0).items()}
+        measured = row["per_kind"]
+        memory = persistent_memory(units, config, world, per_node)
+        same = planned == measured and (row.get("persistent_memory") in (None, memory))
+        bad += not same
+        detail = "" if same else f": planned {planned} {memory}, measured {measured} {row.get('persistent_memory')}"
+        print(f"{row['nodes']}x{per_node} {row['config']}: {'equal' if same else 'DIFFERENT'}{detail}")
+    return bad
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--paper", action="store_true", help="the paper's 16 speedups")
+    parser.add_argument("--fit", nargs="+", default=[f"{m}:{t}:{ib}" for m, t, ib in FIT],
+                        help="the rows to fit on, MODEL:TOKENS:IB (default: %(default)s)")  # fmt: skip
+    parser.add_argument("--bytes", type=Path, default=None, help="a comm_volume.py JSON to check the bytes against")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if args.bytes:
+        sys.exit(1 if check_bytes(args.bytes) else 0)
+    keys = [(m, int(t), int(ib)) for m, t, ib in (k.split(":") for k in args.fit)]
+    check_paper(keys, args.json)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    main()

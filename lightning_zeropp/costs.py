@@ -1,0 +1,212 @@
+"""What one training step costs a rank, from the model's shapes alone: bytes per collective kind, as the ledger
+counts them, and the memory the strategy keeps.
+
+A model is described by its FSDP units (:class:`Unit`: the parameters' shapes, in the order FSDP lays them out) and
+nothing else, so a 70B model on 32 nodes is as cheap to cost as the example GPT on two. The arithmetic follows the
+strategy's own: FSDP2 pads each parameter's dim 0 to a multiple of the shard group's size; the quantized buffers are
+the wire format's (:mod:`lightning_zeropp.kernels.layout`: parameter-aligned blocks, scales, padding); qgZ's pieces
+are :func:`lightning_zeropp.qgz.stages`; weight deltas go to one holder per hpZ group. ``tests/test_costs.py`` and
+``benchmarks/plan_check.py`` check every kind against the ledger of real steps, byte for byte.
+
+Steady state: a step after the first (weight deltas fill the node copies exactly in the first), one forward and one
+backward per optimizer step, every parameter trained.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from torch import nn
+
+from . import kernels as tk
+from .config import ZeroPPConfig
+from .hpz import reshard_after_forward
+from .ledger import CommLedger
+from .qgz import stages
+from .sharding import default_wrap_targets
+from .topology import Topology
+
+Shape = tuple[int, ...]
+ELEMENT_BYTES = {"32-true": (4, 4, 4), "bf16-mixed": (4, 2, 2), "bf16-true": (2, 2, 2), "16-true": (2, 2, 2)}
+"""Per precision: bytes of a parameter as stored (the sharded master), as gathered and computed, as reduced."""
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One FSDP unit: its name and its parameters' shapes, in the order FSDP lays them out (module order, a shared
+    parameter once)."""
+
+    name: str
+    shapes: tuple[Shape, ...]
+
+    @property
+    def numel(self) -> int:
+        return sum(math.prod(s) for s in self.shapes)
+
+    def shards(self, ranks: int) -> list[int]:
+        """Per parameter, the elements of one rank's shard (dim 0 padded to a multiple of ``ranks``)."""
+        return [-(-s[0] // ranks) * math.prod(s[1:]) if s else 1 for s in self.shapes]
+
+
+def units_of(model: nn.Module) -> list[Unit]:
+    """The units the strategy makes of ``model`` by default (each element of the outermost ``nn.ModuleList``s, then
+    the root with what is left), from its parameters' shapes: build it on the meta device, nothing is allocated."""
+    targets = default_wrap_targets(model)
+    taken: set[int] = set()
+    units = []
+    for module in targets:
+        params = [p for p in module.parameters() if id(p) not in taken]
+        taken.update(id(p) for p in params)
+        units.append(params)
+    root = [p for p in model.parameters() if id(p) not in taken]
+    names = [n for n, m in model.named_modules() if any(m is t for t in targets)]
+    return [Unit(n, tuple(tuple(p.shape) for p in ps)) for n, ps in zip([*names, "<root>"], [*units, root])]
+
+
+def gpt_units(vocab: int, block_size: int, n_layer: int, n_embd: int) -> list[Unit]:
+    """The example GPT's units (``examples/gpt/model.py``: pre-norm blocks with biases, learned positions, a head tied
+    to the token embedding) from its sizes."""
+    d = n_embd
+    block = ((d,), (d,), (3 * d, d), (3 * d,), (d, d), (d,), (d,), (d,), (4 * d, d), (4 * d,), (d, 4 * d), (d,))
+    return [Unit(f"blocks.{i}", block) for i in range(n_layer)] + [
+        Unit("<root>", ((vocab, d), (block_size, d), (d,), (d,)))
+    ]
+
+
+def parameters(units: Iterable[Unit]) -> int:
+    return sum(u.numel for u in units)
+
+
+# ------------------------------------------------------------------------------------------------ bytes
+@functools.lru_cache(maxsize=4096)
+def _wire(segments: tuple[int, ...], bits: int, block_size: int, aligned: bool) -> int:
+    """Bytes of one quantized row of a unit's shard (a model's blocks repeat: each distinct one is costed once)."""
+    if aligned:
+        return tk.Blocks.of_segments(segments, block_size).wire_size(bits)
+    return tk.wire_size(sum(segments), bits, block_size)
+
+
+@functools.lru_cache(maxsize=4096)
+def _qgz_rows(segments: tuple[int, ...], config: _GradientFormat) -> tuple[tuple[int, int, int, int], ...]:
+    """Per qgZ pipeline piece of a unit's chunk: its elements, blocks, and one row's bytes on the intra-node and on
+    the inter-node hop."""
+    c = config
+    blocks = tk.Blocks.of_segments(segments, c.gradient_block_size) if c.block_alignment == "parameter" else None
+    rows = []
+    for _, size, piece in stages(sum(segments), c, blocks):
+        if piece is not None:
+            rows.append(
+                (size, piece.count, piece.wire_size(c.intra_node_gradient_bits), piece.wire_size(c.gradient_bits))
+            )
+        else:
+            bs = c.gradient_block_size
+            rows.append((size, -(-size // bs), tk.wire_size(size, c.intra_node_gradient_bits, bs),
+                         tk.wire_size(size, c.gradient_bits, bs)))  # fmt: skip
+    return tuple(rows)
+
+
+@dataclass(frozen=True)
+class _GradientFormat:
+    """What qgZ's pieces and rows depend on (hashable, unlike a config holding policies)."""
+
+    gradient_pieces: int
+    gradient_block_size: int
+    intra_node_gradient_bits: int
+    gradient_bits: int
+    block_alignment: str
+
+    @classmethod
+    def of(cls, config: ZeroPPConfig) -> _GradientFormat:
+        return cls(config.gradient_pieces, config.gradient_block_size, config.intra_node_gradient_bits,
+                   config.gradient_bits, config.block_alignment)  # fmt: skip
+
+
+def step_bytes(
+    units: list[Unit], config: ZeroPPConfig, world: int, ranks_per_node: int, rank: int, precision: str = "bf16-mixed"
+) -> dict[str, tuple[int, int, int]]:
+    """Per ledger kind, ``(intra-node bytes, inter-node bytes, calls)`` that ``rank`` sends in one steady-state step
+    of a job of ``world`` ranks, ``ranks_per_node`` per node."""
+    _, e, er = ELEMENT_BYTES[precision]
+    ranks_per_node, hpz = config.resolve(world, ranks_per_node)
+    topo = Topology(world, ranks_per_node, rank, hpz)
+    ledger = CommLedger(topo)
+    K, N, W, R = topo.num_nodes, ranks_per_node, world, hpz
+    hybrid = config.hybrid and K > 1
+    shard_group = topo.intra_node_ranks() if hybrid else list(range(W))
+    S = len(shard_group)
+    world_ranks = list(range(W))
+    aligned = config.block_alignment == "parameter"
+    deltas = config.weight_deltas and 1 < R < W
+    quantized_gradients = config.quantize_gradients and K > 1
+    if deltas:  # one byte per unit per forward: every rank agrees which node copies to update
+        ledger.record_all_gather("weight_delta_agreement", world_ranks, len(units))
+    for unit in units:
+        segments = unit.shards(S)
+        C = sum(segments)
+        # forward all-gather
+        if deltas:
+            G = W // R
+            holders = [g * R + rank // G for g in range(G)]
+            wire = _wire(tuple(segments), config.weight_delta_bits, config.weight_block_size, aligned)
+            ledger.record_to_peers(
+                "weight_delta_all_to_all", world_ranks, [wire if r in holders else 0 for r in world_ranks]
+            )
+            ledger.record_all_gather("weight_all_gather_node_copy", topo.hpz_ranks(), G * C * e)
+        elif config.quantize_weights:
+            wire = _wire(tuple(segments), config.weight_bits, config.weight_block_size, aligned)
+            ledger.record_all_gather("weight_all_gather", world_ranks, wire)
+        else:
+            ledger.record_all_gather("weight_all_gather", shard_group, C * e)
+        # backward all-gather
+        if reshard_after_forward(R, W) is not True:
+            ledger.record_all_gather("weight_all_gather_secondary", topo.hpz_ranks(), C * (W // R) * e)
+        elif config.quantize_weights and not hybrid:
+            wire = _wire(tuple(segments), config.weight_bits, config.weight_block_size, aligned)
+            ledger.record_all_gather("weight_all_gather_backward", world_ranks, wire)
+        else:
+            ledger.record_all_gather("weight_all_gather_backward", shard_group, C * e)
+        # gradient reduction
+        if quantized_gradients:
+            for size, _, row_in, row_out in _qgz_rows(tuple(segments), _GradientFormat.of(config)):
+                if not size:
+                    continue
+                if N > 1:
+                    ledger.record_to_peers("gradient_all_to_all_intra", topo.intra_node_ranks(), K * row_in)
+                ledger.record_to_peers("gradient_all_to_all_inter", topo.rail_ranks(), row_out)
+        else:
+            ledger.record_to_peers("gradient_reduce_scatter", shard_group, C * er)
+            if hybrid:
+                rail = topo.rail_ranks()
+                pieces = [(C * (i + 1) // K - C * i // K) * er for i in range(K)]
+                mine = pieces[rail.index(rank)]
+                ledger.record_to_peers("gradient_all_reduce", rail, [p + mine for p in pieces])
+    return {k: (t.intra_node_bytes, t.inter_node_bytes, t.calls) for k, t in ledger.by_kind().items()}
+
+
+# ------------------------------------------------------------------------------------------------ memory
+def persistent_memory(
+    units: list[Unit], config: ZeroPPConfig, world: int, ranks_per_node: int, precision: str = "bf16-mixed"
+) -> dict[str, int]:
+    """What ``strategy.persistent_memory`` reports on every rank after a step: the error feedback residuals and the
+    weight deltas' node copy and tracked copy, in bytes."""
+    _, e, _ = ELEMENT_BYTES[precision]
+    ranks_per_node, hpz = config.resolve(world, ranks_per_node)
+    K, W, R = world // ranks_per_node, world, hpz
+    out = {"error_feedback": 0, "weight_deltas_node_copy": 0, "weight_deltas_tracked_copy": 0}
+    for unit in units:
+        segments = unit.shards(W)
+        C = sum(segments)
+        if config.gradient_error_feedback and config.quantize_gradients and K > 1:
+            bits = config.error_feedback_bits
+            pieces = _qgz_rows(tuple(segments), _GradientFormat.of(config))
+            if bits == 8:  # INT8 codes, each piece's rows padded to 16 bytes, and one fp32 scale per block
+                out["error_feedback"] += K * sum(-(-size // 16) * 16 + 4 * count for size, count, _, _ in pieces)
+            else:
+                out["error_feedback"] += K * sum(size for size, _, _, _ in pieces) * bits // 8
+        if config.weight_deltas and 1 < R < W:
+            out["weight_deltas_node_copy"] += (W // R) * C * e
+            out["weight_deltas_tracked_copy"] += C * e
+    return out
