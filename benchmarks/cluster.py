@@ -1,4 +1,4 @@
-"""End-to-end step time of ZeRO-3, each ZeRO++ technique and ZeRO++ on a real (emulated) slow link between two nodes.
+"""End-to-end step time of ZeRO-3, HSDP and each ZeRO++ technique on a real (emulated) slow link between two nodes.
 
 Two network namespaces on this machine are the nodes; one veth pair shaped with ``tc`` is the only link between
 them; loopback inside each namespace is the fast intra-node fabric (``benchmarks/netns.py``). Each node runs the
@@ -42,9 +42,7 @@ from netns import TwoNodeCluster, exit_on_signals, missing_requirements  # noqa:
 from plots import cluster_png, try_plot  # noqa: E402
 
 FSDP_BASELINE = "fsdp"  # Lightning's ModelParallelStrategy, fully_shard per block (benchmarks/fsdp_baseline.py)
-# Step-time only: error feedback moves the same bytes as ``zeropp`` (comm_volume.py has no row for it)
-STEP_TIME_CONFIGS = {"zeropp_ef": dict(gradient_error_feedback=True)}
-CONFIG_NAMES = (*ZEROPP_CONFIGS, *STEP_TIME_CONFIGS, FSDP_BASELINE)
+CONFIG_NAMES = (*ZEROPP_CONFIGS, FSDP_BASELINE)  # hsdp among them: the baseline users would pick instead
 NODES, DEVICES = 2, 2
 # A communication-bound setting: the demo's model (3.26M parameters, ~6.5 MB in bf16) and a micro-batch small
 # enough that on 2 shared CPU cores the step is dominated by moving weights and gradients between the nodes.
@@ -64,7 +62,7 @@ def run_config(name: str, probe_dir: Path, interface: str, steps: int, model: di
     else:
         strategy = {
             "class_path": "lightning_zeropp.ZeroPPStrategy",
-            "init_args": dict({**ZEROPP_CONFIGS, **STEP_TIME_CONFIGS}[name]),
+            "init_args": dict(ZEROPP_CONFIGS[name]),
         }
     return {
         "seed_everything": 1234,
@@ -139,6 +137,19 @@ def launch(
         raise RuntimeError(f"cluster run {name!r}: {failed}\n{tails}")
     ranks = sorted(probe_dir.glob("rank*.jsonl"), key=lambda p: int(p.stem[4:]))
     return [[json.loads(line) for line in p.read_text().splitlines()] for p in ranks]
+
+
+def probe_link(cluster: TwoNodeCluster, port: int, timeout: float = 120) -> float:
+    """The Mbit/s one all-gather after another gets across the link (``benchmarks/link_probe.py``)."""
+    procs = []
+    for node in range(NODES):
+        env = dict(node_env(cluster, node, port), RANK=str(node), WORLD_SIZE=str(NODES))
+        procs.append(cluster.popen(node, [sys.executable, str(BENCH / "link_probe.py")], env,
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))  # fmt: skip
+    outs = [p.communicate(timeout=timeout)[0] for p in procs]
+    if any(p.returncode for p in procs):
+        raise RuntimeError("link probe failed:\n" + "\n".join(outs))
+    return json.loads(outs[0].strip().splitlines()[-1])["mbit_per_s"]
 
 
 def _per_step(warmup: int):
@@ -243,6 +254,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--block-size", type=int, default=MODEL["block_size"], help="tokens per sequence")
     parser.add_argument("--n-embd", type=int, default=MODEL["n_embd"], help="model width")
     parser.add_argument("--n-layer", type=int, default=MODEL["n_layer"], help="transformer blocks")
+    probe_help = "measure what the link delivers to gloo at each rate (benchmarks/link_probe.py)"
+    parser.add_argument("--probe-link", action="store_true", help=probe_help)
     parser.add_argument("--json", type=Path, default=None, help="write the rows here")
     parser.add_argument("--png", type=Path, default=None, help="figure of the table; default: the JSON's path, .png")
     parser.add_argument("--keep-logs", type=Path, default=None, help="keep every run's configs, logs and probes here")
@@ -258,12 +271,17 @@ def main(argv: list[str] | None = None) -> None:
     model = dict(MODEL, block_size=args.block_size, n_embd=args.n_embd, n_layer=args.n_layer)
     tokens_per_step = NODES * DEVICES * args.batch_size * args.block_size
     rows = []
+    probed: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="zpp-cluster-") as tmp, TwoNodeCluster(rate_mbit=None) as cluster:
         base = args.keep_logs or Path(tmp)
         port = 29400
         for rate_text in args.rates:
             rate = parse_rate(rate_text)
             cluster.shape(rate, args.delay_ms)
+            if args.probe_link:
+                port += 1
+                probed[rate_text] = probe_link(cluster, port)
+                print(f"[{rate_text}] link probe: {probed[rate_text]:.1f} Mbit/s", file=sys.stderr)
             runs: dict[str, list] = {name: [] for name in args.configs}
             for repeat in range(args.repeats):
                 for name in args.configs:
@@ -278,7 +296,8 @@ def main(argv: list[str] | None = None) -> None:
     add_ratios(rows)
     print(table(rows))
     meta = {"command": " ".join(["python", "benchmarks/cluster.py", *(argv or sys.argv[1:])]), "model": model,
-            "batch_size": args.batch_size, "steps": args.steps, "warmup": args.warmup}  # fmt: skip
+            "batch_size": args.batch_size, "steps": args.steps, "warmup": args.warmup,
+            "link_probe_mbit": probed}  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
         print(f"wrote {args.json}")

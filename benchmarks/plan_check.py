@@ -13,6 +13,11 @@ example GPT, every configuration and topology there): equal, or the kinds that d
 
     python benchmarks/plan_check.py --paper [--json benchmarks/plan_paper.json]
     python benchmarks/plan_check.py --bytes benchmarks/comm_volume.json
+    python benchmarks/plan_check.py --cluster benchmarks/cluster_plan.json
+
+``--cluster FILE``: predicted step times on the emulated two-node cluster (``benchmarks/cluster.py``, which must
+have run the configurations on the unshaped link too: that run's step is the configuration's compute) against the
+measured ones.
 """
 
 from __future__ import annotations
@@ -141,16 +146,88 @@ def check_bytes(path: Path) -> int:
     return bad
 
 
+def check_cluster(
+    path: Path, overlap: float, intra_gbps: float | None, latency_us: float, probed_rates: bool = False
+) -> list[dict]:
+    """Predicted step time on the emulated two-node cluster against ``benchmarks/cluster.py``'s measurements: per
+    configuration, its compute is its step time on the unshaped link less the communication predicted there (the
+    veth at ``intra_gbps``, by default what the link probe got through it: nothing shapes it); each shaped rate's step
+    is predicted from that compute and the bytes at the link's nominal rate (``probed_rates``: the rate the link probe
+    measured there, one all-gather stream: far below what a job's several streams get), with gloo's collectives
+    (``backend="gloo"``)."""
+    from comm_volume import CONFIGS
+
+    from lightning_zeropp.config import ZeroPPConfig
+    from lightning_zeropp.costs import gpt_units
+    from lightning_zeropp.plan import Cluster, comm_seconds, step_seconds
+
+    data = json.loads(path.read_text())
+    model = data["meta"]["model"]
+    probed = data["meta"].get("link_probe_mbit", {})
+    if intra_gbps is None:  # loopback and the unshaped veth: what gloo got through the unshaped veth
+        if "unshaped" not in probed:
+            raise SystemExit(f"plan_check: {path} has no unshaped link probe; pass --intra-gbps")
+        intra_gbps = probed["unshaped"] / 1e3
+    units = gpt_units(256, model["block_size"], model["n_layer"], model["n_embd"])
+
+    def cluster_at(gbps: float) -> Cluster:
+        return Cluster(2, 2, gbps, intra_gbps, latency_us, latency_us, backend="gloo")
+
+    out = []
+    for name in dict.fromkeys(r["config"] for r in data["rows"]):
+        config = ZeroPPConfig(**CONFIGS[name], ranks_per_node=2)
+        rows = {r["rate"]: r for r in data["rows"] if r["config"] == name}
+        if None not in rows:
+            raise SystemExit(f"plan_check: {path} has no unshaped run of {name} (its compute); run cluster.py with"
+                             " --rates unshaped ...")  # fmt: skip
+        compute = rows[None]["step_s"] - comm_seconds(units, config, cluster_at(intra_gbps), "bf16-mixed")
+        for rate, row in sorted((r, v) for r, v in rows.items() if r is not None):
+            delivered = probed.get(f"{rate:g}", rate) if probed_rates else rate
+            comm = comm_seconds(units, config, cluster_at(delivered / 1e3), "bf16-mixed")
+            predicted = step_seconds(compute, comm, overlap)
+            out.append(dict(config=name, rate_mbit=rate, compute_s=compute, comm_s=comm, predicted_s=predicted,
+                            measured_s=row["step_s"], error=predicted / row["step_s"] - 1))  # fmt: skip
+    print(
+        "| link | config | compute s (unshaped run) | predicted comm s | predicted step s | measured step s | error |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for r in out:
+        print(f"| {r['rate_mbit']:g} Mbit/s | {r['config']} | {r['compute_s']:.3f} | {r['comm_s']:.3f} |"
+              f" {r['predicted_s']:.3f} | {r['measured_s']:.3f} | {r['error']:+.1%} |")  # fmt: skip
+    within = sum(abs(r["error"]) <= 0.15 for r in out)
+    print(f"\nwithin 15%: {within} of {len(out)} (overlap {overlap:g}, veth/loopback {intra_gbps:g} Gbit/s)")
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--paper", action="store_true", help="the paper's 16 speedups")
     parser.add_argument("--fit", nargs="+", default=[f"{m}:{t}:{ib}" for m, t, ib in FIT],
                         help="the rows to fit on, MODEL:TOKENS:IB (default: %(default)s)")  # fmt: skip
     parser.add_argument("--bytes", type=Path, default=None, help="a comm_volume.py JSON to check the bytes against")
+    parser.add_argument("--cluster", type=Path, default=None, help="a cluster.py JSON with an unshaped rate")
+    parser.add_argument("--overlap", type=float, default=None, help="default: the planner's (the paper fit's)")
+    parser.add_argument(
+        "--intra-gbps",
+        type=float,
+        default=None,
+        help="the unshaped veth's and loopback's rate (default: the JSON's unshaped link probe)",
+    )
+    parser.add_argument("--latency-us", type=float, default=50.0, help="per message on the emulated cluster")
+    parser.add_argument("--probed-rates", action="store_true", help="the link probe's rates instead of the nominal")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     if args.bytes:
         sys.exit(1 if check_bytes(args.bytes) else 0)
+    if args.cluster:
+        from lightning_zeropp.plan import OVERLAP
+
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        overlap = OVERLAP if args.overlap is None else args.overlap
+        rows = check_cluster(args.cluster, overlap, args.intra_gbps, args.latency_us, args.probed_rates)
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=2))
+        return
     keys = [(m, int(t), int(ib)) for m, t, ib in (k.split(":") for k in args.fit)]
     check_paper(keys, args.json)
 

@@ -14,6 +14,9 @@ backward all-gather (hpZ)      hpZ group (R ranks)         exact all-gather of t
 backward all-gather (no hpZ)   whole group                 same as forward (identical weights)
 gradient reduce-scatter        whole group                 qgZ 2-hop all-to-all, or exact (also after
                                                           the first quantize_gradients_steps steps)
+HSDP (HYBRID_SHARD): every     the node's ranks            exact, on our node group; FSDP then
+all-gather and reduce-scatter                             all-reduces the gradients across nodes on
+                                                          its own rail group (its hook records it)
 ============================  ==========================  ===========================================
 """
 

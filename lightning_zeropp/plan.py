@@ -56,7 +56,9 @@ own (``--efficiency``, ``--overlap``) when you have measured your hardware."""
 @dataclass(frozen=True)
 class Cluster:
     """The hardware: ``nodes`` x ``gpus_per_node``; bandwidths in Gbit/s (inter-node: the node's, shared by its
-    GPUs; intra-node: each GPU's), latencies in microseconds, memory in GiB, peak in TFLOP/s per GPU."""
+    GPUs; intra-node: each GPU's), latencies in microseconds, memory in GiB, peak in TFLOP/s per GPU; the backend:
+    ``"nccl"`` runs all-gathers and reduce-scatters as rings, ``"gloo"`` (the emulated cluster) its all-gathers as
+    rings and its reduce-scatter with twice a ring's bytes (measured: RESULTS.md, the link/ledger arithmetic)."""
 
     nodes: int
     gpus_per_node: int
@@ -66,8 +68,11 @@ class Cluster:
     intra_latency_us: float = 2.0
     gpu_memory_gib: float = 80.0
     peak_tflops: float = 989.0
+    backend: str = "nccl"
 
     def __post_init__(self) -> None:
+        if self.backend not in ("nccl", "gloo"):
+            raise ValueError(f"plan: `backend={self.backend!r}` must be 'nccl' or 'gloo'.")
         for name in ("nodes", "gpus_per_node"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"plan: `{name}={getattr(self, name)!r}` must be an int >= 1.")
@@ -117,15 +122,25 @@ def collective_seconds(kind: str, intra: int, inter: int, calls: int, cluster: C
     N, W = cluster.gpus_per_node, cluster.world
     inter_Bps, intra_Bps = cluster.inter_gbps * 1e9 / 8, cluster.intra_gbps * 1e9 / 8
     lat_inter, lat_intra = cluster.inter_latency_us * 1e-6, cluster.intra_latency_us * 1e-6
-    ring = kind in RING_KINDS
-    if ring and inter:  # a ring over all W ranks: shard = inter / (W - N) bytes per peer
+    if kind in RING_KINDS and inter:  # a ring over all W ranks: shard = inter / (W - N) bytes per peer
         shard = inter / (W - N)
-        wire = shard * (W - 1)
+        wire = shard * (W - 1) * (2 if cluster.backend == "gloo" and kind == "gradient_reduce_scatter" else 1)
         return max(wire / inter_Bps, wire / intra_Bps) + calls * (W - 1) * lat_inter
-    if ring:  # a ring inside the node (HSDP, or one node)
+    if kind in RING_KINDS and not inter:  # a ring inside the node (HSDP, or one node)
         return intra / intra_Bps + calls * (N - 1) * lat_intra
     seconds = intra / intra_Bps + (N * inter) / inter_Bps
     return seconds + calls * ((lat_inter if inter else 0.0) + (lat_intra if intra else 0.0))
+
+
+def step_seconds(compute: float, comm: float, overlap: float) -> float:
+    """A step's time from its compute and communication times (module docstring)."""
+    return max(compute, comm) + (1 - overlap) * min(compute, comm)
+
+
+def comm_seconds(units: list[Unit], config: ZeroPPConfig, cluster: Cluster, precision: str) -> float:
+    """Seconds one step's collectives take on ``cluster`` (rank 0's bytes; ranks differ by padding only)."""
+    by_kind = step_bytes(units, config, cluster.world, cluster.gpus_per_node, 0, precision)
+    return sum(collective_seconds(k, *v, cluster, config) for k, v in by_kind.items())
 
 
 def step_flops(units: list[Unit], workload: Workload) -> float:
@@ -174,7 +189,7 @@ def plan(
         comm = sum(collective_seconds(k, *v, cluster, config) for k, v in by_kind.items())
         flops = step_flops(units, workload)
         compute = flops / (cluster.peak_tflops * 1e12 * workload.efficiency)
-        step = max(compute, comm) + (1 - workload.overlap) * min(compute, comm)
+        step = step_seconds(compute, comm, workload.overlap)
         memory = memory_parts(units, config, cluster, workload, n_embd)
         total = sum(memory.values())
         rows.append(
@@ -196,14 +211,27 @@ def plan(
     return rows
 
 
+OPT_IN_MARGIN = 1.10
+"""An opt-in (error feedback, weight deltas) is recommended over the defaults only when it is this much faster: each
+costs memory, and weight deltas' forward weights trail the exact ones by their INT4 rounding."""
+
+
 def recommend(rows: list[Row]) -> str:
-    """The fastest configuration that fits, and why."""
-    fitting = [r for r in rows if r.fits]
+    """The configuration to use, and why: the fastest that fits, the defaults unless an opt-in beats them by
+    :data:`OPT_IN_MARGIN`."""
+    fitting = {r.config: r for r in rows if r.fits}
     if not fitting:
-        return "none fits: more GPUs, activation checkpointing, or CPU offload"
-    best = min(fitting, key=lambda r: r.step_s)
+        return "none fits: more GPUs, activation checkpointing or CPU offload (cpu_offload=True)"
+    best = min(fitting.values(), key=lambda r: r.step_s)
+    default = fitting.get("zeropp")
+    if best.config.startswith("zeropp+") and default is not None and best.step_s * OPT_IN_MARGIN > default.step_s:
+        best = default
     bound = "communication" if best.comm_s > best.compute_s else "compute"
-    return f"{best.config} ({best.speedup:.2f}x zero3, {bound}-bound, {best.memory_gib['total']:.1f} GiB per GPU)"
+    why = [f"{best.speedup:.2f}x zero3's step", f"{bound}-bound", f"{best.memory_gib['total']:.1f} GiB per GPU"]
+    unfit = [r.config for r in rows if not r.fits]
+    if unfit:
+        why.append(f"{', '.join(unfit)} does not fit")
+    return f"{best.config} ({'; '.join(why)})"
 
 
 # ------------------------------------------------------------------------------------------------ models
@@ -243,13 +271,22 @@ def _litgpt_units(name: str) -> tuple[list[Unit], int, str]:
 
 
 # ------------------------------------------------------------------------------------------------ output
-def table(rows: list[Row], cluster: Cluster) -> str:
-    parts = list(rows[0].memory_gib)
-    head = ["config", *[f"{p} GiB" for p in parts], "fits", "inter GB/GPU", "intra GB/GPU", "compute s", "comm s",
+MEMORY_GROUPS = {
+    "sharded state": ("parameters", "gradients", "optimizer"),
+    "hpZ copy": ("hpz_copy",),
+    "feedback / deltas": ("error_feedback", "weight_deltas_node_copy", "weight_deltas_tracked_copy"),
+    "activations, buffers": ("activations", "unsharded_units"),
+}
+"""How the table groups the memory parts (the JSON keeps each part)."""
+
+
+def table(rows: list[Row]) -> str:
+    head = ["config", "GiB per GPU", *MEMORY_GROUPS, "fits", "inter GB/GPU", "intra GB/GPU", "compute s", "comm s",
             "step s", "speedup"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = [r.config, *[f"{r.memory_gib[p]:.2f}" for p in parts], "yes" if r.fits else "NO",
+        groups = [sum(r.memory_gib[p] for p in parts) for parts in MEMORY_GROUPS.values()]
+        cells = [r.config, f"{r.memory_gib['total']:.2f}", *[f"{g:.2f}" for g in groups], "yes" if r.fits else "NO",
                  f"{r.inter_node_gb:.3f}", f"{r.intra_node_gb:.3f}", f"{r.compute_s:.3f}", f"{r.comm_s:.3f}",
                  f"{r.step_s:.3f}", f"{r.speedup:.2f}x"]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
@@ -271,10 +308,10 @@ def plot(units: list[Unit], cluster: Cluster, workload: Workload, path: Path, ti
             series.setdefault(row.config, []).append(row.step_s)
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for name, times in series.items():
-        ax.plot(bandwidths, times, marker="o", label=name)
+        ax.plot(bandwidths, times, marker="o", label=name, linestyle="--" if name.endswith("+ef") else "-")
     ax.axvline(cluster.inter_gbps, color="grey", linestyle=":", label=f"{cluster.inter_gbps:g} Gbit/s")
     ax.set(xscale="log", yscale="log", xlabel="inter-node bandwidth per node (Gbit/s)", ylabel="step time (s)")
-    ax.set_title(title, fontsize=9)
+    ax.set_title(title.replace(" on ", "\non ", 1), fontsize=9)  # two lines: it fits the figure
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -323,7 +360,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     title = (f"{described} on {cluster.nodes} x {cluster.gpus_per_node} GPUs, {cluster.inter_gbps:g} Gbit/s between"
              f" nodes, {workload.tokens_per_gpu} tokens per GPU")  # fmt: skip
     print(title + "\n")
-    print(table(rows, cluster))
+    print(table(rows))
     print(f"\nrecommended: {recommend(rows)}")
     if args.json:
         args.json.write_text(json.dumps({"model": described, "cluster": asdict(cluster), "workload": asdict(workload),
