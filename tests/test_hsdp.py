@@ -91,7 +91,8 @@ def expected_hsdp_ledger(world: int, per_node: int, steps: int, element: int = 4
 @pytest.mark.version_sensitive
 @pytest.mark.parametrize("front_door", ["trainer", "fabric"])
 def test_hsdp_trains_exactly_with_exact_bytes(tmp_path, front_door):
-    world, per_node = 6, 2  # 3 nodes x 2: shards of odd sizes split over the rails unevenly
+    # Trainer: 3 nodes x 2, shards of odd sizes split over the rails unevenly; Fabric (the same core): 2 x 2
+    world, per_node = (6, 2) if front_door == "trainer" else (4, 2)
     init_path, data_path, x, y = save_inputs(tmp_path, world * BATCH * STEPS)
     strategy = dict(HSDP, ranks_per_node=per_node)
     if front_door == "trainer":
@@ -153,7 +154,7 @@ def _save_then_load(rank, world, init_path, data_path, ckpt, save_kwargs, load_k
 @pytest.mark.version_sensitive
 @pytest.mark.parametrize(
     ("direction", "state_dict_type"),
-    [("full_to_hybrid", "sharded"), ("hybrid_to_full", "sharded"), ("hybrid_to_full", "full")],
+    [("full_to_hybrid", "sharded"), ("hybrid_to_full", "full")],
 )
 def test_checkpoints_cross_between_full_and_hybrid_shard(tmp_path, direction, state_dict_type):
     init_path, data_path, *_ = save_inputs(tmp_path, 4 * 3 * BATCH)
