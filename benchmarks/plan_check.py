@@ -3,10 +3,10 @@
 ``--paper``: the paper's end-to-end table (384 V100 GPUs, 24 nodes x 16; 18B-138B GPT models; 1K and 2K tokens per
 GPU; 1 or 8 InfiniBand connections of 100 Gbit/s per node; baseline ZeRO-3 and ZeRO++ TFLOP/s per GPU). The planner's
 two free parameters, compute efficiency and overlap, are fitted on two of its 16 speedups (``--fit``); the other 14
-are predicted. Stated hardware: V100 peak 120 TFLOP/s (the paper's figure), 32 GiB, NVSwitch 150 GB/s per GPU per
-direction (1200 Gbit/s), fp16 mixed precision (bytes as bf16-mixed). The models' shapes are not in the paper's table:
-each is a GPT of the example's structure with the width below and ``L = P / (12 d^2)`` layers, vocabulary 50304,
-2048 positions.
+are predicted. Stated hardware: V100 peak 120 TFLOP/s (the paper's figure), 32 GiB, HBM2 900 GB/s, NVSwitch 150 GB/s
+per GPU per direction (1200 Gbit/s), fp16 mixed precision (bytes as bf16-mixed). The models' shapes are not in the
+paper's table: each is a GPT of the example's structure with the width below and ``L = P / (12 d^2)`` layers,
+vocabulary 50304, 2048 positions.
 
 ``--bytes FILE``: the planner's bytes per kind against the ledgers ``benchmarks/comm_volume.py`` measured (the same
 example GPT, every configuration and topology there): equal, or the kinds that differ.
@@ -50,7 +50,7 @@ def paper_rows() -> list[dict]:
     """Per table row: FLOPs per GPU and both configurations' communication seconds (which do not depend on the two
     fitted parameters), from the planner's model."""
     from lightning_zeropp.config import ZeroPPConfig
-    from lightning_zeropp.costs import gpt_units, step_bytes
+    from lightning_zeropp.costs import gpt_units, kernel_bytes, step_bytes
     from lightning_zeropp.plan import CONFIGS, Cluster, Workload, collective_seconds, step_flops
 
     rows = []
@@ -58,28 +58,31 @@ def paper_rows() -> list[dict]:
     configs = {name: ZeroPPConfig(**CONFIGS[name]) for name in ("zero3", "zeropp")}
     # the bytes depend on the model alone (not on the tokens or the links): once per model
     by_kind = {(m, n): step_bytes(units_of[m], c, 384, 16, 0, "bf16-mixed") for m in MODELS for n, c in configs.items()}
+    moved = {(m, n): kernel_bytes(units_of[m], c, 384, 16) for m in MODELS for n, c in configs.items()}
     for (model, tokens, ib), (base, zpp) in PAPER.items():
-        cluster = Cluster(24, 16, 100.0 * ib, 1200.0, gpu_memory_gib=32.0, peak_tflops=120.0)
+        cluster = Cluster(24, 16, 100.0 * ib, 1200.0, gpu_memory_gib=32.0, peak_tflops=120.0, hbm_gbps=900.0)
         workload = Workload(tokens, "bf16-mixed")
         comm = {
             name: sum(collective_seconds(k, *v, cluster, config) for k, v in by_kind[model, name].items())
             for name, config in configs.items()
         }
+        kernels = {name: moved[model, name] / (cluster.hbm_gbps * 1e9) for name in configs}
         flops = step_flops(units_of[model], workload)
         rows.append(dict(model=model, tokens=tokens, ib=ib, paper_base=base, paper_zeropp=zpp,
-                         paper_speedup=zpp / base, flops=flops, comm=comm))  # fmt: skip
+                         paper_speedup=zpp / base, flops=flops, comm=comm, kernels=kernels))  # fmt: skip
     return rows
 
 
 def predict(row: dict, efficiency: float, overlap: float) -> tuple[float, float, float]:
     """``(baseline TFLOP/s, ZeRO++ TFLOP/s, speedup)`` of one row at the two parameters (6PT FLOPs, as the paper
     counts; the compute time has the recomputation's 8PT)."""
-    compute = row["flops"] / (120e12 * efficiency)
 
-    def step(comm: float) -> float:
+    def step(name: str) -> float:
+        compute = row["flops"] / (120e12 * efficiency) + row["kernels"][name]
+        comm = row["comm"][name]
         return max(compute, comm) + (1 - overlap) * min(compute, comm)
 
-    t0, t1 = step(row["comm"]["zero3"]), step(row["comm"]["zeropp"])
+    t0, t1 = step("zero3"), step("zeropp")
     useful = row["flops"] * 6 / 8
     return useful / t0 / 1e12, useful / t1 / 1e12, t0 / t1
 

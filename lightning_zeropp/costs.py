@@ -186,6 +186,43 @@ def step_bytes(
     return {k: (t.intra_node_bytes, t.inter_node_bytes, t.calls) for k, t in ledger.by_kind().items()}
 
 
+def kernel_bytes(
+    units: list[Unit], config: ZeroPPConfig, world: int, ranks_per_node: int, precision: str = "bf16-mixed"
+) -> int:
+    """Device-memory bytes the quantization kernels read and write on a rank in one steady-state step (each buffer
+    once per pass, as the fused kernels move it): qwZ's quantize of the own shard and dequantize of every gathered
+    row (twice without hpZ); qgZ's swizzle-quantize of the whole reduce-scatter input, the intra-node
+    dequantize-reduce-requantize and the final dequantize-reduce; the error feedback residual, read and written; the
+    weight deltas' quantize (the weights and their tracked copy read) and the holders' dequantize-add. Exact
+    collectives (ZeRO-3, HSDP) move no bytes through kernels of ours: 0."""
+    _, e, er = ELEMENT_BYTES[precision]
+    ranks_per_node, R = config.resolve(world, ranks_per_node)
+    K, N, W = world // ranks_per_node, ranks_per_node, world
+    aligned = config.block_alignment == "parameter"
+    deltas = config.weight_deltas and 1 < R < W
+    total = 0
+    for unit in units:
+        segments = tuple(unit.shards(W))
+        C = sum(segments)
+        if deltas:
+            wire = _wire(segments, config.weight_delta_bits, config.weight_block_size, aligned)
+            G = W // R
+            total += 2 * C * e + wire + G * (wire + 2 * C * e)  # quantize w - tracked; holders add G deltas in place
+        elif config.quantize_weights:
+            wire = _wire(segments, config.weight_bits, config.weight_block_size, aligned)
+            gathers = 1 if 1 < R < W else 2  # the backward re-gathers (and dequantizes) without hpZ
+            total += gathers * (C * e + wire + W * (wire + C * e))
+        if config.quantize_gradients and K > 1:
+            rows = _qgz_rows(segments, _GradientFormat.of(config))
+            row_in, row_out = sum(r[2] for r in rows), sum(r[3] for r in rows)
+            total += W * C * er + W * row_in  # swizzle-quantize: the whole input in, W rows out
+            total += N * K * row_in + K * row_out  # in the node: N copies of K rows in, K rows out
+            total += K * row_out + C * er  # across nodes: K rows in, this rank's chunk out
+            if config.gradient_error_feedback:
+                total += 2 * K * C * config.error_feedback_bits // 8
+    return total
+
+
 # ------------------------------------------------------------------------------------------------ memory
 def persistent_memory(
     units: list[Unit], config: ZeroPPConfig, world: int, ranks_per_node: int, precision: str = "bf16-mixed"

@@ -8,7 +8,7 @@ communication and step time, with the speedup over ZeRO-3.
 The time model, stated:
 
 - compute: ``6 x parameters x tokens`` FLOPs per GPU (8x with activation checkpointing: the forward runs twice) at
-  ``efficiency x peak``;
+  ``efficiency x peak``, plus the quantization kernels' reads and writes at the device memory's bandwidth;
 - a collective over all ranks (FSDP's all-gathers and reduce-scatter, qwZ's all-gather) runs as a ring: the link
   into each node carries ``(W - 1)`` shards, every GPU's own link ``(W - 1)`` shards, concurrently, so it takes the
   longer of the two, plus one latency per ring step; an all-to-all (qgZ's hops, weight deltas) or an all-reduce on
@@ -33,7 +33,7 @@ from typing import Any
 
 from .config import ZeroPPConfig
 from .core import HSDP_ARGUMENTS
-from .costs import ELEMENT_BYTES, Unit, gpt_units, parameters, persistent_memory, step_bytes
+from .costs import ELEMENT_BYTES, Unit, gpt_units, kernel_bytes, parameters, persistent_memory, step_bytes
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "zero3": dict(quantize_weights=False, hpz_partition_size=1, quantize_gradients=False),
@@ -48,7 +48,7 @@ RING_KINDS = {"weight_all_gather", "weight_all_gather_backward", "gradient_reduc
 """Collectives FSDP (or qwZ) runs over all ranks as one ring (HSDP: inside the node); the rest are all-to-alls, rail
 all-reduces or collectives inside an hpZ group."""
 
-EFFICIENCY, OVERLAP = 0.575, 0.04
+EFFICIENCY, OVERLAP = 0.645, 0.0
 """The two free parameters as fitted on the paper's table (V100s, ``benchmarks/plan_check.py --paper``): pass your
 own (``--efficiency``, ``--overlap``) when you have measured your hardware."""
 
@@ -56,7 +56,8 @@ own (``--efficiency``, ``--overlap``) when you have measured your hardware."""
 @dataclass(frozen=True)
 class Cluster:
     """The hardware: ``nodes`` x ``gpus_per_node``; bandwidths in Gbit/s (inter-node: the node's, shared by its
-    GPUs; intra-node: each GPU's), latencies in microseconds, memory in GiB, peak in TFLOP/s per GPU; the backend:
+    GPUs; intra-node: each GPU's), latencies in microseconds, memory in GiB, peak in TFLOP/s and device memory
+    bandwidth (``hbm_gbps``, GB/s: the quantization kernels' speed) per GPU; the backend:
     ``"nccl"`` runs all-gathers and reduce-scatters as rings, ``"gloo"`` (the emulated cluster) its all-gathers as
     rings and its reduce-scatter with twice a ring's bytes (measured: RESULTS.md, the link/ledger arithmetic)."""
 
@@ -69,6 +70,7 @@ class Cluster:
     gpu_memory_gib: float = 80.0
     peak_tflops: float = 989.0
     backend: str = "nccl"
+    hbm_gbps: float = 3350.0
 
     def __post_init__(self) -> None:
         if self.backend not in ("nccl", "gloo"):
@@ -76,7 +78,7 @@ class Cluster:
         for name in ("nodes", "gpus_per_node"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"plan: `{name}={getattr(self, name)!r}` must be an int >= 1.")
-        for name in ("inter_gbps", "intra_gbps", "gpu_memory_gib", "peak_tflops"):
+        for name in ("inter_gbps", "intra_gbps", "gpu_memory_gib", "peak_tflops", "hbm_gbps"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"plan: `{name}={getattr(self, name)!r}` must be > 0.")
 
@@ -143,6 +145,14 @@ def comm_seconds(units: list[Unit], config: ZeroPPConfig, cluster: Cluster, prec
     return sum(collective_seconds(k, *v, cluster, config) for k, v in by_kind.items())
 
 
+def compute_seconds(units: list[Unit], config: ZeroPPConfig, cluster: Cluster, workload: Workload) -> float:
+    """The model's FLOPs at ``efficiency`` x peak, plus the quantization kernels' bytes at the device memory's
+    bandwidth (they run on the compute stream, between the layers)."""
+    flops = step_flops(units, workload) / (cluster.peak_tflops * 1e12 * workload.efficiency)
+    moved = kernel_bytes(units, config, cluster.world, cluster.gpus_per_node, workload.precision)
+    return flops + moved / (cluster.hbm_gbps * 1e9)
+
+
 def step_flops(units: list[Unit], workload: Workload) -> float:
     """FLOPs one GPU computes per optimizer step (module docstring)."""
     return (8 if workload.activation_checkpointing else 6) * parameters(units) * workload.tokens_per_gpu
@@ -188,7 +198,7 @@ def plan(
         by_kind = step_bytes(units, config, cluster.world, cluster.gpus_per_node, 0, workload.precision)
         comm = sum(collective_seconds(k, *v, cluster, config) for k, v in by_kind.items())
         flops = step_flops(units, workload)
-        compute = flops / (cluster.peak_tflops * 1e12 * workload.efficiency)
+        compute = compute_seconds(units, config, cluster, workload)
         step = step_seconds(compute, comm, workload.overlap)
         memory = memory_parts(units, config, cluster, workload, n_embd)
         total = sum(memory.values())
@@ -337,6 +347,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     c.add_argument("--intra-latency-us", type=float, default=2.0)
     c.add_argument("--gpu-memory-gib", type=float, default=80.0)
     c.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak per GPU (H100: 989)")
+    c.add_argument("--hbm-gbps", type=float, default=3350.0, help="device memory bandwidth per GPU, GB/s (H100: 3350)")
     w = p.add_argument_group("workload")
     w.add_argument("--tokens", type=int, default=4096, help="tokens per GPU per optimizer step")
     w.add_argument("--precision", default="bf16-mixed", choices=sorted(ELEMENT_BYTES))
@@ -353,7 +364,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     args = parse_args(argv)
     units, width, described = model_units(args)
     cluster = Cluster(args.nodes, args.gpus_per_node, args.inter_gbps, args.intra_gbps, args.inter_latency_us,
-                      args.intra_latency_us, args.gpu_memory_gib, args.peak_tflops)  # fmt: skip
+                      args.intra_latency_us, args.gpu_memory_gib, args.peak_tflops, hbm_gbps=args.hbm_gbps)  # fmt: skip
     workload = Workload(args.tokens, args.precision, args.optimizer_states, not args.no_activation_checkpointing,
                         args.efficiency, args.overlap)  # fmt: skip
     rows = plan(units, cluster, workload, n_embd=width)

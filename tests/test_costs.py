@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lightning_zeropp.config import ZeroPPConfig
-from lightning_zeropp.costs import gpt_units, persistent_memory, step_bytes, units_of
+from lightning_zeropp.costs import gpt_units, kernel_bytes, persistent_memory, step_bytes, units_of
 from lightning_zeropp.testing.distributed import spawn
 from lightning_zeropp.testing.models import TinyLM
 from lightning_zeropp.testing.workers import example_gpt, save_inputs, train_worker
@@ -112,3 +112,24 @@ def test_bytes_equal_every_ranks_ledger_at_three_nodes(tmp_path):
         unplanned = set(r["ledger"]) - set(planned)
         assert unplanned <= {"weight_delta_refresh"}, f"rank {rank}: the planner misses {unplanned}"
     assert torch.isfinite(torch.tensor(results[0]["losses"])).all()
+
+
+def test_kernel_bytes_follow_the_techniques():
+    """The quantization kernels' memory traffic: none for exact collectives; qwZ's own shard in and out, then every
+    gathered INT8 row in and bf16 row out (twice without hpZ); error feedback reads and writes its residual."""
+    units = gpt_units(256, COMM_VOLUME_MODEL["block_size"], COMM_VOLUME_MODEL["n_layer"], COMM_VOLUME_MODEL["n_embd"])
+    W, nodes = 8, 4
+    params = sum(u.numel for u in units)  # no padding at W = 8 for this model
+
+    def moved(**kwargs):
+        return kernel_bytes(units, ZeroPPConfig(ranks_per_node=2, **kwargs), W, 2)
+
+    assert moved(**CONFIGS["zero3"]) == 0 == moved(**CONFIGS["hsdp"])
+    qwz_hpz = moved(quantize_weights=True, quantize_gradients=False)
+    assert moved(quantize_weights=True, quantize_gradients=False, hpz_partition_size=1) == 2 * qwz_hpz
+    int8 = 1 + 4 / 256  # bytes per element with the scales
+    assert qwz_hpz == pytest.approx(params * (2 + int8) * (1 + 1 / W), rel=0.01)
+    residual = nodes * params // W  # elements: K rows of each rank's chunk
+    for bits in (8, 16, 32):
+        extra = moved(gradient_error_feedback=True, error_feedback_bits=bits) - moved()
+        assert extra == 2 * residual * bits // 8

@@ -86,8 +86,8 @@ def test_paper_speedups_from_two_fitted(tmp_path):
     for r in rows:
         key = (r["model"], r["tokens"], r["ib"])
         errors[key] = plan_check.predict(r, e, o)[2] / r["paper_speedup"] - 1
-    assert all(abs(errors[k]) < 0.01 for k in plan_check.FIT)  # the fit reproduces what it was fitted on
+    # the fit's own rows: +1.1% and -3.2% (overlap at its bound, 0)
+    assert all(abs(errors[k]) < 0.05 for k in plan_check.FIT), errors
     others = [v for k, v in errors.items() if k not in plan_check.FIT]
     assert len(others) == 14
-    assert sum(abs(v) <= 0.20 for v in others) >= 12, errors  # measured: 12 of 14, the other two at +20.2%, +20.3%
-    assert max(abs(v) for v in others) < 0.21
+    assert all(abs(v) <= 0.20 for v in others), errors  # measured: 14 of 14, the largest +18.7%
