@@ -56,6 +56,13 @@ def _accumulation(rank, world, init_path, data_path):
     return _fit(rank, world, init_path, data_path, accumulate=2)[2]
 
 
+def _hsdp_accumulation_clip_norm(rank, world, init_path, data_path):
+    strategy = dict(ranks_per_node=PER_NODE, sharding_strategy="HYBRID_SHARD", quantize_weights=False,
+                    quantize_gradients=False)  # fmt: skip
+    kw = dict(gradient_clip_val=0.05, gradient_clip_algorithm="norm")
+    return _fit(rank, world, init_path, data_path, accumulate=2, strategy=strategy, trainer_kwargs=kw)[2]
+
+
 def _clip_norm(rank, world, init_path, data_path):
     kw = dict(gradient_clip_val=0.05, gradient_clip_algorithm="norm")
     return _fit(rank, world, init_path, data_path, trainer_kwargs=kw)[2]
@@ -192,9 +199,9 @@ def _fp16_true(rank, world, init_path, data_path):
 
 SCENARIOS = {
     f.__name__.lstrip("_"): f
-    for f in (_accumulation, _clip_norm, _clip_value, _activation_checkpointing, _cpu_offload, _frozen,
-              _manual_two_optimizers, _no_optimizer, _evaluation_loops, _weights_swapped_for_validation, _bf16_true,
-              _fp16_true)
+    for f in (_accumulation, _hsdp_accumulation_clip_norm, _clip_norm, _clip_value, _activation_checkpointing,
+              _cpu_offload, _frozen, _manual_two_optimizers, _no_optimizer, _evaluation_loops,
+              _weights_swapped_for_validation, _bf16_true, _fp16_true)
 }  # fmt: skip
 
 
@@ -225,6 +232,21 @@ def test_gradient_accumulation_reduces_once_per_step(run):
     for r in results:
         assert r["accumulation"]["ledger"]["gradient_reduce_scatter"][2] == STEPS * units  # not 2 x per step
         assert r["accumulation"]["ledger"]["weight_all_gather"][2] == 2 * STEPS * units  # every micro-batch gathers
+
+
+def test_hsdp_accumulates_and_clips_by_the_global_norm(run):
+    """HSDP (2-D mesh): no gradient traffic on the first micro-batch, one reduce-scatter and one all-reduce per unit
+    and step, and the clip by the norm over every shard of both mesh dimensions."""
+    init_path, x, y, _, results = run
+    ref, _ = reference_training(init_path, x, y, WORLD * BATCH, STEPS, accumulate=2, clip=("norm", 0.05))
+    unclipped, _ = reference_training(init_path, x, y, WORLD * BATCH, STEPS, accumulate=2)
+    assert relative_error(ref["net.blocks.0.mlp.fc.weight"], unclipped["net.blocks.0.mlp.fc.weight"]) > 1e-3
+    _assert_matches(results[0]["hsdp_accumulation_clip_norm"]["state"], ref)
+    units = 3
+    for r in results:
+        ledger = r["hsdp_accumulation_clip_norm"]["ledger"]
+        assert ledger["gradient_reduce_scatter"][2] == ledger["gradient_all_reduce"][2] == STEPS * units
+        assert ledger["weight_all_gather"][1] == 0  # weights never leave the node
 
 
 @pytest.mark.parametrize(("name", "clip"), [("clip_norm", ("norm", 0.05)), ("clip_value", ("value", 2e-3))])
