@@ -15,6 +15,9 @@ example GPT, every configuration and topology there): equal, or the kinds that d
     python benchmarks/plan_check.py --bytes benchmarks/comm_volume.json
     python benchmarks/plan_check.py --cluster benchmarks/cluster_plan.json
 
+``--memory [CONFIG ...]``: the planner's memory per rank against the peak resident memory a CPU run adds (the
+example GPT at 4 x 1024, 4 ranks as 2 x 2, AdamW, bf16-mixed).
+
 ``--cluster FILE``: predicted step times on the emulated two-node cluster (``benchmarks/cluster.py``, which must
 have run the configurations on the unshaped link too: that run's step is the configuration's compute) against the
 measured ones.
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -202,6 +206,72 @@ def check_cluster(
     return out
 
 
+MEMORY_MODEL = dict(block_size=64, n_layer=4, n_embd=1024)  # 50M parameters: the state outweighs the runtime's noise
+
+
+def _memory_rank(rank: int, world: int, per_node: int, name: str, steps: int) -> dict:
+    """One rank of a CPU run: the example GPT built on the meta device, ``steps`` AdamW steps in bf16-mixed, one
+    sequence of 64 tokens; its resident memory before the model exists and at its peak (bytes)."""
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    import torch
+    from comm_volume import CONFIGS
+    from lightning.pytorch import Trainer
+    from model import GPTModule
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_zeropp import ZeroPPStrategy
+    from lightning_zeropp.testing.memory import peak_rss
+
+    strategy = ZeroPPStrategy(ranks_per_node=per_node, **CONFIGS[name])
+    trainer = Trainer(accelerator="cpu", devices=world, strategy=strategy, precision="bf16-mixed", max_steps=steps,
+                      logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      limit_val_batches=0, num_sanity_val_steps=0, use_distributed_sampler=False)  # fmt: skip
+    tokens = torch.randint(0, 256, (1, MEMORY_MODEL["block_size"] + 1))
+    baseline = peak_rss()
+    with trainer.init_module(empty_init=True):
+        module = GPTModule(n_head=MEMORY_MODEL["n_embd"] // 128, **MEMORY_MODEL)
+        module.configure_model()
+    trainer.fit(module, DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=1))
+    return {"baseline": baseline, "peak": peak_rss(), "persistent": strategy.persistent_memory}
+
+
+def check_memory(configs: list[str], steps: int) -> list[dict]:
+    """The planner's memory per rank against the peak resident memory a CPU run adds (4 ranks as 2 x 2). glibc is
+    told to give every freed block of 64 KiB or more back at once, so the peak follows what is allocated, not what the
+    allocator keeps."""
+    from lightning_zeropp.config import ZeroPPConfig
+    from lightning_zeropp.costs import gpt_units
+    from lightning_zeropp.plan import Cluster, Workload, memory_parts
+    from lightning_zeropp.spawn import run_local_ranks
+
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # read when the rank processes start
+    os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", "0")
+    units = gpt_units(256, MEMORY_MODEL["block_size"], MEMORY_MODEL["n_layer"], MEMORY_MODEL["n_embd"])
+    cluster = Cluster(2, 2, 1.0, 1.0)
+    workload = Workload(MEMORY_MODEL["block_size"], "bf16-mixed", 2, activation_checkpointing=False)
+    out = []
+    for name in configs:
+        from comm_volume import CONFIGS
+
+        config = ZeroPPConfig(**CONFIGS[name], ranks_per_node=2)
+        parts = memory_parts(units, config, cluster, workload, MEMORY_MODEL["n_embd"])
+        results = run_local_ranks(_memory_rank, 4, 2, name, steps, sys_path=[str(ROOT / "examples" / "gpt"),
+                                  str(ROOT / "benchmarks")], timeout=1200)  # fmt: skip
+        measured = [r["peak"] - r["baseline"] for r in results]
+        planned = sum(parts.values())
+        out.append(dict(config=name, planned=planned, parts=parts, measured=measured,
+                        errors=[planned / m - 1 for m in measured]))  # fmt: skip
+        shown = ", ".join(f"{k} {v / 1e6:.0f}" for k, v in parts.items() if v)
+        print(f"{name}: planned {planned / 1e6:.0f} MB ({shown}); measured peak - baseline per rank"
+              f" {', '.join(f'{m / 1e6:.0f}' for m in measured)} MB; errors"
+              f" {', '.join(f'{e:+.1%}' for e in out[-1]['errors'])}")  # fmt: skip
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--paper", action="store_true", help="the paper's 16 speedups")
@@ -218,8 +288,15 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--latency-us", type=float, default=50.0, help="per message on the emulated cluster")
     parser.add_argument("--probed-rates", action="store_true", help="the link probe's rates instead of the nominal")
+    parser.add_argument("--memory", nargs="*", default=None, help="configurations for the memory check (CPU runs)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
+    if args.memory is not None:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        rows = check_memory(args.memory or ["zero3", "zeropp", "hsdp"], steps=2)
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=2))
+        return
     if args.bytes:
         sys.exit(1 if check_bytes(args.bytes) else 0)
     if args.cluster:

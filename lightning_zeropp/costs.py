@@ -223,6 +223,31 @@ def kernel_bytes(
     return total
 
 
+def collective_buffers(units: list[Unit], config: ZeroPPConfig, world: int, ranks_per_node: int) -> int:
+    """Bytes the quantized collectives hold at their peak, for the unit that needs most: qwZ's packed shard and the
+    gathered rows (forward); weight deltas' packed delta, sent and received rows; qgZ's intra-node rows sent and
+    received and its rail rows (backward: the two never overlap for one unit). Exact collectives use FSDP's own
+    buffers (the unsharded units): 0."""
+    ranks_per_node, R = config.resolve(world, ranks_per_node)
+    K, W = world // ranks_per_node, world
+    aligned = config.block_alignment == "parameter"
+    peak = 0
+    for unit in units:
+        segments = tuple(unit.shards(W))
+        forward = backward = 0
+        if config.weight_deltas and 1 < R < W:
+            wire = _wire(segments, config.weight_delta_bits, config.weight_block_size, aligned)
+            forward = wire + 2 * (W // R) * wire
+        elif config.quantize_weights:
+            wire = _wire(segments, config.weight_bits, config.weight_block_size, aligned)
+            forward = wire + W * wire
+        if config.quantize_gradients and K > 1:
+            rows = _qgz_rows(segments, _GradientFormat.of(config))
+            backward = 2 * W * sum(r[2] for r in rows) + 2 * K * sum(r[3] for r in rows)
+        peak = max(peak, forward, backward)
+    return peak
+
+
 # ------------------------------------------------------------------------------------------------ memory
 def persistent_memory(
     units: list[Unit], config: ZeroPPConfig, world: int, ranks_per_node: int, precision: str = "bf16-mixed"

@@ -33,7 +33,16 @@ from typing import Any
 
 from .config import ZeroPPConfig
 from .core import HSDP_ARGUMENTS
-from .costs import ELEMENT_BYTES, Unit, gpt_units, kernel_bytes, parameters, persistent_memory, step_bytes
+from .costs import (
+    ELEMENT_BYTES,
+    Unit,
+    collective_buffers,
+    gpt_units,
+    kernel_bytes,
+    parameters,
+    persistent_memory,
+    step_bytes,
+)
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "zero3": dict(quantize_weights=False, hpz_partition_size=1, quantize_gradients=False),
@@ -162,7 +171,8 @@ def memory_parts(
     units: list[Unit], config: ZeroPPConfig, cluster: Cluster, workload: Workload, n_embd: int
 ) -> dict[str, float]:
     """Bytes per GPU by part: the sharded parameters, gradients and optimizer state; hpZ's copy (1/R of the weights,
-    kept from a unit's forward to its backward); two units unsharded (the one computing and the one prefetched);
+    kept from a unit's forward to its backward); two units unsharded (the one computing and the one prefetched); the
+    quantized collectives' buffers (:func:`~lightning_zeropp.costs.collective_buffers`);
     activations (``34 x tokens x width`` bytes per layer, as Korthikanti et al. count them with attention scores
     fused away; with checkpointing, one layer's plus every layer's input); the feedback residual and weight deltas'
     copies (``strategy.persistent_memory``)."""
@@ -182,6 +192,7 @@ def memory_parts(
         "optimizer": shard * 4 * workload.optimizer_states,
         "hpz_copy": sum(sum(u.shards(W)) * (W // R) for u in units) * e if 1 < R < W else 0,
         "unsharded_units": sum(biggest) * e * 2,
+        "collective_buffers": collective_buffers(units, config, W, N),
         "activations": activations,
     }
     out.update(persistent_memory(units, config, W, N, workload.precision))
@@ -285,7 +296,7 @@ MEMORY_GROUPS = {
     "sharded state": ("parameters", "gradients", "optimizer"),
     "hpZ copy": ("hpz_copy",),
     "feedback / deltas": ("error_feedback", "weight_deltas_node_copy", "weight_deltas_tracked_copy"),
-    "activations, buffers": ("activations", "unsharded_units"),
+    "activations, buffers": ("activations", "unsharded_units", "collective_buffers"),
 }
 """How the table groups the memory parts (the JSON keeps each part)."""
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lightning_zeropp.config import ZeroPPConfig
-from lightning_zeropp.costs import gpt_units, kernel_bytes, persistent_memory, step_bytes, units_of
+from lightning_zeropp.costs import collective_buffers, gpt_units, kernel_bytes, persistent_memory, step_bytes, units_of
 from lightning_zeropp.testing.distributed import spawn
 from lightning_zeropp.testing.models import TinyLM
 from lightning_zeropp.testing.workers import example_gpt, save_inputs, train_worker
@@ -133,3 +133,17 @@ def test_kernel_bytes_follow_the_techniques():
     for bits in (8, 16, 32):
         extra = moved(gradient_error_feedback=True, error_feedback_bits=bits) - moved()
         assert extra == 2 * residual * bits // 8
+
+
+def test_collective_buffers_are_the_largest_units_quantized_rows():
+    """qwZ holds the packed shard and every gathered row; qgZ its sent and received rows of both hops; exact
+    collectives use FSDP's own buffers (none of ours)."""
+    units = gpt_units(256, COMM_VOLUME_MODEL["block_size"], COMM_VOLUME_MODEL["n_layer"], COMM_VOLUME_MODEL["n_embd"])
+    block = units[0].numel  # the largest unit: a block (no padding at W = 8)
+    assert collective_buffers(units, ZeroPPConfig(**CONFIGS["zero3"]), 8, 2) == 0
+    assert collective_buffers(units, ZeroPPConfig(**CONFIGS["hsdp"]), 8, 2) == 0
+    qwz = collective_buffers(units, ZeroPPConfig(quantize_gradients=False), 8, 2)
+    assert qwz == pytest.approx(block * (1 + 4 / 256) * (1 + 1 / 8), rel=0.01)
+    qgz = collective_buffers(units, ZeroPPConfig(quantize_weights=False), 8, 2)
+    # sent and received: W INT8 rows of a chunk (block / W) inside the node, K = 4 INT4 rows on the rail
+    assert qgz == pytest.approx(block * (2 * (1 + 4 / 128) + 2 * 4 / 8 * (0.5 + 4 / 128)), rel=0.02)
