@@ -139,17 +139,19 @@ def launch(
     return [[json.loads(line) for line in p.read_text().splitlines()] for p in ranks]
 
 
-def probe_link(cluster: TwoNodeCluster, port: int, timeout: float = 120) -> float:
-    """The Mbit/s one all-gather after another gets across the link (``benchmarks/link_probe.py``)."""
+def probe_link(cluster: TwoNodeCluster, port: int, timeout: float = 300) -> dict:
+    """Seconds per call of each collective the step runs across nodes, alone on the link, at two sizes
+    (``benchmarks/link_probe.py``; the training's layout: 2 ranks per node)."""
     procs = []
     for node in range(NODES):
-        env = dict(node_env(cluster, node, port), RANK=str(node), WORLD_SIZE=str(NODES))
-        procs.append(cluster.popen(node, [sys.executable, str(BENCH / "link_probe.py")], env,
-                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))  # fmt: skip
+        for local in range(DEVICES):
+            env = dict(node_env(cluster, node, port), RANK=str(node * DEVICES + local), WORLD_SIZE=str(NODES * DEVICES))
+            procs.append(cluster.popen(node, [sys.executable, str(BENCH / "link_probe.py")], env,
+                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))  # fmt: skip
     outs = [p.communicate(timeout=timeout)[0] for p in procs]
     if any(p.returncode for p in procs):
         raise RuntimeError("link probe failed:\n" + "\n".join(outs))
-    return json.loads(outs[0].strip().splitlines()[-1])["mbit_per_s"]
+    return json.loads(outs[0].strip().splitlines()[-1])
 
 
 def _per_step(warmup: int):
@@ -254,7 +256,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--block-size", type=int, default=MODEL["block_size"], help="tokens per sequence")
     parser.add_argument("--n-embd", type=int, default=MODEL["n_embd"], help="model width")
     parser.add_argument("--n-layer", type=int, default=MODEL["n_layer"], help="transformer blocks")
-    probe_help = "measure what the link delivers to gloo at each rate (benchmarks/link_probe.py)"
+    probe_help = "time each cross-node collective alone at each rate, for plan_check.py (benchmarks/link_probe.py)"
     parser.add_argument("--probe-link", action="store_true", help=probe_help)
     parser.add_argument("--json", type=Path, default=None, help="write the rows here")
     parser.add_argument("--png", type=Path, default=None, help="figure of the table; default: the JSON's path, .png")
@@ -271,7 +273,7 @@ def main(argv: list[str] | None = None) -> None:
     model = dict(MODEL, block_size=args.block_size, n_embd=args.n_embd, n_layer=args.n_layer)
     tokens_per_step = NODES * DEVICES * args.batch_size * args.block_size
     rows = []
-    probed: dict[str, float] = {}
+    probed: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="zpp-cluster-") as tmp, TwoNodeCluster(rate_mbit=None) as cluster:
         base = args.keep_logs or Path(tmp)
         port = 29400
@@ -281,7 +283,7 @@ def main(argv: list[str] | None = None) -> None:
             if args.probe_link:
                 port += 1
                 probed[rate_text] = probe_link(cluster, port)
-                print(f"[{rate_text}] link probe: {probed[rate_text]:.1f} Mbit/s", file=sys.stderr)
+                print(f"[{rate_text}] link probe: {json.dumps(probed[rate_text])}", file=sys.stderr)
             runs: dict[str, list] = {name: [] for name in args.configs}
             for repeat in range(args.repeats):
                 for name in args.configs:
@@ -297,7 +299,7 @@ def main(argv: list[str] | None = None) -> None:
     print(table(rows))
     meta = {"command": " ".join(["python", "benchmarks/cluster.py", *(argv or sys.argv[1:])]), "model": model,
             "batch_size": args.batch_size, "steps": args.steps, "warmup": args.warmup,
-            "link_probe_mbit": probed}  # fmt: skip
+            "link_probe": probed}  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
         print(f"wrote {args.json}")

@@ -1,10 +1,22 @@
-"""The rate the emulated cluster's link delivers to gloo: one process per node, an all-gather of a unit-sized buffer
-between them, repeated; node 0 prints the bytes that crossed per second, as Mbit/s (one JSON line).
+"""What the emulated cluster's link delivers to each of gloo's collectives, measured alone, without training.
 
-Run by ``benchmarks/cluster.py --probe-link`` inside each namespace, with ``RANK``, ``WORLD_SIZE=2``,
-``MASTER_ADDR``, ``MASTER_PORT`` and ``GLOO_SOCKET_IFNAME`` set. The buffer is the size of one unit's all-gather
-contribution in the cluster's runs (``--mbytes``); what a step's collectives achieve on top of this (their gaps, the
-ring's dependencies) is for the planner to predict, not measured here.
+The training layout (2 nodes x 2 ranks; rank ``node * 2 + local``): per collective the step uses across nodes, one call
+after another on its own group, at two message sizes, as nccl-tests characterizes a real cluster's fabric:
+
+- ``all_gather``: ``all_gather_into_tensor`` over all 4 ranks (FSDP's and qwZ's weight all-gathers);
+- ``reduce_scatter``: ``reduce_scatter_tensor`` of bf16 over all 4 ranks (FSDP's gradient reduce-scatter);
+- ``all_to_all``: ``all_to_all_single`` on the two rails (ranks 0 and 2, 1 and 3) at once (qgZ's inter-node hop,
+  weight deltas);
+- ``all_reduce``: ``all_reduce`` of bf16 on the two rails at once (HSDP's gradient all-reduce).
+
+``size`` is one rank's contribution in bytes (an all-to-all's whole send buffer, an all-reduce's buffer). Rank 0
+prints one JSON line: per collective, ``[[size, seconds per call], ...]``. ``benchmarks/plan_check.py --cluster``
+turns each collective's two points into the link's rate and latency as the planner's model of that collective sees
+them (``lightning_zeropp.plan.collective_seconds``); the training step is then predicted from those, its bytes and
+its compute, never from its own time.
+
+Run by ``benchmarks/cluster.py --probe-link`` inside each namespace, with ``RANK``, ``WORLD_SIZE=4``,
+``MASTER_ADDR``, ``MASTER_PORT`` and ``GLOO_SOCKET_IFNAME`` set.
 """
 
 from __future__ import annotations
@@ -17,27 +29,56 @@ import time
 import torch
 import torch.distributed as dist
 
+KINDS = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce")
+
+
+def _call(kind: str, size: int, world, rail):
+    """A closure running one call of ``kind`` with ``size`` bytes per rank."""
+    if kind == "all_gather":
+        send, out = torch.zeros(size, dtype=torch.uint8), torch.empty(4 * size, dtype=torch.uint8)
+        return lambda: dist.all_gather_into_tensor(out, send, group=world)
+    if kind == "reduce_scatter":
+        full = torch.zeros(4 * (size // 2), dtype=torch.bfloat16)
+        out = torch.empty(size // 2, dtype=torch.bfloat16)
+        return lambda: dist.reduce_scatter_tensor(out, full, group=world)
+    if kind == "all_to_all":
+        send, recv = torch.zeros(2 * (size // 2), dtype=torch.uint8), torch.empty(2 * (size // 2), dtype=torch.uint8)
+        return lambda: dist.all_to_all_single(recv, send, group=rail)
+    buffer = torch.zeros(size // 2, dtype=torch.bfloat16)
+    return lambda: dist.all_reduce(buffer, group=rail)
+
+
+def timed(call, seconds: float, world) -> float:
+    """Seconds per call: two warm-up calls, then as many as fit in ``seconds`` (rank 0 decides, all ranks run them)."""
+    dist.barrier(group=world)
+    started = time.perf_counter()
+    for _ in range(2):
+        call()
+    rounds = torch.tensor([max(3, int(seconds / ((time.perf_counter() - started) / 2)))])
+    dist.broadcast(rounds, src=0, group=world)
+    dist.barrier(group=world)
+    started = time.perf_counter()
+    for _ in range(int(rounds)):
+        call()
+    elapsed = time.perf_counter() - started
+    return elapsed / int(rounds)
+
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--mbytes", type=float, default=1.6, help="each rank's buffer, MB")
-    parser.add_argument("--seconds", type=float, default=6.0, help="how long to measure (after one warm-up)")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", type=int, nargs=2, default=[50_000, 400_000], help="bytes per rank, two sizes")
+    parser.add_argument("--seconds", type=float, default=2.0, help="per collective and size (after the warm-up)")
+    parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
     args = parser.parse_args()
-    dist.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=2)
-    n = int(args.mbytes * 1e6)
-    send = torch.zeros(n, dtype=torch.uint8)
-    out = torch.empty(2 * n, dtype=torch.uint8)
-    started = time.perf_counter()
-    for _ in range(3):  # warm-up, and how long a round takes: both ranks then run the rounds rank 0 chose
-        dist.all_gather_into_tensor(out, send)
-    plan = torch.tensor([max(3, int(args.seconds / ((time.perf_counter() - started) / 3)))])
-    dist.broadcast(plan, src=0)
-    rounds, started = int(plan), time.perf_counter()
-    for _ in range(rounds):
-        dist.all_gather_into_tensor(out, send)
-    elapsed = time.perf_counter() - started
-    if dist.get_rank() == 0:
-        print(json.dumps({"mbit_per_s": rounds * n * 8 / elapsed / 1e6, "rounds": rounds, "bytes": n}))
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo", rank=rank, world_size=4)
+    world = dist.group.WORLD
+    rails = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    rail = rails[rank % 2]
+    out = {kind: [[size, timed(_call(kind, size, world, rail), args.seconds, world)] for size in args.sizes]
+           for kind in args.kinds}  # fmt: skip
+    if rank == 0:
+        print(json.dumps(out))
     dist.destroy_process_group()
 
 

@@ -153,32 +153,87 @@ def check_bytes(path: Path) -> int:
     return bad
 
 
-def check_cluster(
-    path: Path, overlap: float, intra_gbps: float | None, latency_us: float, probed_rates: bool = False
-) -> list[dict]:
-    """Predicted step time on the emulated two-node cluster against ``benchmarks/cluster.py``'s measurements: per
-    configuration, its compute is its step time on the unshaped link less the communication predicted there (the
-    veth at ``intra_gbps``, by default what the link probe got through it: nothing shapes it); each shaped rate's step
-    is predicted from that compute and the bytes at the link's nominal rate (``probed_rates``: the rate the link probe
-    measured there, one all-gather stream: far below what a job's several streams get), with gloo's collectives
-    (``backend="gloo"``)."""
+PROBE_CLASS = {"all_gather": "weight_all_gather", "reduce_scatter": "gradient_reduce_scatter",
+               "all_to_all": "gradient_all_to_all_inter", "all_reduce": "gradient_all_reduce"}  # fmt: skip
+"""Each ``benchmarks/link_probe.py`` collective, as the planner's kind that runs it."""
+
+
+def _probe_class(kind: str) -> str:
+    """The probed collective a step's ledger kind runs as (``link_probe.py``'s names)."""
+    if kind == "gradient_all_reduce":
+        return "all_reduce"
+    if kind == "gradient_reduce_scatter":
+        return "reduce_scatter"
+    return "all_gather" if "all_gather" in kind else "all_to_all"
+
+
+def _probe_bytes(probe: str, size: int) -> tuple[int, int]:
+    """(intra, inter) bytes the ledger counts on one rank for one probe call of ``size`` bytes (2 x 2 ranks)."""
+    if probe in ("all_gather", "reduce_scatter"):  # over all 4 ranks: one peer inside the node, two outside
+        return size, 2 * size
+    return 0, size // 2 if probe == "all_to_all" else size  # a rail's other rank: half the send buffer; the buffer
+
+
+def fit_link(points: list[list[float]], probe: str) -> tuple[float, float]:
+    """(Gbit/s, latency in us) that make the planner's :func:`~lightning_zeropp.plan.collective_seconds` of
+    ``probe`` pass through its two measured points (latency held at 0 if the two points ask for less)."""
+    from lightning_zeropp.config import ZeroPPConfig
+    from lightning_zeropp.plan import Cluster, collective_seconds
+
+    kind, config = PROBE_CLASS[probe], ZeroPPConfig(ranks_per_node=2)
+
+    def model(size: int, gbps: float, latency_us: float) -> float:
+        cluster = Cluster(2, 2, gbps, gbps, latency_us, latency_us, backend="gloo")
+        return collective_seconds(kind, *_probe_bytes(probe, size), 1, cluster, config)
+
+    (s1, t1), (s2, t2) = points
+    a1, a2 = model(s1, 8e-9, 0.0), model(s2, 8e-9, 0.0)  # bytes at 1 B/s: the seconds per (1 / rate)
+    b = model(s1, 1e9, 1e6) - model(s1, 1e9, 0.0)  # latencies per call, at 1 s each
+    inverse_rate = (t2 - t1) / (a2 - a1)
+    latency = (t1 - a1 * inverse_rate) / b if b else 0.0
+    if latency < 0:  # the small call was relatively faster than a latency allows: rate alone, least squares
+        inverse_rate, latency = (a1 * t1 + a2 * t2) / (a1 * a1 + a2 * a2), 0.0
+    return 8e-9 / inverse_rate, latency * 1e6
+
+
+def check_cluster(path: Path, overlap: float, probe_fit: bool = False, latency_us: float = 50.0) -> list[dict]:
+    """Predicted step time on the emulated two-node cluster against ``benchmarks/cluster.py``'s measurements.
+
+    The link: across nodes, its nominal rate and ``latency_us`` per message; inside a node (loopback) and on the
+    unshaped link, what each collective got there alone (``link_probe.py``: timed at two sizes, no training, the
+    planner's model of that collective fitted through the two points, :func:`fit_link`). ``probe_fit``: across nodes
+    too, each collective's fit at that rate (as a user would feed the planner nccl-tests' figures for a real fabric).
+    Compute: each configuration's step time on the unshaped link, less its collectives predicted there. Each shaped
+    rate's step is predicted from that compute and the step's bytes per kind (:func:`~lightning_zeropp.costs.
+    step_bytes`, equal to the ledger), composed with the planner's overlap."""
     from comm_volume import CONFIGS
 
     from lightning_zeropp.config import ZeroPPConfig
-    from lightning_zeropp.costs import gpt_units
-    from lightning_zeropp.plan import Cluster, comm_seconds, step_seconds
+    from lightning_zeropp.costs import gpt_units, step_bytes
+    from lightning_zeropp.plan import Cluster, collective_seconds, step_seconds
 
     data = json.loads(path.read_text())
     model = data["meta"]["model"]
-    probed = data["meta"].get("link_probe_mbit", {})
-    if intra_gbps is None:  # loopback and the unshaped veth: what gloo got through the unshaped veth
-        if "unshaped" not in probed:
-            raise SystemExit(f"plan_check: {path} has no unshaped link probe; pass --intra-gbps")
-        intra_gbps = probed["unshaped"] / 1e3
+    probes = data["meta"].get("link_probe") or {}
+    if "unshaped" not in probes:
+        raise SystemExit(f"plan_check: {path} has no link probe at the unshaped rate; run cluster.py with --probe-link"
+                         " --rates unshaped ...")  # fmt: skip
+    fits = {rate: {probe: fit_link(points, probe) for probe, points in by_probe.items()}
+            for rate, by_probe in probes.items()}  # fmt: skip
     units = gpt_units(256, model["block_size"], model["n_layer"], model["n_embd"])
 
-    def cluster_at(gbps: float) -> Cluster:
-        return Cluster(2, 2, gbps, intra_gbps, latency_us, latency_us, backend="gloo")
+    def comm(config: ZeroPPConfig, rate: float | None) -> float:
+        inside = fits["unshaped"]
+        total = 0.0
+        for kind, (intra, inter, calls) in step_bytes(units, config, 4, 2, 0, "bf16-mixed").items():
+            probe = _probe_class(kind)
+            if rate is not None and not probe_fit:
+                gbps, lat = rate / 1e3, latency_us
+            else:
+                gbps, lat = fits["unshaped" if rate is None else f"{rate:g}"][probe]
+            cluster = Cluster(2, 2, gbps, inside[probe][0], lat, inside[probe][1], backend="gloo")
+            total += collective_seconds(kind, intra, inter, calls, cluster, config)
+        return total
 
     out = []
     for name in dict.fromkeys(r["config"] for r in data["rows"]):
@@ -187,22 +242,28 @@ def check_cluster(
         if None not in rows:
             raise SystemExit(f"plan_check: {path} has no unshaped run of {name} (its compute); run cluster.py with"
                              " --rates unshaped ...")  # fmt: skip
-        compute = rows[None]["step_s"] - comm_seconds(units, config, cluster_at(intra_gbps), "bf16-mixed")
+        compute = rows[None]["step_s"] - comm(config, None)
         for rate, row in sorted((r, v) for r, v in rows.items() if r is not None):
-            delivered = probed.get(f"{rate:g}", rate) if probed_rates else rate
-            comm = comm_seconds(units, config, cluster_at(delivered / 1e3), "bf16-mixed")
-            predicted = step_seconds(compute, comm, overlap)
-            out.append(dict(config=name, rate_mbit=rate, compute_s=compute, comm_s=comm, predicted_s=predicted,
+            seconds = comm(config, rate)
+            predicted = step_seconds(compute, seconds, overlap)
+            out.append(dict(config=name, rate_mbit=rate, compute_s=compute, comm_s=seconds, predicted_s=predicted,
                             measured_s=row["step_s"], error=predicted / row["step_s"] - 1))  # fmt: skip
-    print(
-        "| link | config | compute s (unshaped run) | predicted comm s | predicted step s | measured step s | error |"
-    )
+    print("| rate | " + " | ".join(f"{p} Mbit/s, us" for p in PROBE_CLASS) + " |")
+    print("|---|" + "---|" * len(PROBE_CLASS))
+    for rate, by_probe in fits.items():
+        cells = " | ".join(f"{by_probe[p][0] * 1e3:.1f}, {by_probe[p][1]:.0f}" if p in by_probe else "n/a"
+                           for p in PROBE_CLASS)  # fmt: skip
+        print(f"| {rate} | {cells} |")
+    print()
+    print("| link | config | compute s (unshaped run) | predicted comm s | predicted step s | measured step s"
+          " | error |")  # fmt: skip
     print("|---|---|---|---|---|---|---|")
     for r in out:
         print(f"| {r['rate_mbit']:g} Mbit/s | {r['config']} | {r['compute_s']:.3f} | {r['comm_s']:.3f} |"
               f" {r['predicted_s']:.3f} | {r['measured_s']:.3f} | {r['error']:+.1%} |")  # fmt: skip
     within = sum(abs(r["error"]) <= 0.15 for r in out)
-    print(f"\nwithin 15%: {within} of {len(out)} (overlap {overlap:g}, veth/loopback {intra_gbps:g} Gbit/s)")
+    link = "the probe's fitted rates" if probe_fit else "nominal rates"
+    print(f"\nwithin 15%: {within} of {len(out)} (overlap {overlap:g}, {link})")
     return out
 
 
@@ -280,14 +341,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bytes", type=Path, default=None, help="a comm_volume.py JSON to check the bytes against")
     parser.add_argument("--cluster", type=Path, default=None, help="a cluster.py JSON with an unshaped rate")
     parser.add_argument("--overlap", type=float, default=None, help="default: the planner's (the paper fit's)")
-    parser.add_argument(
-        "--intra-gbps",
-        type=float,
-        default=None,
-        help="the unshaped veth's and loopback's rate (default: the JSON's unshaped link probe)",
-    )
-    parser.add_argument("--latency-us", type=float, default=50.0, help="per message on the emulated cluster")
-    parser.add_argument("--probed-rates", action="store_true", help="the link probe's rates instead of the nominal")
+    parser.add_argument("--probe-fit", action="store_true", help="the link probe's fits across nodes, not the nominal")
+    parser.add_argument("--latency-us", type=float, default=50.0, help="per message across nodes (nominal link)")
     parser.add_argument("--memory", nargs="*", default=None, help="configurations for the memory check (CPU runs)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -304,7 +359,7 @@ def main(argv: list[str] | None = None) -> None:
 
         sys.path.insert(0, str(ROOT / "benchmarks"))
         overlap = OVERLAP if args.overlap is None else args.overlap
-        rows = check_cluster(args.cluster, overlap, args.intra_gbps, args.latency_us, args.probed_rates)
+        rows = check_cluster(args.cluster, overlap, args.probe_fit, args.latency_us)
         if args.json:
             args.json.write_text(json.dumps(rows, indent=2))
         return

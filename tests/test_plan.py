@@ -91,3 +91,24 @@ def test_paper_speedups_from_two_fitted(tmp_path):
     others = [v for k, v in errors.items() if k not in plan_check.FIT]
     assert len(others) == 14
     assert all(abs(v) <= 0.20 for v in others), errors  # measured: 14 of 14, the largest +18.7%
+
+
+@pytest.mark.parametrize("probe", ["all_gather", "reduce_scatter", "all_to_all", "all_reduce"])
+def test_link_probe_fit_recovers_the_rate_and_latency_it_was_made_with(probe):
+    """``plan_check.fit_link`` inverts the planner's model of each probed collective: two points made by the model at
+    a known rate and latency give them back; a latency the points cannot carry is held at 0, not made negative."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import plan_check
+
+    cluster = Cluster(2, 2, 0.05, 0.05, 300.0, 300.0, backend="gloo")
+    kind = plan_check.PROBE_CLASS[probe]
+
+    def seconds(size: int) -> float:
+        return collective_seconds(kind, *plan_check._probe_bytes(probe, size), 1, cluster, ZeroPPConfig())
+
+    points = [[50_000, seconds(50_000)], [400_000, seconds(400_000)]]
+    gbps, latency_us = plan_check.fit_link(points, probe)
+    assert gbps == pytest.approx(0.05, rel=1e-6) and latency_us == pytest.approx(300.0, rel=1e-6)
+    points[0][1] *= 0.5  # the small call faster than any latency allows
+    gbps, latency_us = plan_check.fit_link(points, probe)
+    assert latency_us == 0.0 and gbps > 0.05
