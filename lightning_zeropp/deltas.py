@@ -201,15 +201,17 @@ class WeightDeltas:
         S, G = input.numel(), self.groups_of_holders
         blocks = unit.weights(S)
         block, backend = c.weight_block_size, c.kernel_backend
-        delta = input.float() - copy.tracked.float()
         bits = c.weight_delta_bits
-        packed = tk.quantize(delta, bits, block, blocks=blocks, backend=backend)
-        received = self._exchange("weight_delta_all_to_all", packed, groups)
-        # Holders and owner do the same arithmetic on the same bytes: fp32 sum, rounded once to the compute dtype.
+        packed = tk.quantize(input.float() - copy.tracked.float(), bits, block, blocks=blocks, backend=backend)
+        received = self._exchange("weight_delta_all_to_all", packed, groups).view(G, -1)
+        # Holders and owner do the same arithmetic on the same bytes: fp32 sum, rounded once to the compute dtype; one
+        # shard at a time, so the fp32 temporaries are a shard's, not the node copy's.
         mine = tk.dequantize(packed.view(1, -1), S, bits, block, torch.float32, blocks=blocks, backend=backend)
-        theirs = tk.dequantize(received, S, bits, block, torch.float32, blocks=blocks, backend=backend)
         _add_into(copy.tracked.view(1, S), mine)
-        _add_into(copy.slice.view(G, S), theirs)
+        del mine
+        for g, row in enumerate(received):
+            theirs = tk.dequantize(row.view(1, -1), S, bits, block, torch.float32, blocks=blocks, backend=backend)
+            _add_into(copy.slice.view(G, S)[g : g + 1], theirs)
         exact = input.float()
         copy.error = ((exact - copy.tracked.float()).square().sum(), exact.square().sum())
 

@@ -1,7 +1,10 @@
 """Pure-torch twins of the kernels: the specification the Triton kernels match bit for bit, and the CPU path.
 
-Vectorised over blocks and rows; the only Python loops run over ranks (the sum of N or K received copies is
-sequential, in rank order, so the fp32 result is the same as the kernels' running sum). Never imports triton.
+Vectorised over blocks; the Python loops run over rows, i.e. over ranks. Rows that are independent (a quantization
+with nearest rounding, with or without feedback; a dequantize in parameter-aligned blocks) go one at a time, so the
+CPU path's fp32 temporaries are one row's, not a gathered unit's; the sum of N or K received copies is sequential, in
+rank order, one copy dequantized at a time, so the fp32 result is the same as the kernels' running sum. Never imports
+triton.
 Each op takes its input tensor and its spec (``specs``), checked once, by the public op in
 ``lightning_zeropp.kernels``, before it gets here.
 """
@@ -252,6 +255,9 @@ def _quantize_with_feedback(
     ``v - dequantize(quantize(v))``, in the residual's width."""
     if residual is None:
         return _quantize_f32(values, bits, block_size, blocks, stochastic, seed)
+    if values.shape[0] > 1 and not stochastic:
+        return _row_by_row(values, residual, scales, lambda r, res, sc: _quantize_with_feedback(
+            r, bits, block_size, blocks, stochastic, seed, res, sc, decay))  # fmt: skip
     if blocks is not None:
         arguments = (values, bits, block_size, blocks, stochastic, seed, residual, scales, decay)
         return _quantize_with_feedback_padded(*arguments)
@@ -301,19 +307,39 @@ def quantize(x: torch.Tensor, spec: QuantizeSpec) -> torch.Tensor:
     """Block-quantizes ``x`` (1-D: one row; 2-D: each row on its own) into the wire format (see ``layout``), in
     uniform blocks or in ``spec.blocks``; with ``spec.residual``, with error feedback (see
     :func:`_quantize_with_feedback`)."""
-    bits, block_size, blocks = spec.bits, spec.block_size, spec.blocks
     residual, scales = spec.residual, spec.residual_scales
-    if blocks is None and residual is None:
-        return _quantize_uniform(x, bits, block_size, stochastic=spec.stochastic, seed=spec.seed)
     rows, two_d = _as_rows(x)
-    values = rows.float() if residual is not None else rows
     if residual is not None and not two_d:  # written through the views: the caller's tensors keep their shapes
         residual = residual.view(1, -1)
         scales = scales.view(1, -1) if scales is not None else None
-    out = _quantize_with_feedback(
+    if spec.stochastic or rows.shape[0] == 1:  # one noise draw covers all the rows
+        out = _quantize_rows(rows, spec, residual, scales)
+        return out if two_d else out.view(-1)
+    return _row_by_row(rows, residual, scales, lambda r, res, sc: _quantize_rows(r, spec, res, sc))
+
+
+def _quantize_rows(
+    rows: torch.Tensor, spec: QuantizeSpec, residual: torch.Tensor | None, scales: torch.Tensor | None
+) -> torch.Tensor:
+    bits, block_size, blocks = spec.bits, spec.block_size, spec.blocks
+    if blocks is None and residual is None:
+        return _quantize_uniform(rows, bits, block_size, stochastic=spec.stochastic, seed=spec.seed)
+    values = rows.float() if residual is not None else rows
+    return _quantize_with_feedback(
         values, bits, block_size, blocks, spec.stochastic, spec.seed, residual, scales, float(spec.decay)
     )
-    return out if two_d else out.view(-1)
+
+
+def _row_by_row(rows: torch.Tensor, residual: torch.Tensor | None, scales: torch.Tensor | None, quantize_rows):
+    """``quantize_rows`` on one row at a time (with its residual and scales rows), into one ``(R, wire)`` tensor: the
+    rows of a quantization with nearest rounding are independent, and the temporaries become one row's."""
+    out = None
+    for i in range(rows.shape[0]):
+        row = quantize_rows(rows[i : i + 1], *(t if t is None else t[i : i + 1] for t in (residual, scales)))
+        if out is None:
+            out = torch.empty(rows.shape[0], row.shape[1], dtype=torch.uint8, device=rows.device)
+        out[i : i + 1] = row
+    return out
 
 
 def dequantize(buf: torch.Tensor, spec: DequantizeSpec) -> torch.Tensor:
@@ -321,13 +347,14 @@ def dequantize(buf: torch.Tensor, spec: DequantizeSpec) -> torch.Tensor:
     with ``spec.out`` (contiguous, ``(rows, numel)`` or flat), written there instead."""
     numel, bits, block_size, out = spec.numel, spec.bits, spec.block_size, spec.out
     rows, two_d = _as_rows(buf)
-    if spec.blocks is not None:
-        values = _dequantize_rows(rows, numel, bits, block_size, spec.blocks)
-        if out is None:
-            target = values.to(spec.dtype)
-            return target if two_d else target.view(-1)
-        out.view(rows.shape[0], numel).copy_(values)
-        return out
+    if spec.blocks is not None:  # one row at a time: the fp32 temporaries are a row's, not all the gathered rows'
+        R = rows.shape[0]
+        target = torch.empty(R, numel, dtype=spec.dtype, device=buf.device) if out is None else out.view(R, numel)
+        for i in range(R):
+            target[i : i + 1] = _dequantize_rows(rows[i : i + 1], numel, bits, block_size, spec.blocks)
+        if out is not None:
+            return out
+        return target if two_d else target.view(-1)
     if out is None:
         target = torch.empty(rows.shape[0], numel, dtype=spec.dtype, device=buf.device)
         _dequantize_into(target, rows, numel, bits, block_size)
@@ -348,30 +375,30 @@ def swizzle_quantize(x: torch.Tensor, spec: SwizzleQuantizeSpec) -> torch.Tensor
     return quantize(pieces, piece)
 
 
-def _sum_rows_f32(values: torch.Tensor) -> torch.Tensor:
-    """Sum over dim 0 in fp32, sequentially in index order (the kernels' order, so results match bit for bit)."""
-    acc = values[0].clone()
-    for i in range(1, values.shape[0]):
-        acc += values[i]
+def _sum_dequantized(buf: torch.Tensor, numel: int, bits: int, block_size: int, blocks: Blocks | None) -> torch.Tensor:
+    """``buf`` ``(M, R, wire)``: the fp32 sum over dim 0 of each ``(R, wire)`` dequantized, sequentially in index order
+    (the kernels' order, so results match bit for bit), one ``(R, wire)`` dequantized at a time."""
+    acc = _dequantize_rows(buf[0], numel, bits, block_size, blocks)
+    for i in range(1, buf.shape[0]):
+        acc += _dequantize_rows(buf[i], numel, bits, block_size, blocks)
     return acc
 
 
 def dequantize_reduce_quantize(buf: torch.Tensor, spec: DequantizeReduceQuantizeSpec) -> torch.Tensor:
     """qgZ step 3: ``buf`` is ``(N, K, wire_in)``, K pieces from each of N peers; returns ``(K, wire_out)``, each
     piece dequantized, summed over the N peers in fp32, and re-quantized (with ``residual``: error feedback)."""
-    N, K, wire = buf.shape
     numel, block_size, blocks = spec.numel, spec.block_size, spec.blocks
-    values = _dequantize_rows(buf.reshape(N * K, wire), numel, spec.in_bits, block_size, blocks).view(N, K, numel)
+    total = _sum_dequantized(buf, numel, spec.in_bits, block_size, blocks)
     return _quantize_with_feedback(
-        _sum_rows_f32(values), spec.out_bits, block_size, blocks, spec.stochastic, spec.seed, spec.residual,
-        spec.residual_scales, float(spec.decay),
+        total, spec.out_bits, block_size, blocks, spec.stochastic, spec.seed, spec.residual, spec.residual_scales,
+        float(spec.decay),
     )  # fmt: skip
 
 
 def dequantize_reduce(buf: torch.Tensor, spec: DequantizeReduceSpec) -> torch.Tensor:
     """qgZ step 5: ``buf`` is ``(M, wire)``; returns the fp32 sum of the M dequantized rows times ``multiplier``,
     cast to ``out``'s dtype (written into ``out`` when given) or ``dtype``."""
-    total = _sum_rows_f32(_dequantize_rows(buf, spec.numel, spec.bits, spec.block_size, spec.blocks))
+    total = _sum_dequantized(buf.unsqueeze(1), spec.numel, spec.bits, spec.block_size, spec.blocks)[0]
     multiplier = float(spec.multiplier)
     if multiplier != 1.0:
         total = total * multiplier
