@@ -205,8 +205,10 @@ STEPS, BATCH = 10, 2
 # 1.3x the measured whole-model update error: 0.140 (2 x 2), 0.168 (3 x 2), 0.116 (4 x 2)
 WHOLE_BOUND = {2: 0.18, 3: 0.22, 4: 0.15}
 # per parameter, measured worst: 0.43 (2 x 2), 0.59 (3 x 2), 0.83 (4 x 2: a LayerNorm bias, whose 10 gradients mostly
-# cancel); the movement bound (>= 0.5 of the reference's update norm; measured >= 0.65) is what catches starvation
-PER_PARAMETER_BOUND = {2: 0.8, 3: 0.8, 4: 1.0}
+# cancel, so its small update is mostly quantization noise; 1.095 on an AVX2-only CPU, whose float rounding differs);
+# the movement bound (>= 0.5 of the reference's update norm; measured >= 0.65) is what catches starvation, the whole
+# model's bound an update scaled or averaged wrongly
+PER_PARAMETER_BOUND = {2: 0.8, 3: 0.8, 4: 1.25}
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ from lightning_zeropp.testing.kernels import (
     SEGMENTS,
     SIZES,
     check_aligned_quantize_dequantize,
+    check_every_code,
     check_feedback,
     check_quantize_dequantize,
     check_reduce,
@@ -76,6 +77,20 @@ def test_stochastic_rounding(bits):
 # at odd starts or short, take the masked path)
 VECTOR = ((1030, 3, 1040, 1, 6, 8199), 128)
 ALIGNED = [(SEGMENTS, 128), ((300, 3, 0, 1100, 5, 1, 257, 600), 512), ((5,), 128), ((1000,), 128), ((1, 2), 2), VECTOR]
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize(  # the aligned layouts take 10-40 s each in the interpreter: the slow tier
+    "layout",
+    [
+        (None, 128),
+        (None, 64),
+        pytest.param(VECTOR, marks=pytest.mark.slow),
+        pytest.param(ALIGNED[1], marks=pytest.mark.slow),
+    ],
+)
+def test_every_code_dequantizes_as_the_twin(bits, layout):
+    check_every_code(DEVICE, bits, *layout)
 
 
 def test_vector_tiles_are_taken_first():

@@ -8,6 +8,7 @@ import torch
 from lightning_zeropp.testing.kernels import (
     DTYPES,
     SEGMENTS,
+    check_every_code,
     check_feedback,
     check_quantize_dequantize,
     check_reduce,
@@ -33,6 +34,12 @@ def test_quantize_dequantize(n, bits, block, dtype):
 
 def test_rows():
     check_rows(DEVICE)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("layout", [(None, 128), (None, 64), ((1030, 3, 1040, 1, 6, 8199), 128)])
+def test_every_code_dequantizes_as_the_twin(bits, layout):
+    check_every_code(DEVICE, bits, *layout)
 
 
 @pytest.mark.parametrize(("N", "K", "chunk", "stages"), [(2, 2, 37, 2), (8, 4, 4097, 2), (4, 2, 33, 3), (1, 4, 20, 1)])

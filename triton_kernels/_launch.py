@@ -18,6 +18,11 @@ from .layout import Blocks, num_blocks, scale_offset, wire_size
 # once where the torch twins round twice: the kernels would no longer match the twins bit for bit.
 LAUNCH_OPTIONS = {"enable_fp_fusion": False}
 
+# Passed to the dequantizing kernels as an argument, not written into them as a constant: the INT4 decode's mask and
+# float exponent (``_tiles.int4_word_pairs``). A value ptxas cannot see makes ``(code & mask) | exponent`` one logic
+# instruction; with constants it emits a bit-field extract and an OR.
+INT4_DECODE = 0x4B00000F
+
 _INT32_LIMIT = 2**31 - 1
 
 

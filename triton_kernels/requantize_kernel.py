@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import LAUNCH_OPTIONS, feedback_arguments, needs_int64, row_format, stochastic_seed, tiling
+from ._launch import INT4_DECODE, LAUNCH_OPTIONS, feedback_arguments, needs_int64, row_format, stochastic_seed, tiling
 from ._tiles import (
     aligned_index,
     is_full_tile,
@@ -40,13 +40,13 @@ from .specs import DequantizeReduceQuantizeSpec
 
 @triton.jit
 def _requantize_tile(pid, k, buf_ptr, in_scale_ptr, out_ptr, out_scale_ptr, n, K, in_wire, in_so, out_wire, out_so,
-                     seed, res_ptr, rscale_ptr, rs, decay, N: tl.constexpr, IN_BITS: tl.constexpr,
+                     seed, res_ptr, rscale_ptr, rs, decay, nib, N: tl.constexpr, IN_BITS: tl.constexpr,
                      OUT_BITS: tl.constexpr, QMAX: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr,
                      STOCHASTIC: tl.constexpr, FEEDBACK: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
     blk, e, t = tile_index(pid, BS, G, HALF)
     nb4 = padded_blocks(n, BS)
-    xe, xo = sum_dequantized(buf_ptr, in_scale_ptr, k, K, in_wire, e, blk, t, n, in_so, nb4, N, IN_BITS, MASKED, BS,
-                             G, HALF)  # fmt: skip
+    xe, xo = sum_dequantized(buf_ptr, in_scale_ptr, k, K, in_wire, e, blk, t, n, in_so, nb4, nib, N, IN_BITS, MASKED,
+                             BS, G, HALF)  # fmt: skip
     if FEEDBACK:
         re, ro = load_residual(res_ptr, rscale_ptr, k, e, blk, t, n, rs, FEEDBACK, MASKED, BS, G, HALF)
         xe, xo = with_feedback(xe, xo, re, ro, decay)
@@ -59,13 +59,14 @@ def _requantize_tile(pid, k, buf_ptr, in_scale_ptr, out_ptr, out_scale_ptr, n, K
 
 @triton.jit
 def _requantize_aligned_tile(base, edge0, k, buf_ptr, in_scale_ptr, out_ptr, out_scale_ptr, K, in_wire, in_so,
-                             out_wire, out_so, seed, res_ptr, rscale_ptr, rs, decay, table_ptr, nblk, N: tl.constexpr,
+                             out_wire, out_so, seed, res_ptr, rscale_ptr, rs, decay, table_ptr, nblk, nib,
+                             N: tl.constexpr,
                              IN_BITS: tl.constexpr, OUT_BITS: tl.constexpr, QMAX: tl.constexpr, BS: tl.constexpr,
                              G: tl.constexpr, HALF: tl.constexpr, STOCHASTIC: tl.constexpr, FEEDBACK: tl.constexpr,
                              MODE: tl.constexpr):  # fmt: skip
     blk, valid, length, e, inside = aligned_index(table_ptr, nblk, base, MODE, BS, G, HALF)
     xe, xo = sum_dequantized_aligned(buf_ptr, in_scale_ptr, table_ptr, nblk, k, K, in_wire, in_so, blk, valid, length,
-                                     N, IN_BITS, MODE, BS, G, HALF)  # fmt: skip
+                                     nib, N, IN_BITS, MODE, BS, G, HALF)  # fmt: skip
     if FEEDBACK:
         re, ro = load_residual_aligned(res_ptr, rscale_ptr, k, rs, nblk, blk, valid, e, inside, FEEDBACK, MODE, BS, G,
                                        HALF)  # fmt: skip
@@ -81,7 +82,7 @@ def _requantize_aligned_tile(base, edge0, k, buf_ptr, in_scale_ptr, out_ptr, out
 
 @triton.jit(do_not_specialize=["seed"])  # a fresh random seed per call must not recompile
 def _requantize_kernel(buf_ptr, in_scale_ptr, out_ptr, out_scale_ptr, n, K, in_wire, in_so, out_wire, out_so, seed,
-                       res_ptr, rscale_ptr, rs, decay, table_ptr, nblk, nvt, N: tl.constexpr,
+                       res_ptr, rscale_ptr, rs, decay, table_ptr, nblk, nvt, nib, N: tl.constexpr,
                        IN_BITS: tl.constexpr, OUT_BITS: tl.constexpr, QMAX: tl.constexpr, BS: tl.constexpr,
                        G: tl.constexpr, HALF: tl.constexpr, STOCHASTIC: tl.constexpr, FEEDBACK: tl.constexpr,
                        ALIGNED: tl.constexpr, PADDED: tl.constexpr, GE: tl.constexpr, IDX64: tl.constexpr):  # fmt: skip
@@ -91,24 +92,25 @@ def _requantize_kernel(buf_ptr, in_scale_ptr, out_ptr, out_scale_ptr, n, K, in_w
             if pid < nvt:
                 _requantize_aligned_tile(pid * G, nvt * G, k, buf_ptr, in_scale_ptr, out_ptr, out_scale_ptr, K, in_wire,
                                          in_so, out_wire, out_so, seed, res_ptr, rscale_ptr, rs, decay, table_ptr, nblk,
-                                         N, IN_BITS, OUT_BITS, QMAX, BS, G, HALF, STOCHASTIC, FEEDBACK, 2)  # fmt: skip
+                                         nib, N, IN_BITS, OUT_BITS, QMAX, BS, G, HALF, STOCHASTIC, FEEDBACK,
+                                         2)  # fmt: skip
             else:  # a quarter of the tile at a time: the masked accesses need an address each
                 for sub in range(0, G, GE):
                     _requantize_aligned_tile(pid * G + sub, nvt * G, k, buf_ptr, in_scale_ptr, out_ptr, out_scale_ptr,
                                              K, in_wire, in_so, out_wire, out_so, seed, res_ptr, rscale_ptr, rs, decay,
-                                             table_ptr, nblk, N, IN_BITS, OUT_BITS, QMAX, BS, GE, HALF, STOCHASTIC,
+                                             table_ptr, nblk, nib, N, IN_BITS, OUT_BITS, QMAX, BS, GE, HALF, STOCHASTIC,
                                              FEEDBACK, 1)  # fmt: skip
         else:
             _requantize_aligned_tile(pid * G, 0, k, buf_ptr, in_scale_ptr, out_ptr, out_scale_ptr, K, in_wire, in_so,
-                                     out_wire, out_so, seed, res_ptr, rscale_ptr, rs, decay, table_ptr, nblk, N,
+                                     out_wire, out_so, seed, res_ptr, rscale_ptr, rs, decay, table_ptr, nblk, nib, N,
                                      IN_BITS, OUT_BITS, QMAX, BS, G, HALF, STOCHASTIC, FEEDBACK, 0)  # fmt: skip
     elif is_full_tile(pid, n, BS, G):  # every tile but a row's last: no masks, vector loads and stores
         _requantize_tile(pid, k, buf_ptr, in_scale_ptr, out_ptr, out_scale_ptr, n, K, in_wire, in_so, out_wire,
-                         out_so, seed, res_ptr, rscale_ptr, rs, decay, N, IN_BITS, OUT_BITS, QMAX, BS, G, HALF,
+                         out_so, seed, res_ptr, rscale_ptr, rs, decay, nib, N, IN_BITS, OUT_BITS, QMAX, BS, G, HALF,
                          STOCHASTIC, FEEDBACK, False)  # fmt: skip
     else:
         _requantize_tile(pid, k, buf_ptr, in_scale_ptr, out_ptr, out_scale_ptr, n, K, in_wire, in_so, out_wire,
-                         out_so, seed, res_ptr, rscale_ptr, rs, decay, N, IN_BITS, OUT_BITS, QMAX, BS, G, HALF,
+                         out_so, seed, res_ptr, rscale_ptr, rs, decay, nib, N, IN_BITS, OUT_BITS, QMAX, BS, G, HALF,
                          STOCHASTIC, FEEDBACK, True)  # fmt: skip
 
 
@@ -127,8 +129,8 @@ def dequantize_reduce_quantize(buf: torch.Tensor, spec: DequantizeReduceQuantize
         _requantize_kernel[t.grid](
             buf.view(torch.int8), buf.view(torch.float32), out.view(torch.int8), out.view(torch.float32), numel, K,
             in_wire, in_so, out_wire, out_so, stochastic_seed(spec.seed) if spec.stochastic else 0, *fb.arguments,
-            t.table, t.nblk, t.nvt, N=N, IN_BITS=in_bits, OUT_BITS=out_bits, QMAX=QMAX[out_bits], BS=block_size, G=t.G,
-            HALF=t.HALF, STOCHASTIC=spec.stochastic, FEEDBACK=fb.bits, ALIGNED=blocks is not None,
+            t.table, t.nblk, t.nvt, INT4_DECODE, N=N, IN_BITS=in_bits, OUT_BITS=out_bits, QMAX=QMAX[out_bits],
+            BS=block_size, G=t.G, HALF=t.HALF, STOCHASTIC=spec.stochastic, FEEDBACK=fb.bits, ALIGNED=blocks is not None,
             PADDED=t.padded, GE=t.GE,
             # packed aligned blocks: N rows of scalar loads in flight, and 4 warps would need a stack; a padded
             # layout's tiles are the uniform ones, and 4 warps keep 16 INT4 payload bytes per thread

@@ -44,6 +44,41 @@ def check_quantize_dequantize(device: str, n: int, bits: int, block: int, dtype:
         assert _same(a, b), f"dequantize {n=} {bits=} {block=} -> {out_dtype}"
 
 
+def check_every_code(device: str, bits: int, segments=None, block: int = 128) -> None:
+    """Dequantization of wires whose codes run through every byte value (INT4: every pair of nibbles, -8 included,
+    which the quantizers never write but a peer's wire may hold): dequantize (3 rows) and dequantize_reduce (2 and 4
+    rows, bf16), kernels against twins. Catches a decode that is exact only on the codes quantization produces."""
+    blocks = _blocks(segments, block)
+    n = blocks.numel if blocks is not None else 1100
+    values = _inputs(4 * n, torch.float32, seed=bits).view(4, n)
+    wire = tk.quantize(values, bits, block, blocks=blocks, backend="torch")
+    codes = torch.arange(256, dtype=torch.uint8).repeat(4 * n // 256 + 2)[
+        torch.randperm(4 * n, generator=torch.Generator().manual_seed(0))
+    ]
+    if blocks is None:
+        spans = [(0, (n * bits + 7) // 8)]
+    else:
+        offsets = blocks.payload_offsets(bits)
+        lengths = [blocks.starts[i + 1] - blocks.starts[i] for i in range(blocks.count)]
+        spans = [(offsets[b], offsets[b] + (length * bits + 7) // 8) for b, length in enumerate(lengths)]
+    used = 0
+    for row in range(4):
+        for lo, hi in spans:
+            wire[row, lo:hi] = codes[used : used + hi - lo]
+            used += hi - lo
+    where = f"{bits=} {segments=} {block=}"
+    # the decode is the same for every output dtype: plain dequantization into fp32, the sums into bf16
+    a = tk.dequantize(wire[:3], n, bits, block, torch.float32, blocks=blocks, backend="torch")
+    b = tk.dequantize(wire[:3].to(device), n, bits, block, torch.float32, blocks=blocks, backend="triton")
+    assert _same(a, b), f"dequantize every code {where}"
+    for rows in (2, 4):
+        a = tk.dequantize_reduce(wire[:rows], n, bits, block, dtype=torch.bfloat16, blocks=blocks, backend="torch")
+        b = tk.dequantize_reduce(
+            wire[:rows].to(device), n, bits, block, dtype=torch.bfloat16, blocks=blocks, backend="triton"
+        )
+        assert _same(a, b), f"dequantize_reduce every code {where} {rows=}"
+
+
 def check_rows(device: str) -> None:
     x = _inputs(3 * 300, torch.bfloat16, 3).view(3, 300)
     assert _same(tk.quantize(x, 4, 64, backend="torch"), tk.quantize(x.to(device), 4, 64, backend="triton"))
