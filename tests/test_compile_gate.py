@@ -219,6 +219,27 @@ def test_payload_loads_and_stores_are_vectorized(report):
     assert aligned and not scalar, "\n".join(scalar[:10])
 
 
+def test_one_row_quantization_and_row_sums_move_elements_in_vectors(report):
+    """A row starts as aligned as its buffer only where the compiler can see it: a quantization of one row (qwZ's
+    shard, N = K = 1) passes a row stride of 0, and a dequantize-reduce writes its one output row at the output
+    pointer. With parameter-aligned blocks, their vector tiles then load (quantize) or store (sum) float elements 16
+    bytes per thread at every size, odd ones included; an odd row stride in the address made every one of those
+    accesses 2 or 4 bytes wide."""
+    checked, odd, narrow = 0, 0, []
+    for c in report["compiled"]:
+        k = c["constexprs"]
+        if k.get("ALIGNED") != "True" or k.get("PADDED") != "True":
+            continue
+        one_row = c["kernel"] == "_quantize_kernel" and k["N"] == "1" and k["K"] == "1" and k["FEEDBACK"] == "0"
+        if not (one_row or (c["kernel"] == "_dequantize_kernel" and int(k["ROWS"]) > 1)):
+            continue
+        checked, odd = checked + 1, odd + (not c["aligned"])
+        widths = [a["bytes"] for a in c["accesses"] if a["tag"] == "elements"]
+        if max(widths, default=0) < 16:
+            narrow.append(f"{_where(c)}: float element accesses of {sorted(set(widths))} bytes")
+    assert checked and odd and not narrow, "\n".join(narrow[:10])
+
+
 def _without_interpreter(code: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)

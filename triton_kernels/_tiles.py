@@ -479,23 +479,23 @@ def aligned_index(table_ptr, nblk, base, MODE: tl.constexpr, BS: tl.constexpr, G
 @triton.jit
 def _load_elements(ptr, e, inside, MODE: tl.constexpr, BS: tl.constexpr, HALF: tl.constexpr):
     """A tile's elements (0 outside its blocks); a vector tile of power-of-two blocks is not masked at all."""
-    if MODE == 2 and BS == 2 * HALF:
-        v = tl.load(ptr + e)
-    elif MODE == 2:
-        v = tl.load(ptr + e, mask=tl.arange(0, 2 * HALF)[None, :] < BS, other=0)
-    else:
-        v = tl.load(ptr + e, mask=inside, other=0)
+    if MODE == 2 and BS == 2 * HALF:  # elements
+        v = tl.load(ptr + e)  # elements
+    elif MODE == 2:  # elements
+        v = tl.load(ptr + e, mask=tl.arange(0, 2 * HALF)[None, :] < BS, other=0)  # elements
+    else:  # elements
+        v = tl.load(ptr + e, mask=inside, other=0)  # elements
     return v
 
 
 @triton.jit
 def _store_elements(ptr, e, inside, v, MODE: tl.constexpr, BS: tl.constexpr, HALF: tl.constexpr):
-    if MODE == 2 and BS == 2 * HALF:
-        tl.store(ptr + e, v)
-    elif MODE == 2:
-        tl.store(ptr + e, v, mask=tl.arange(0, 2 * HALF)[None, :] < BS)
-    else:
-        tl.store(ptr + e, v, mask=inside)
+    if MODE == 2 and BS == 2 * HALF:  # elements
+        tl.store(ptr + e, v)  # elements
+    elif MODE == 2:  # elements
+        tl.store(ptr + e, v, mask=tl.arange(0, 2 * HALF)[None, :] < BS)  # elements
+    else:  # elements
+        tl.store(ptr + e, v, mask=inside)  # elements
 
 
 @triton.jit

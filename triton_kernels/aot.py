@@ -11,7 +11,8 @@ still not compile. This module compiles exactly what the launchers launch:
 3. the result carries registers and local memory (``cuobjdump -res-usage``), spill instructions and the instruction
    count per path of the SASS (``nvdisasm``), and every global load and store of the PTX with its width and the
    source line it came from. Lines of ``_tiles.py`` that move wire payload end in ``# payload``, and so do the
-   constexpr branches that choose among them (Triton's line info for a masked load may point at its branch).
+   constexpr branches that choose among them (Triton's line info for a masked load may point at its branch); the
+   aligned-blocks kernels' loads and stores of float elements (inputs, outputs, residuals) end in ``# elements``.
 
 Triton's launch internals that steps 1 and 2 need are in ``lightning_zeropp.compat.triton``, and only this tool
 imports it: a Triton upgrade that moves them breaks the gate, never a training run.
@@ -79,7 +80,7 @@ class Access:
     bytes: int  # per thread per instruction
     vector: int  # 1, 2 or 4
     line: int  # source line in _tiles.py (0 when from elsewhere)
-    tag: str  # the line's trailing comment tag ("payload") or ""
+    tag: str  # the line's trailing comment tag ("payload", "elements") or ""
 
 
 @dataclasses.dataclass
@@ -104,7 +105,7 @@ class Compiled:
 def _tagged_lines() -> dict[int, str]:
     tags = {}
     for i, line in enumerate(Path(__file__).with_name("_tiles.py").read_text().splitlines(), 1):
-        m = re.search(r"#\s*(payload)\b", line)
+        m = re.search(r"#\s*(payload|elements)\b", line)
         if m:
             tags[i] = m.group(1)
     return tags
