@@ -222,16 +222,21 @@ def test_payload_loads_and_stores_are_vectorized(report):
 def test_one_row_quantization_and_row_sums_move_elements_in_vectors(report):
     """A row starts as aligned as its buffer only where the compiler can see it: a quantization of one row (qwZ's
     shard, N = K = 1) passes a row stride of 0, and a dequantize-reduce writes its one output row at the output
-    pointer. With parameter-aligned blocks, their vector tiles then load (quantize) or store (sum) float elements 16
-    bytes per thread at every size, odd ones included; an odd row stride in the address made every one of those
-    accesses 2 or 4 bytes wide."""
+    pointer. With parameter-aligned blocks and a 16-byte aligned buffer, their vector tiles then load (quantize) or
+    store (sum) float elements 16 bytes per thread at every size, odd ones included; an odd row stride in the address
+    made every one of those accesses 2 or 4 bytes wide. (A buffer that is not 16-byte aligned still gets element-wide
+    accesses: the tiles are not shifted to the buffer's alignment. In training steps that is the second pipeline
+    piece's sum at the test models' odd parameter sizes, whose output starts at a block start that is not a multiple
+    of 8 elements.)"""
     checked, odd, narrow = 0, 0, []
     for c in report["compiled"]:
         k = c["constexprs"]
         if k.get("ALIGNED") != "True" or k.get("PADDED") != "True":
             continue
-        one_row = c["kernel"] == "_quantize_kernel" and k["N"] == "1" and k["K"] == "1" and k["FEEDBACK"] == "0"
-        if not (one_row or (c["kernel"] == "_dequantize_kernel" and int(k["ROWS"]) > 1)):
+        # N and K are constexprs only where they are 1 (Triton specializes that value)
+        one_row = c["kernel"] == "_quantize_kernel" and k.get("N") == k.get("K") == "1" and k["FEEDBACK"] == "0"
+        summed = c["kernel"] == "_dequantize_kernel" and int(k["ROWS"]) > 1
+        if not ((one_row and "x_ptr" in c["aligned_pointers"]) or (summed and "out_ptr" in c["aligned_pointers"])):
             continue
         checked, odd = checked + 1, odd + (not c["aligned"])
         widths = [a["bytes"] for a in c["accesses"] if a["tag"] == "elements"]

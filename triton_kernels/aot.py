@@ -92,6 +92,7 @@ class Compiled:
     constexprs: dict
     num_warps: int
     aligned: bool  # the sizes and offsets (n, chunk, start) are multiples of 16 in this specialization
+    aligned_pointers: list[str]  # the pointer arguments the specialization knows to be 16-byte aligned
     registers: int
     stack_bytes: int
     local_bytes: int
@@ -181,7 +182,9 @@ def compile_launch(launch: Launch, arch: int) -> Compiled:
     base = dict(kernel=launch.kernel.__name__, arch=arch, label=launch.label,
                 signature={k: v for k, v in spec.signature.items() if v != "constexpr"},
                 constexprs={k: repr(v) for k, v in spec.constexprs.items()}, num_warps=spec.num_warps,
-                aligned=all(name in spec.divisible_by_16 for name in sizes))  # fmt: skip
+                aligned=all(name in spec.divisible_by_16 for name in sizes),
+                aligned_pointers=sorted(name for name in spec.divisible_by_16
+                                        if str(spec.signature.get(name, "")).startswith("*")))  # fmt: skip
     try:
         binary = compat.compile_specialization(spec)
     except Exception as err:  # reported with the configuration; the gate fails on it
