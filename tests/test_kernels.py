@@ -153,6 +153,7 @@ def test_reduce_with_feedback_uniform(bits, width):
     check_reduce_aligned(DEVICE, 2, 2, None, 64, 8, bits, True, width=width)
 
 
+@pytest.mark.slow  # about 17 s each in the interpreter on an AVX2-only CPU
 @pytest.mark.parametrize("bits", [8, 4])
 def test_stochastic_rounding_aligned_with_feedback(bits):
     check_stochastic_feedback(DEVICE, (37, 1, 64, 90), 64, bits)

@@ -46,6 +46,7 @@ def test_the_wheel_holds_the_kernels_under_our_package_only(wheel):
         assert f"lightning_zeropp/testing/{module}.py" in names, module
 
 
+@pytest.mark.slow  # a pip install of the wheel: about 12 s
 def test_ours_imports_beside_a_package_named_triton_kernels(wheel, tmp_path):
     """The installed wheel and a stand-in ``triton_kernels`` on one path: each import gets its own package."""
     site = tmp_path / "site"
