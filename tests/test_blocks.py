@@ -86,7 +86,43 @@ def test_stages_cut_at_block_boundaries(stages):
         rebuilt.extend(start + s for s in piece.starts[:-1])
         position += piece.numel
     assert position == b.numel and tuple(rebuilt) + (b.numel,) == b.starts
-    assert max(p.numel for _, p in pieces) <= math.ceil(b.numel / stages) + 64
+    slack = b.stage_slack(stages)
+    assert max(p.numel for _, p in pieces) <= math.ceil(b.numel / stages) + 2 * slack + 64
+
+
+def _vector_blocks(start: int, piece: Blocks) -> int:
+    """Blocks of a piece that the kernels take in vector tiles with aligned addresses: whole blocks of a padded
+    layout starting at a multiple of 16 elements within the piece, in a piece that itself starts at one."""
+    if start % 16:
+        return 0
+    s = piece.starts
+    return sum(1 for a, z in zip(s, s[1:]) if piece.padded and z - a == piece.block_size and a % 16 == 0)
+
+
+@pytest.mark.parametrize(
+    ("segments", "stages"),
+    [([4096, 8, 8, 4096], 2), ([4096, 8, 8, 4096], 4), ([2048, 5, 11, 2048, 8, 8, 2048], 3),
+     ([2048, 8, 8] * 3 + [2048], 2), ([2048, 8, 8] * 3 + [2048], 4), ([4000, 8, 8, 2000, 8, 8, 2000], 4)],
+)  # fmt: skip
+def test_stages_cut_where_the_vector_tiles_stay_aligned(segments, stages):
+    """Small parameters whose shards are not multiples of 16 elements (two 8-element biases, say) between large ones:
+    the first block start past the ideal cut can be an odd one, and a piece starting there shifts every later block
+    off the 16-element grid (and its buffers off 16 bytes), so the whole piece goes through masked scalar tiles. The
+    cut goes to an aligned block start within the slack instead, and the pieces together keep every vector block the
+    whole row has."""
+    b = Blocks.of_segments(segments, 256)
+    pieces = b.stages(stages)
+    target, slack = math.ceil(b.numel / stages), b.stage_slack(stages)
+    for s, (start, _) in enumerate(pieces[1:], 1):
+        if any(abs(a - s * target) <= slack and a % 16 == 0 for a in b.starts[:-1]):
+            assert start % 16 == 0, (s, start)
+    whole = _vector_blocks(0, b)
+    assert sum(_vector_blocks(start, piece) for start, piece in pieces) == whole > 0
+    # the control: the plain cut (the first block start at or past the ideal position) loses vector blocks here
+    plain = [next(i for i, a in enumerate(b.starts) if a >= s * target) for s in range(1, stages)]
+    bounds = [0, *plain, b.count]
+    kept = sum(_vector_blocks(b.starts[f], b.piece(f, z)) for f, z in zip(bounds, bounds[1:]))
+    assert kept < whole
 
 
 @pytest.mark.parametrize("bits", [8, 4])

@@ -13,8 +13,11 @@ comes back as NaN, so an overflow is never hidden. Several rows (2-D input) are 
 
 from __future__ import annotations
 
+import bisect
+
 QMAX = {8: 127, 4: 7}
 ALIGN = 16
+PIECE_ALIGN = 16  # elements: where Blocks.stages prefers to cut (the vector tiles' block alignment)
 
 
 def _round_up(n: int, m: int) -> int:
@@ -181,19 +184,38 @@ class Blocks:
         """The row cut into ``stages`` pipeline pieces at block boundaries: ``(element start, blocks)`` per piece,
         each about ``numel / stages`` elements (a piece is empty when the row has fewer blocks than stages).
 
+        A cut goes to the block start nearest its ideal position (``s * ceil(numel / stages)``) that is a multiple of
+        :data:`PIECE_ALIGN` elements, where one lies within :meth:`stage_slack` of it; otherwise to the first block
+        start at or past the ideal position. A piece that starts aligned keeps its buffers' addresses (the input's
+        chunk at ``start``, the output at ``out[start:]``) on 16-byte boundaries whenever the chunk's are, so the
+        kernels' vector tiles move 16 bytes per thread in every piece, not only the first; at odd parameter sizes
+        the plain cut lands on a segment's odd offset and every later piece's tiles go scalar. A piece is then at
+        most ``ceil(numel / stages) + 2 * slack + longest`` elements long.
+
         The parameter-aligned counterpart of :func:`stage_bounds`; cached, since qgZ asks for it on every call.
         """
         key = ("stages", stages)
         if key not in self._cache:
             target = -(-self.numel // stages)
+            slack = self.stage_slack(stages)
             bounds, b = [0], 0
             for s in range(1, stages):
-                while b < self.count and self.starts[b] < s * target:
+                ideal = s * target
+                while b < self.count and self.starts[b] < ideal:
                     b += 1
-                bounds.append(b)
+                window = range(max(bounds[-1], bisect.bisect_left(self.starts, ideal - slack)),
+                               min(self.count, bisect.bisect_right(self.starts, ideal + slack)))  # fmt: skip
+                near = [i for i in window if self.starts[i] % PIECE_ALIGN == 0]
+                cut = min(near, key=lambda i: (abs(self.starts[i] - ideal), i)) if near else b
+                bounds.append(max(cut, bounds[-1]))
             bounds.append(self.count)
             self._cache[key] = [(self.starts[f], self.piece(f, last)) for f, last in zip(bounds, bounds[1:])]
         return self._cache[key]
+
+    def stage_slack(self, stages: int) -> int:
+        """How far (elements) :meth:`stages` may move a cut from its ideal position to reach an aligned block start:
+        an eighth of a piece, or one block where a piece is shorter than eight blocks."""
+        return max(self.block_size, -(-self.numel // stages) // 8)
 
     def cached(self, key, make):
         """A value derived from this layout (a device table), made once."""
