@@ -225,9 +225,10 @@ def test_one_row_quantization_and_row_sums_move_elements_in_vectors(report):
     pointer. With parameter-aligned blocks and a 16-byte aligned buffer, their vector tiles then load (quantize) or
     store (sum) float elements 16 bytes per thread at every size, odd ones included; an odd row stride in the address
     made every one of those accesses 2 or 4 bytes wide. (A buffer that is not 16-byte aligned still gets element-wide
-    accesses: the tiles are not shifted to the buffer's alignment. In training steps that is the second pipeline
-    piece's sum at the test models' odd parameter sizes, whose output starts at a block start that is not a multiple
-    of 8 elements.)"""
+    accesses: the tiles are not shifted to the buffer's alignment. ``Blocks.stages`` cuts pipeline pieces at a block
+    start on the 16-element grid where one is near; in training steps the sums left unaligned are the second pieces of
+    the test models' transformer units, whose shards are odd from their first parameter on: there no block start but
+    the first is on the grid, so no tile of either piece is a vector tile at run time.)"""
     checked, odd, narrow = 0, 0, []
     for c in report["compiled"]:
         k = c["constexprs"]
