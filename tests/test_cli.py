@@ -38,6 +38,8 @@ def test_demo_config_trains_two_steps(tmp_path):
         str(tmp_path),
         "--data.max_bytes",
         "300000",
+        "--data.batch_size",  # the demo's model, strategy and precision; 2 sequences a rank keep bf16 on CPU short
+        "2",
     ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
