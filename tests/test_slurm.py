@@ -13,6 +13,7 @@ import math
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -81,14 +82,25 @@ def _job_state(job_id: str) -> tuple[str, str]:
     return (out[0], out[1]) if len(out) >= 2 else ("", "")
 
 
+def _run_reference(args: tuple, failures: list[str]) -> None:
+    from lightning_zeropp.testing.distributed import spawn
+    from lightning_zeropp.testing.preemption import srun_reference_worker
+
+    try:
+        spawn(srun_reference_worker, TASKS, *args, timeout=600)
+    except AssertionError as err:
+        failures.append(str(err))
+
+
 @pytest.mark.skipif(slurm_missing() is not None, reason=str(slurm_missing()))
 def test_requeue_signal_to_an_sbatch_job_requeues_it_and_it_resumes_exactly(tmp_path):
     """A batch job (``sbatch --requeue``, ``srun`` of 4 tasks acting as 2 nodes x 2) gets SIGUSR1 from ``scancel
     --signal=USR1`` in the middle of its training: every task saves ``hpc_ckpt_1.ckpt`` at the same step boundary,
     rank 0 runs the real ``scontrol requeue``, SLURM ends the job (SIGTERM), queues it again, and the restarted job
     resumes from the checkpoint (Lightning's default under SLURM) and ends with every parameter equal, bit for bit,
-    to a job that was never interrupted. SLURM holds a requeued job for a while before it may start again; the test
-    lets it start at once (``scontrol update StartTime=now``)."""
+    to the same task never interrupted (run meanwhile on spawned ranks given the variables srun sets). SLURM holds a
+    requeued job for a while before it may start again; the test lets it start at once (``scontrol update
+    StartTime=now``)."""
     from lightning_zeropp.checkpoint_files import is_checkpoint_folder
     from lightning_zeropp.compat.lightning import METADATA_FILENAME
     from lightning_zeropp.testing.preemption import BATCH
@@ -101,24 +113,25 @@ def test_requeue_signal_to_an_sbatch_job_requeues_it_and_it_resumes_exactly(tmp_
     srun = ["srun", f"-n{TASKS}", "--overcommit", f"--export=ALL,SLURM_NTASKS_PER_NODE={TASKS}"]
     task = [sys.executable, "-m", "lightning_zeropp.testing.preemption"]
 
-    reference = tmp_path / "reference"
-    reference.mkdir()
-    cmd = [*srun, "--time=10", *task, str(reference), init_path, data_path, str(steps), "0", str(timeout_s)]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-
     root = tmp_path / "job"
     root.mkdir()
     script = tmp_path / "job.sh"
-    line = " ".join([*srun, *task, str(root), init_path, data_path, str(steps), "2", str(timeout_s)])
+    line = " ".join([*srun, *task, str(root), init_path, data_path, str(steps), "1", str(timeout_s)])
     script.write_text(f"#!/bin/bash\n{line}\n")
     submit = [
         "sbatch", "--parsable", "--requeue", f"-n{TASKS}", "--overcommit", "--time=15", "--open-mode=append",
         f"--output={tmp_path / 'job.out'}", str(script),
     ]  # fmt: skip
     job_id = subprocess.run(submit, cwd=tmp_path, env=env, capture_output=True, text=True, check=True).stdout.strip()
+    # The uninterrupted run, on spawned ranks with the variables srun sets (the same task function, no signal),
+    # while the job runs: it waits on its pauses and on SLURM's requeue most of the time.
+    reference, failures = tmp_path / "reference", []
+    reference.mkdir()
+    args = (str(reference), init_path, data_path, steps, timeout_s)
+    worker = threading.Thread(target=_run_reference, args=(args, failures), daemon=True)
+    worker.start()
     signalled, released = False, False
-    for _ in range(900):  # at most 15 minutes
+    for _ in range(3600):  # at most 15 minutes
         state, reason = _job_state(job_id)
         if not state:
             break
@@ -129,10 +142,12 @@ def test_requeue_signal_to_an_sbatch_job_requeues_it_and_it_resumes_exactly(tmp_
         if signalled and state == "PENDING" and reason == "BeginTime":
             subprocess.run(["scontrol", "update", f"jobid={job_id}", "StartTime=now"], check=True)
             released = True
-        time.sleep(1)
+        time.sleep(0.25)
     else:
         subprocess.run(["scancel", job_id])
         pytest.fail(f"job {job_id} did not finish in 15 minutes; its output:\n{(tmp_path / 'job.out').read_text()}")
+    worker.join(timeout=600)
+    assert not worker.is_alive() and not failures, failures or "the reference run did not end in 10 minutes"
     log = (tmp_path / "job.out").read_text()
     assert signalled and released, log[-5000:]
 

@@ -10,7 +10,8 @@ reference), with ``SIGUSR1`` raised inside a chosen point of a chosen step (:cla
 The data are one batch per epoch, chosen by the epoch (:class:`EpochBatch`): a resume continues with the right batch
 at any step, with no data loader state to restore. :func:`killed_save_worker` and :func:`resume_worker` kill every
 rank inside a requeue save and resume after it; :func:`srun_task` is one task of a real ``srun`` job step
-(``python -m lightning_zeropp.testing.preemption ROOT INIT DATA STEPS PAUSE TIMEOUT``, ``tests/test_slurm.py``).
+(``python -m lightning_zeropp.testing.preemption ROOT INIT DATA STEPS PAUSE TIMEOUT``, ``tests/test_slurm.py``), and
+:func:`srun_reference_worker` the same task on a spawned rank, never signalled (that test's reference).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ __all__ = [
     "preemption_worker",
     "resume_worker",
     "slurm_task_environment",
+    "srun_reference_worker",
     "srun_task",
 ]
 
@@ -475,6 +477,15 @@ def srun_task(root: str, init_path: str, data_path: str, steps: int, pause_s: fl
     finally:
         report.update(start=count.start, batches=count.batches)
         (out / f"task{rank}-{restart}.json").write_text(json.dumps(report))
+
+
+def srun_reference_worker(
+    rank: int, world: int, root: str, init_path: str, data_path: str, steps: int, timeout_s: float
+) -> None:
+    """:func:`srun_task` of a job never signalled, on a spawned rank with the variables ``srun`` would set: the
+    uninterrupted run a requeued job must end equal to, without starting fresh interpreters for it."""
+    with _environment(slurm_task_environment(rank, world)):
+        srun_task(root, init_path, data_path, steps, 0, timeout_s)
 
 
 if __name__ == "__main__":
