@@ -14,10 +14,10 @@ if (( free_gb < 12 )); then  # a failure, not a skip: CI must not turn green wit
     exit 1
 fi
 python -m venv "$venv"
-"$venv/bin/pip" install -q "torch==2.9.0" "lightning==2.6.0" "pytest>=8"
+"$venv/bin/pip" install -q "torch==2.9.0" "lightning==2.6.0" "pytest>=8" "pytest-xdist>=3.5"
 "$venv/bin/pip" install -q --no-deps -e .
 "$venv/bin/python" - <<'PY'
 import lightning, torch, triton
 print(f"oldest.sh: torch {torch.__version__}, lightning {lightning.__version__}, triton {triton.__version__}")
 PY
-"$venv/bin/python" -m pytest -p no:cacheprovider -q -m version_sensitive tests
+"$venv/bin/python" -m pytest -p no:cacheprovider -q -n 2 -m version_sensitive tests

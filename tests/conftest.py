@@ -1,7 +1,8 @@
-"""The suite's two tiers: ``python -m pytest tests -m "not slow"`` (every module's unit tests, in a few minutes) and
-``python -m pytest tests`` (everything). A test is ``slow`` when it spawns ranks (``multiprocess``), needs a cluster
-or SLURM (``cluster``, ``slurm``), or takes more than about 5 s (marked so by hand). A test outside the slow tier
-that tries to spawn ranks fails with the marker it lacks, so the fast tier can never grow a spawn unnoticed."""
+"""The suite's two tiers: ``python -m pytest tests -m "not slow" -n 2`` (every module's unit tests, in a few minutes)
+and ``python -m pytest tests -n 2`` (everything; ``-n 2``: two pytest-xdist workers, each module's tests on one of
+them). A test is ``slow`` when it spawns ranks (``multiprocess``), needs a cluster or SLURM (``cluster``, ``slurm``),
+or takes more than about 5 s (marked so by hand). A test outside the slow tier that tries to spawn ranks fails with
+the marker it lacks, so the fast tier can never grow a spawn unnoticed."""
 
 import os
 
@@ -13,6 +14,15 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 _SLOW_BY_NATURE = ("multiprocess", "cluster", "slurm")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Under pytest-xdist (``-n``), a module's tests all run on one worker: its module-scoped fixtures (a capture of
+    training steps, a preempted job) spawn their ranks once, not once per worker."""
+    from xdist.scheduler import LoadFileScheduling
+
+    return LoadFileScheduling(config, log)
 
 
 def pytest_collection_modifyitems(config, items):
