@@ -1,0 +1,39 @@
+"""The suite's own setup: CI runs the README's test command, and under pytest-xdist a module's tests share a worker
+(a module-scoped fixture that spawns ranks or captures training steps runs once, not once per worker)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _readme_test_command() -> str:
+    quick_start = ROOT.joinpath("README.md").read_text().split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    (command,) = re.findall(r"^pip install .*\[test\].*$", quick_start, re.M)
+    return command
+
+
+def test_ci_runs_the_readme_test_command():
+    command = _readme_test_command()
+    ci = [line for line in ROOT.joinpath(".ci", "run").read_text().splitlines() if not line.startswith("#")]
+    assert command in ci, f".ci/run does not run the README's test command {command!r}"
+    assert "-n 2" in command.split("pytest", 1)[1], command
+
+
+def test_the_test_extra_brings_xdist():
+    pyproject = ROOT.joinpath("pyproject.toml").read_text()
+    (test_extra,) = re.findall(r"^test = \[(.*)\]$", pyproject, re.M)
+    assert "pytest-xdist" in test_extra, test_extra
+
+
+def test_a_modules_tests_share_a_worker(pytestconfig, monkeypatch):
+    xdist_scheduler = pytest.importorskip("xdist.scheduler")
+    import conftest
+
+    monkeypatch.setattr(pytestconfig.option, "tx", ["popen", "popen"], raising=False)  # what `-n 2` sets
+    scheduler = conftest.pytest_xdist_make_scheduler(pytestconfig, None)
+    assert isinstance(scheduler, xdist_scheduler.LoadFileScheduling)  # xdist's "loadfile": a file's tests, one worker
