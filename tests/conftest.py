@@ -4,6 +4,7 @@ them). A test is ``slow`` when it spawns ranks (``multiprocess``), needs a clust
 or takes more than about 5 s (marked so by hand). A test outside the slow tier that tries to spawn ranks fails with
 the marker it lacks, so the fast tier can never grow a spawn unnoticed."""
 
+import contextlib
 import os
 
 import pytest
@@ -29,6 +30,28 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if any(item.get_closest_marker(name) for name in _SLOW_BY_NATURE):
             item.add_marker(pytest.mark.slow)
+
+
+@contextlib.contextmanager
+def environment_restored():
+    """Leaves ``os.environ`` as it found it: variables set inside are removed, changed ones restored."""
+    saved = dict(os.environ)
+    try:
+        yield
+    finally:
+        for name in set(os.environ) - set(saved):
+            del os.environ[name]
+        os.environ.update(saved)
+
+
+@pytest.fixture(autouse=True)
+def _isolated_environment():
+    """Each test leaves ``os.environ`` as it found it. Ranks take the caller's environment, and Lightning seeds every
+    rank from ``PL_GLOBAL_SEED`` when set: a ``seed_everything`` in one test's process would otherwise choose the
+    initial weights of whatever another test spawns later on the same worker, so a result would depend on which
+    modules pytest-xdist gave that worker before."""
+    with environment_restored():
+        yield
 
 
 @pytest.fixture(autouse=True)

@@ -281,16 +281,17 @@ def _features_worker(rank, world, init_path, data_path):
 
     # empty_init: built on the meta device, the optimizer too; setup materializes the shards and points it at them
     dims = {k: v for k, v in TINY.items()}
+    torch.manual_seed(0)  # the initialization that materialization draws: the same on every run
     with fabric.init_module(empty_init=True):
         net = TinyTransformer(**dims, dropout=0.0)
     out["meta_before"] = all(p.is_meta for p in net.parameters())
-    optimizer = torch.optim.SGD(net.parameters(), lr=0.3)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
     model, optimizer = fabric.setup(net, optimizer)
     params = list(model.parameters())
     out["materialized"] = not any(p.is_meta for p in params) and all(torch.isfinite(p.to_local()).all() for p in params)
     out["optimizer_holds_shards"] = [id(p) for p in optimizer.param_groups[0]["params"]] == [id(p) for p in params]
     losses = []
-    for _ in range(4):  # one batch, again and again: its loss must fall
+    for _ in range(4):  # one batch per rank, again and again: the ranks' mean loss (what the step descends) falls
         loss = _loss(model, lx[:2], ly[:2])
         fabric.backward(loss)
         optimizer.step()
@@ -372,9 +373,12 @@ def test_empty_init_evaluation_stepped_optimizer_and_parallelize_fn(inputs):
     _, init_path, data_path, x, y = inputs
     results = spawn(_features_worker, WORLD, init_path, data_path)
     reference, _ = reference_training(init_path, x, y, WORLD * BATCH, 2)
+    # it trains: the step follows the gradient of the ranks' mean loss, so the mean falls; one rank's own loss may
+    # rise (at lr 0.3, one initialization in 40 raised a rank's loss while the mean fell)
+    losses = torch.tensor([out["losses"] for out in results])
+    assert losses[:, -1].mean() < losses[:, 0].mean(), losses
     for rank, out in enumerate(results):
         assert out["meta_before"] and out["materialized"] and out["optimizer_holds_shards"], (rank, out)
-        assert out["losses"][-1] < out["losses"][0], out["losses"]  # it trains
         assert out["after_eval_same_parameters"], rank
         message = out["stepped_optimizer"]
         assert message is not None and "already holds state" in message and "setup_optimizers" in message, message

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import inspect
 import re
 from pathlib import Path
 
@@ -37,3 +38,20 @@ def test_a_modules_tests_share_a_worker(pytestconfig, monkeypatch):
     monkeypatch.setattr(pytestconfig.option, "tx", ["popen", "popen"], raising=False)  # what `-n 2` sets
     scheduler = conftest.pytest_xdist_make_scheduler(pytestconfig, None)
     assert isinstance(scheduler, xdist_scheduler.LoadFileScheduling)  # xdist's "loadfile": a file's tests, one worker
+
+
+def test_a_test_leaves_the_environment_as_it_found_it(monkeypatch):
+    """A ``seed_everything`` in one test sets ``PL_GLOBAL_SEED``, and every rank a later test spawns would take it (CI
+    once saw a loss rise that way): conftest's autouse fixture restores ``os.environ`` after each test."""
+    import os
+
+    import conftest
+
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+    monkeypatch.setenv("ZEROPP_SUITE_KEPT", "before")
+    with conftest.environment_restored():
+        os.environ["PL_GLOBAL_SEED"] = "7"  # what seed_everything(7) leaves behind
+        os.environ["ZEROPP_SUITE_KEPT"] = "changed"
+    assert "PL_GLOBAL_SEED" not in os.environ
+    assert os.environ["ZEROPP_SUITE_KEPT"] == "before"
+    assert "environment_restored" in inspect.getsource(conftest._isolated_environment)  # the autouse fixture uses it
