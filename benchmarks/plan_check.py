@@ -26,6 +26,7 @@ measured ones.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import os
@@ -196,21 +197,29 @@ def fit_link(points: list[list[float]], probe: str) -> tuple[float, float]:
     return 8e-9 / inverse_rate, latency * 1e6
 
 
-def check_cluster(path: Path, overlap: float, probe_fit: bool = False, latency_us: float = 50.0) -> list[dict]:
-    """Predicted step time on the emulated two-node cluster against ``benchmarks/cluster.py``'s measurements.
+def compute_from_step(step: float, comm: float, overlap: float) -> float:
+    """The compute that :func:`~lightning_zeropp.plan.step_seconds` composes with ``comm`` into ``step`` at
+    ``overlap`` (its inverse in the compute; 0 where the step is shorter than the communication alone)."""
+    if step >= comm + (1 - overlap) * comm:  # compute >= comm: the step is compute plus the unhidden communication
+        return step - (1 - overlap) * comm
+    return max(0.0, (step - comm) / (1 - overlap)) if overlap < 1 else min(step, comm)
 
-    The link: across nodes, its nominal rate and ``latency_us`` per message; inside a node (loopback) and on the
-    unshaped link, what each collective got there alone (``link_probe.py``: timed at two sizes, no training, the
-    planner's model of that collective fitted through the two points, :func:`fit_link`). ``probe_fit``: across nodes
-    too, each collective's fit at that rate (as a user would feed the planner nccl-tests' figures for a real fabric).
-    Compute: each configuration's step time on the unshaped link, less its collectives predicted there. Each shaped
-    rate's step is predicted from that compute and the step's bytes per kind (:func:`~lightning_zeropp.costs.
-    step_bytes`, equal to the ledger), composed with the planner's overlap."""
+
+def cluster_measurements(path: Path, probe_fit: bool = False, latency_us: float = 50.0) -> tuple[list[dict], dict]:
+    """What the check composes, from a ``cluster.py`` JSON: per configuration and shaped rate, the measured step, the
+    configuration's step on the unshaped link, its collectives predicted there, and a function of the link's
+    efficiency (the share of the nominal rate gloo gets across nodes) giving its collectives at the shaped rate.
+
+    The link: across nodes, the nominal rate x efficiency and ``latency_us`` per message; inside a node (loopback)
+    and on the unshaped link, what each collective got there alone (``link_probe.py``: timed at two sizes, no
+    training, the planner's model of that collective fitted through the two points, :func:`fit_link`).
+    ``probe_fit``: across nodes too, each collective's fit at that rate (x efficiency), as a user would feed the
+    planner nccl-tests' figures for a real fabric. Returns the rows and the probe's fits."""
     from comm_volume import CONFIGS
 
     from lightning_zeropp.config import ZeroPPConfig
     from lightning_zeropp.costs import gpt_units, step_bytes
-    from lightning_zeropp.plan import Cluster, collective_seconds, step_seconds
+    from lightning_zeropp.plan import Cluster, collective_seconds
 
     data = json.loads(path.read_text())
     model = data["meta"]["model"]
@@ -222,7 +231,7 @@ def check_cluster(path: Path, overlap: float, probe_fit: bool = False, latency_u
             for rate, by_probe in probes.items()}  # fmt: skip
     units = gpt_units(256, model["block_size"], model["n_layer"], model["n_embd"])
 
-    def comm(config: ZeroPPConfig, rate: float | None) -> float:
+    def comm(config: ZeroPPConfig, rate: float | None, efficiency: float = 1.0) -> float:
         inside = fits["unshaped"]
         total = 0.0
         for kind, (intra, inter, calls) in step_bytes(units, config, 4, 2, 0, "bf16-mixed").items():
@@ -231,6 +240,8 @@ def check_cluster(path: Path, overlap: float, probe_fit: bool = False, latency_u
                 gbps, lat = rate / 1e3, latency_us
             else:
                 gbps, lat = fits["unshaped" if rate is None else f"{rate:g}"][probe]
+            if rate is not None:
+                gbps *= efficiency
             cluster = Cluster(2, 2, gbps, inside[probe][0], lat, inside[probe][1], backend="gloo")
             total += collective_seconds(kind, intra, inter, calls, cluster, config)
         return total
@@ -242,12 +253,91 @@ def check_cluster(path: Path, overlap: float, probe_fit: bool = False, latency_u
         if None not in rows:
             raise SystemExit(f"plan_check: {path} has no unshaped run of {name} (its compute); run cluster.py with"
                              " --rates unshaped ...")  # fmt: skip
-        compute = rows[None]["step_s"] - comm(config, None)
+        unshaped_comm = comm(config, None)
         for rate, row in sorted((r, v) for r, v in rows.items() if r is not None):
-            seconds = comm(config, rate)
-            predicted = step_seconds(compute, seconds, overlap)
-            out.append(dict(config=name, rate_mbit=rate, compute_s=compute, comm_s=seconds, predicted_s=predicted,
-                            measured_s=row["step_s"], error=predicted / row["step_s"] - 1))  # fmt: skip
+            out.append(dict(config=name, rate_mbit=rate, measured_s=row["step_s"], unshaped_s=rows[None]["step_s"],
+                            unshaped_comm_s=unshaped_comm,
+                            comm_at=functools.partial(comm, config, rate)))  # fmt: skip
+    return out, fits
+
+
+def predict_cluster(row: dict, efficiency: float, overlap: float) -> tuple[float, float, float]:
+    """``(compute, comm, step)`` seconds of one :func:`cluster_measurements` row: the compute from the unshaped step
+    at ``overlap``, the shaped link's collectives at ``efficiency``, composed by the planner's
+    :func:`~lightning_zeropp.plan.step_seconds`."""
+    from lightning_zeropp.plan import step_seconds
+
+    compute = compute_from_step(row["unshaped_s"], row["unshaped_comm_s"], overlap)
+    seconds = row["comm_at"](efficiency)
+    return compute, seconds, step_seconds(compute, seconds, overlap)
+
+
+def fit_cluster(rows: list[dict]) -> tuple[float, float]:
+    """The (link efficiency, overlap) on a grid that best predicts the step times of ``rows`` (least squares of the
+    relative errors): efficiency 0.1-1.5 in steps of 0.005, overlap 0-1 in steps of 0.01. A fit on the
+    efficiency grid's edge is refused: the link is outside what the grid can say."""
+    grid_e = [i / 200 for i in range(20, 301)]
+    grid_o = [i / 100 for i in range(0, 101)]
+    comms = {e: [r["comm_at"](e) for r in rows] for e in grid_e}  # the link's part does not depend on the overlap
+    from lightning_zeropp.plan import step_seconds
+
+    def loss(e: float, o: float) -> float:
+        total = 0.0
+        for r, seconds in zip(rows, comms[e]):
+            compute = compute_from_step(r["unshaped_s"], r["unshaped_comm_s"], o)
+            total += (step_seconds(compute, seconds, o) / r["measured_s"] - 1) ** 2
+        return total
+
+    efficiency, overlap = min(itertools.product(grid_e, grid_o), key=lambda eo: loss(*eo))
+    if efficiency in (grid_e[0], grid_e[-1]):
+        raise SystemExit(f"plan_check: the link's efficiency fits at the grid's edge ({efficiency:g} of the nominal"
+                         " rate): check the link's shaping and the rates in the JSON")  # fmt: skip
+    return efficiency, overlap
+
+
+def _calibration_rows(rows: list[dict], calibrate: str) -> list[dict]:
+    """The rows ``calibrate`` names: ``rate:R`` (every configuration at R Mbit/s) or ``config:NAME`` (one
+    configuration at every rate)."""
+    what, _, value = calibrate.partition(":")
+    if what == "rate":
+        try:
+            chosen = [r for r in rows if r["rate_mbit"] == float(value)]
+        except ValueError:
+            message = f"plan_check: --calibrate {calibrate!r}: use rate:MBIT with a number, e.g. rate:200"
+            raise SystemExit(message) from None
+    elif what == "config":
+        chosen = [r for r in rows if r["config"] == value]
+    else:
+        raise SystemExit(f"plan_check: --calibrate {calibrate!r}: use rate:MBIT (e.g. rate:200) or config:NAME"
+                         " (e.g. config:zero3)")  # fmt: skip
+    if not chosen or len(chosen) == len(rows):
+        raise SystemExit(f"plan_check: --calibrate {calibrate!r} names {len(chosen)} of the {len(rows)} rows; it must"
+                         " leave some rows to predict and fit on at least one")  # fmt: skip
+    return chosen
+
+
+def check_cluster(
+    path: Path, overlap: float, probe_fit: bool = False, latency_us: float = 50.0, calibrate: str | None = None
+) -> list[dict]:
+    """Predicted step time on the emulated two-node cluster against ``benchmarks/cluster.py``'s measurements.
+
+    Compute: each configuration's step time on the unshaped link, less its collectives predicted there (composed at
+    the overlap). Each shaped rate's step is predicted from that compute and the step's bytes per kind
+    (:func:`~lightning_zeropp.costs.step_bytes`, equal to the ledger) at the link's rate, composed with the
+    planner's overlap (:func:`cluster_measurements` has the link). ``calibrate``: the link's efficiency and the
+    overlap fitted (:func:`fit_cluster`) on the rows it names (``rate:200``, ``config:zero3``), the other rows
+    predicted from them; without it, efficiency 1 (the nominal rate) and ``overlap``."""
+    rows, fits = cluster_measurements(path, probe_fit, latency_us)
+    efficiency, chosen = 1.0, []
+    if calibrate:
+        chosen = _calibration_rows(rows, calibrate)
+        efficiency, overlap = fit_cluster(chosen)
+    out = []
+    for r in rows:
+        compute, seconds, predicted = predict_cluster(r, efficiency, overlap)
+        out.append(dict(config=r["config"], rate_mbit=r["rate_mbit"], compute_s=compute, comm_s=seconds,
+                        predicted_s=predicted, measured_s=r["measured_s"], error=predicted / r["measured_s"] - 1,
+                        fitted=r in chosen))  # fmt: skip
     print("| rate | " + " | ".join(f"{p} Mbit/s, us" for p in PROBE_CLASS) + " |")
     print("|---|" + "---|" * len(PROBE_CLASS))
     for rate, by_probe in fits.items():
@@ -255,15 +345,22 @@ def check_cluster(path: Path, overlap: float, probe_fit: bool = False, latency_u
                            for p in PROBE_CLASS)  # fmt: skip
         print(f"| {rate} | {cells} |")
     print()
+    if calibrate:
+        print(f"fitted on {calibrate} ({len(chosen)} rows): link efficiency {efficiency:.3f}, overlap {overlap:.2f}\n")
     print("| link | config | compute s (unshaped run) | predicted comm s | predicted step s | measured step s"
-          " | error |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|")
+          " | error | |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
     for r in out:
         print(f"| {r['rate_mbit']:g} Mbit/s | {r['config']} | {r['compute_s']:.3f} | {r['comm_s']:.3f} |"
-              f" {r['predicted_s']:.3f} | {r['measured_s']:.3f} | {r['error']:+.1%} |")  # fmt: skip
+              f" {r['predicted_s']:.3f} | {r['measured_s']:.3f} | {r['error']:+.1%} |"
+              f" {'fitted' if r['fitted'] else ''} |")  # fmt: skip
     within = sum(abs(r["error"]) <= 0.15 for r in out)
+    held_out = [r for r in out if not r["fitted"]]
     link = "the probe's fitted rates" if probe_fit else "nominal rates"
-    print(f"\nwithin 15%: {within} of {len(out)} (overlap {overlap:g}, {link})")
+    print(f"\nwithin 15%: {within} of {len(out)} (overlap {overlap:g}, {link} x {efficiency:.3f})")
+    if calibrate:
+        print(f"predicted (not fitted) within 15%: {sum(abs(r['error']) <= 0.15 for r in held_out)} of"
+              f" {len(held_out)}")  # fmt: skip
     return out
 
 
@@ -343,6 +440,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--overlap", type=float, default=None, help="default: the planner's (the paper fit's)")
     parser.add_argument("--probe-fit", action="store_true", help="the link probe's fits across nodes, not the nominal")
     parser.add_argument("--latency-us", type=float, default=50.0, help="per message across nodes (nominal link)")
+    parser.add_argument("--calibrate", default=None,
+                        help="fit the link's efficiency and the overlap on these rows (rate:200, config:zero3) and"
+                             " predict the others")  # fmt: skip
     parser.add_argument("--memory", nargs="*", default=None, help="configurations for the memory check (CPU runs)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -359,7 +459,7 @@ def main(argv: list[str] | None = None) -> None:
 
         sys.path.insert(0, str(ROOT / "benchmarks"))
         overlap = OVERLAP if args.overlap is None else args.overlap
-        rows = check_cluster(args.cluster, overlap, args.probe_fit, args.latency_us)
+        rows = check_cluster(args.cluster, overlap, args.probe_fit, args.latency_us, args.calibrate)
         if args.json:
             args.json.write_text(json.dumps(rows, indent=2))
         return

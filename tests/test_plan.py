@@ -112,3 +112,65 @@ def test_link_probe_fit_recovers_the_rate_and_latency_it_was_made_with(probe):
     points[0][1] *= 0.5  # the small call faster than any latency allows
     gbps, latency_us = plan_check.fit_link(points, probe)
     assert latency_us == 0.0 and gbps > 0.05
+
+
+@pytest.mark.parametrize("compute, comm", [(0.3, 1.2), (1.2, 0.3), (0.5, 0.5), (0.0, 0.4)])
+@pytest.mark.parametrize("overlap", [0.0, 0.2, 0.6, 1.0])
+def test_compute_from_step_inverts_the_step_model(compute, comm, overlap):
+    """The cluster check takes a configuration's compute from its unshaped step at the overlap it composes with: the
+    inverse of ``step_seconds`` in the compute (where the overlap hides all of it, any compute up to the
+    communication gives the same step; the inverse returns one that does)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import plan_check
+
+    from lightning_zeropp.plan import step_seconds
+
+    step = step_seconds(compute, comm, overlap)
+    back = plan_check.compute_from_step(step, comm, overlap)
+    assert step_seconds(back, comm, overlap) == pytest.approx(step, abs=1e-12)
+    if overlap < 1 or compute > comm:
+        assert back == pytest.approx(compute, abs=1e-12)
+
+
+def _synthetic_cluster_rows(efficiency, overlap):
+    """Rows made by the model itself: four configurations at three rates, each with its own compute and bytes."""
+    from lightning_zeropp.plan import step_seconds
+
+    rows = []
+    for k, (compute, megabits) in enumerate([(0.27, 130.0), (0.41, 22.0), (0.50, 11.0), (0.29, 44.0)]):
+        unshaped_comm = 0.02 + 0.01 * k
+        for rate in (20.0, 50.0, 200.0):
+
+            def comm_at(e, megabits=megabits, rate=rate):
+                return megabits / (rate * e) + 0.005
+
+            rows.append(dict(config=f"c{k}", rate_mbit=rate, unshaped_comm_s=unshaped_comm,
+                             unshaped_s=step_seconds(compute, unshaped_comm, overlap), comm_at=comm_at,
+                             measured_s=step_seconds(compute, comm_at(efficiency), overlap)))  # fmt: skip
+    return rows
+
+
+def test_cluster_calibration_recovers_the_link_efficiency_and_overlap_it_was_made_with():
+    """``plan_check --cluster F --calibrate rate:200`` fits the link's efficiency and the overlap on the rows it names
+    and predicts the rest: on rows the model made at 0.85 and 0.3, the fit on one rate gives them back and every
+    held-out row exactly; a calibration that names every row, none, or neither a rate nor a configuration is
+    refused by name."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import plan_check
+
+    rows = _synthetic_cluster_rows(0.85, 0.3)
+    for calibrate in ("rate:200", "config:c0"):
+        chosen = plan_check._calibration_rows(rows, calibrate)
+        assert 0 < len(chosen) < len(rows)
+        efficiency, overlap = plan_check.fit_cluster(chosen)
+        assert (efficiency, overlap) == pytest.approx((0.85, 0.3)), calibrate
+        for r in rows:
+            assert plan_check.predict_cluster(r, efficiency, overlap)[2] == pytest.approx(r["measured_s"], rel=1e-9)
+    # a link twice as slow as the rows were measured on is seen as such: the fit is not free to absorb it in overlap
+    slower = _synthetic_cluster_rows(0.425, 0.3)
+    assert plan_check.fit_cluster(plan_check._calibration_rows(slower, "rate:200")) == pytest.approx((0.425, 0.3))
+    with pytest.raises(SystemExit, match="grid's edge"):  # a link far slower than its nominal rate is not fitted
+        plan_check.fit_cluster(plan_check._calibration_rows(_synthetic_cluster_rows(0.05, 0.3), "rate:200"))
+    for bad, named in (("rate:100", "names 0 of the 12"), ("node:1", "use rate:MBIT"), ("rate:", "use rate")):
+        with pytest.raises(SystemExit, match=named):
+            plan_check._calibration_rows(rows, bad)
