@@ -13,6 +13,7 @@ from lightning_zeropp.testing.kernels import (
     SEGMENTS,
     SIZES,
     check_aligned_quantize_dequantize,
+    check_edge_blocks,
     check_every_code,
     check_feedback,
     check_quantize_dequantize,
@@ -212,3 +213,16 @@ def test_kernels_write_every_wire_byte(monkeypatch):
     got = outputs("triton")
     for name in want:
         assert torch.equal(want[name], got[name]), f"{name}: bytes differ at {(want[name] != got[name]).nonzero()[:8]}"
+
+
+@pytest.mark.parametrize("by_bits", [True, False], ids=["absmax-by-bits", "absmax-float-nan-max"])
+@pytest.mark.parametrize("aligned", [False, True])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_edge_blocks_with_either_absmax(monkeypatch, by_bits, aligned, bits):
+    """The interpreter finds a block's absmax by an integer max of the magnitudes' bits, the compiled kernels by a
+    NaN-propagating float max (``_tiles.ABSMAX_BY_BITS``): both, run here in the interpreter, give the twins' codes
+    and scales on blocks of NaN, Inf, zeros, subnormals and scales at the smallest normal float."""
+    from lightning_zeropp.kernels import _tiles
+
+    monkeypatch.setattr(_tiles, "ABSMAX_BY_BITS", _tiles.tl.constexpr(by_bits))
+    check_edge_blocks(DEVICE, bits, aligned)

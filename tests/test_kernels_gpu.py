@@ -8,6 +8,7 @@ import torch
 from lightning_zeropp.testing.kernels import (
     DTYPES,
     SEGMENTS,
+    check_edge_blocks,
     check_every_code,
     check_feedback,
     check_quantize_dequantize,
@@ -66,3 +67,11 @@ def test_feedback(segments, bits, width):
     check_feedback(DEVICE, segments, 128, bits, torch.float32, None, width=width)
     check_feedback(DEVICE, segments, 128, bits, torch.bfloat16, 3, width=width)
     check_reduce_aligned(DEVICE, 4, 2, segments, 128, 8, bits, True, width=width)
+
+
+@pytest.mark.parametrize("aligned", [False, True])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_edge_blocks(aligned, bits):
+    """The compiled kernels' NaN-propagating float absmax (``FMNMX.NAN``) on NaN, Inf, zeros, subnormals and scales at
+    the smallest normal float, against the twins."""
+    check_edge_blocks(DEVICE, bits, aligned)

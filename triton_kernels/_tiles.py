@@ -19,9 +19,12 @@ FMA contraction, which would fuse ``q * scale`` into a following add):
 
 - ``scale = absmax / qmax`` (IEEE division), ``inv = 1 / scale`` once per block (IEEE division), ``y = x * inv``;
 - round half to even is ``y + 1.5 * 2**23``, whose low mantissa bits are then the code (exact for |y| < 2**22);
-- ``absmax`` is a NaN-propagating max (of the magnitudes' bits), so a block with NaN or Inf is found without a
-  separate pass: it gets scale NaN and codes 0; a block whose scale is below the smallest normal float codes 0
-  (its reciprocal would overflow).
+- ``absmax`` is a NaN-propagating max of the magnitudes, so a block with NaN or Inf is found without a separate
+  pass: it gets scale NaN and codes 0; a block whose scale is below the smallest normal float codes 0 (its
+  reciprocal would overflow). Compiled, it is a float max with NaN propagation (one ``FMNMX.NAN`` per element, the
+  magnitude an operand modifier); in Triton's interpreter, which runs a custom reduction element by element, an
+  integer max of the magnitudes' bits (two instructions per element compiled, the same result: see
+  :data:`ABSMAX_BY_BITS`).
 """
 
 import types
@@ -29,7 +32,7 @@ import types
 import triton
 import triton.language as tl
 
-from . import layout
+from . import interpreting, layout
 
 ROUND_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23
 INT4_MAGIC = tl.constexpr(8388616.0)  # 2**23 + 8
@@ -38,6 +41,13 @@ FLT_MIN_NORMAL = tl.constexpr(1.1754943508222875e-38)
 # Philox 4x32 with 7 rounds passes the BigCrush battery (Salmon et al., SC 2011, "Parallel random numbers: as easy as
 # 1, 2, 3"); 10 is the library default's safety margin. Rounding noise needs no more, and each round costs.
 PHILOX_ROUNDS = tl.constexpr(7)
+# How quantize_pairs finds a block's NaN-propagating absmax. Compiled (False): a float max with NaN propagation
+# (``max.NaN.f32``, the magnitude folded into ``FMNMX``), 1 instruction per element. In the interpreter (True): the
+# integer max of ``bits(x) & 0x7FFFFFFF`` (a float's magnitude bits order like the magnitude, and every NaN's lie above
+# Inf's), 2 instructions per element compiled, but a built-in reduction the interpreter runs vectorized, where the
+# float max's custom combine runs element by element (the kernel tests 6x slower). The two give the same absmax for
+# every block without NaN and NaN (scale NaN, codes 0) for every block with one; tests/test_kernels.py runs both.
+ABSMAX_BY_BITS = tl.constexpr(interpreting())
 
 
 def _jit_here(fn: types.FunctionType):
@@ -119,6 +129,18 @@ def _abs_bits_max(x):
 
 
 @triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _abs_max_nan(xe, xo):
+    """Per block, max |x| as fp32, NaN-propagating (a float reduction with a custom combine; see
+    :data:`ABSMAX_BY_BITS`)."""
+    return tl.reduce(tl.maximum(tl.abs(xe), tl.abs(xo), propagate_nan=tl.PropagateNan.ALL), 1, _max_nan)
+
+
+@triton.jit
 def uniform_pairs(seed, counter0, G: tl.constexpr, HALF: tl.constexpr):
     """Uniform [0, 1) numbers for stochastic rounding, ``[G, HALF]`` even and odd.
 
@@ -154,7 +176,10 @@ def quantize_pairs(xe, xo, seed, counter0, QMAX: tl.constexpr, STOCHASTIC: tl.co
     is needed. Nearest rounding needs no clamp: ``|x| * (1 / (absmax / QMAX)) <= QMAX * (1 + 3 * 2**-24)``, which
     rounds to QMAX. A block that cannot be scaled (NaN, Inf, or a scale below the smallest normal float) codes 0.
     """
-    absmax = tl.maximum(_abs_bits_max(xe), _abs_bits_max(xo)).to(tl.float32, bitcast=True)
+    if ABSMAX_BY_BITS:
+        absmax = tl.maximum(_abs_bits_max(xe), _abs_bits_max(xo)).to(tl.float32, bitcast=True)
+    else:
+        absmax = _abs_max_nan(xe, xo)
     bad = (absmax != absmax) | (absmax > FLT_MAX)
     scale = tl.math.div_rn(absmax, tl.full(absmax.shape, QMAX, tl.float32))
     usable = (~bad) & (scale >= FLT_MIN_NORMAL)

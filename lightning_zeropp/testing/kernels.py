@@ -44,6 +44,60 @@ def check_quantize_dequantize(device: str, n: int, bits: int, block: int, dtype:
         assert _same(a, b), f"dequantize {n=} {bits=} {block=} -> {out_dtype}"
 
 
+def edge_blocks(block: int) -> torch.Tensor:
+    """fp32 values, one ``block`` of each kind a block's absmax must tell apart: a quiet NaN, a NaN with the sign and
+    a payload set, +Inf, -Inf, NaN beside Inf, every element +-0, only subnormals, a largest magnitude whose scale
+    falls just below / exactly at the smallest normal float, magnitudes near the largest float, and ordinary data
+    with its largest element negative."""
+    g = torch.Generator().manual_seed(block)
+    ordinary = lambda: torch.randn(block, generator=g)  # noqa: E731
+    tiny = torch.finfo(torch.float32).tiny  # the smallest normal float
+    kinds = []
+    for special in (float("nan"), torch.tensor(0xFFC12345, dtype=torch.int64).to(torch.int32).view(torch.float32)):
+        x = ordinary()
+        x[block // 3] = special
+        kinds.append(x)
+    for special in (float("inf"), -float("inf")):
+        x = ordinary()
+        x[-1] = special
+        kinds.append(x)
+    x = ordinary()
+    x[0], x[1] = float("inf"), float("nan")
+    kinds.append(x)
+    zeros = torch.zeros(block)
+    zeros[::2] = -0.0
+    kinds.append(zeros)
+    kinds.append(torch.rand(block, generator=g) * tiny)  # subnormals (and 0)
+    for top in (tiny * 127 * (1 - 2**-23), tiny * 127, tiny * 7 * (1 - 2**-23), tiny * 7):
+        x = torch.rand(block, generator=g) * top
+        x[block // 2] = -top
+        kinds.append(x.float())
+    kinds.append(torch.rand(block, generator=g) * 3.4e38 - 1.7e38)
+    x = ordinary()
+    x[block // 4] = -x.abs().max() * 2
+    kinds.append(x)
+    return torch.cat(kinds).float()
+
+
+def check_edge_blocks(device: str, bits: int, segments_or_none: bool) -> None:
+    """Blocks of :func:`edge_blocks` (NaN, Inf, zeros, subnormals, scales at the smallest normal float, values near
+    the largest) through quantize (one row, uniform or parameter-aligned blocks) and the step-3 re-quantization
+    (2 rows, INT8 -> ``bits``): kernels against twins, bit for bit."""
+    block = 128
+    x = edge_blocks(block)
+    n = x.numel()
+    blocks = tk.Blocks.of_segments([n // 2 - 5, 5, n - n // 2], block) if segments_or_none else None
+    where = f"{bits=} aligned={segments_or_none}"
+    want = tk.quantize(x, bits, block, blocks=blocks, backend="torch")
+    got = tk.quantize(x.to(device), bits, block, blocks=blocks, backend="triton")
+    assert _same(want, got), f"quantize edge blocks {where}: {(want != got.cpu()).nonzero()[:8].tolist()}"
+    rows = torch.stack([x, x.flip(0)])
+    buf = tk.quantize(rows, 8, block, blocks=blocks, backend="torch").view(2, 1, -1)
+    want = tk.dequantize_reduce_quantize(buf, n, 8, bits, block, blocks=blocks, backend="torch")
+    got = tk.dequantize_reduce_quantize(buf.to(device), n, 8, bits, block, blocks=blocks, backend="triton")
+    assert _same(want, got), f"dequantize_reduce_quantize edge blocks {where}"
+
+
 def check_every_code(device: str, bits: int, segments=None, block: int = 128) -> None:
     """Dequantization of wires whose codes run through every byte value (INT4: every pair of nibbles, -8 included,
     which the quantizers never write but a peer's wire may hold): dequantize (3 rows) and dequantize_reduce (2 and 4
