@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import random
 import socket
 import sys
 import tempfile
@@ -27,9 +28,37 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+_LOWEST_PORT = 10000
+
+
+def ephemeral_port_range() -> tuple[int, int]:
+    """The ports the kernel hands out to sockets bound to port 0 (``ip_local_port_range``; Linux's default without
+    that file)."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        return 32768, 60999
+    return low, high
+
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A TCP port free on 127.0.0.1 for a job's ``MASTER_PORT``, drawn at random below the kernel's ephemeral range.
+
+    A port the kernel assigned (bind to port 0) and released could be handed to another socket before the job binds
+    it: gloo's connections, or another job's, bind that way by the hundred when tests run side by side (CI once saw
+    ``EADDRINUSE`` that way). Below the ephemeral range only an explicit choice takes a port; the draw comes from the
+    operating system's randomness, which a ``seed_everything`` in the same process does not repeat in another."""
+    low, _ = ephemeral_port_range()
+    draw = random.SystemRandom()
+    for _ in range(64 if low - _LOWEST_PORT >= 1000 else 0):
+        port = draw.randrange(_LOWEST_PORT, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # no room below the ephemeral range: let the kernel choose
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

@@ -55,3 +55,23 @@ def test_a_test_leaves_the_environment_as_it_found_it(monkeypatch):
     assert "PL_GLOBAL_SEED" not in os.environ
     assert os.environ["ZEROPP_SUITE_KEPT"] == "before"
     assert "environment_restored" in inspect.getsource(conftest._isolated_environment)  # the autouse fixture uses it
+
+
+def test_free_ports_come_from_below_the_ephemeral_range_whatever_the_seed():
+    """A job's ``MASTER_PORT`` is drawn below the range the kernel assigns to sockets bound to port 0 (gloo's
+    connections take those by the hundred while the other xdist worker's jobs run: CI once saw ``EADDRINUSE``), and
+    from the operating system's randomness: two processes that both ran ``seed_everything(0)`` must not draw the
+    same ports in the same order."""
+    import random
+
+    from lightning_zeropp.spawn import ephemeral_port_range, free_port
+
+    low, high = ephemeral_port_range()
+    assert 0 < low <= high
+    draws = []
+    for _ in range(2):
+        random.seed(0)  # what seed_everything(0) does to the module the draw must not use
+        draws.append([free_port() for _ in range(8)])
+    for port in draws[0] + draws[1]:
+        assert 10000 <= port < low or low - 10000 < 1000, (port, low)
+    assert draws[0] != draws[1]
