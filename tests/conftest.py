@@ -55,6 +55,17 @@ def _isolated_environment():
 
 
 @pytest.fixture(autouse=True)
+def _own_master_port(request, _isolated_environment):
+    """A test that starts ranks gets a ``MASTER_PORT`` of its own, drawn below the kernel's ephemeral range
+    (``spawn.free_port``): Lightning's and Fabric's launchers otherwise take a port the kernel handed out and released,
+    which the other xdist worker's gloo connections can take first (our own spawn draws its own port the same way)."""
+    if request.node.get_closest_marker("multiprocess"):
+        from lightning_zeropp.spawn import free_port
+
+        os.environ["MASTER_PORT"] = str(free_port())
+
+
+@pytest.fixture(autouse=True)
 def _fast_tests_spawn_nothing(request, monkeypatch):
     if request.node.get_closest_marker("slow"):
         return
