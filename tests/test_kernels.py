@@ -100,12 +100,36 @@ def test_vector_tiles_are_taken_first():
     blocks = tk.Blocks.of_segments(list(VECTOR[0]), VECTOR[1])
     G, HALF = tile_shape(VECTOR[1])
     table, nvt = block_table(blocks, torch.device("cpu"), G, HALF)
-    assert nvt == 2 and G == 32  # 72 whole blocks at starts that are multiples of 16: 2 tiles, 8 left to the others
-    order = table[3 * (blocks.count + 1) :].tolist()
+    # the 8199-element segment's 64 whole blocks at a start that is a multiple of 16: 2 runs of 32; the 8 whole
+    # blocks of the first segment are too few for a run, the second segment's start is odd
+    assert nvt == 2 and G == 32
+    columns = [list(blocks.starts), list(blocks.payload_offsets(8)), list(blocks.payload_offsets(4))]
+    assert table.view(-1, 4)[:, :3].t().tolist() == columns
+    order = table.view(-1, 4)[: blocks.count, 3].tolist()
     assert sorted(order) == list(range(blocks.count))
-    for b in order[: nvt * G]:
-        assert blocks.starts[b + 1] - blocks.starts[b] == 128 and blocks.starts[b] % 16 == 0
-        assert blocks.payload_offsets(8)[b] % 16 == 0 and blocks.payload_offsets(4)[b] % 16 == 0
+    assert order[: nvt * G] == list(range(21, 85))
+    for tile in range(nvt):  # a vector tile reads its first block's entries and steps from there (_tiles, MODE 2)
+        b0 = order[tile * G]
+        assert order[tile * G : (tile + 1) * G] == list(range(b0, b0 + G)) and blocks.starts[b0] % 16 == 0
+        for g in range(G + 1):
+            assert blocks.starts[b0 + g] == blocks.starts[b0] + g * 128
+            assert blocks.payload_offsets(8)[b0 + g] == blocks.payload_offsets(8)[b0] + g * 128
+            assert blocks.payload_offsets(4)[b0 + g] == blocks.payload_offsets(4)[b0] + g * 64
+        assert blocks.payload_offsets(8)[b0] % 16 == 0 and blocks.payload_offsets(4)[b0] % 16 == 0
+
+
+def test_vector_runs_cross_segments_without_tails_and_stop_at_tails():
+    from lightning_zeropp.kernels._launch import runs
+
+    # segments of whole blocks only: one run of 4 across three segments, then the fourth segment's 2 + tail
+    assert runs(tk.Blocks.of_segments([128, 256, 128, 300], 128), 4) == [0]
+    # a tail inside: no run crosses it; the run after it starts at an odd element: none there either
+    assert runs(tk.Blocks.of_segments([384, 5, 512], 128), 3) == [0]
+    assert runs(tk.Blocks.of_segments([384, 16, 512], 128), 3) == [0, 4]
+    assert runs(tk.Blocks.of_segments([383, 512], 128), 3) == []  # 2 whole + tail; 4 whole at start 383
+    assert runs(tk.Blocks.of_segments([4096], 128), 32) == [0]
+    assert runs(tk.Blocks.of_segments([4096], 64), 32) == [0, 32]
+    assert runs(tk.Blocks.of_segments([4096], 2), 32) == []  # not a padded layout
 
 
 @pytest.mark.parametrize(("segments", "block"), ALIGNED)

@@ -74,26 +74,46 @@ def stochastic_seed(seed: int | None) -> int:
 
 def block_table(blocks: Blocks, device: torch.device, G: int, HALF: int) -> tuple[torch.Tensor, int]:
     """The device table of aligned ``blocks`` (``layout.Blocks``) the kernels read (see ``_tiles``), and ``nvt``, the
-    number of vector tiles: the blocks' first elements, their first payload bytes at 8 and at 4 bits (``count + 1``
-    entries each), then the order in which programs take the blocks: ``nvt * G`` vector blocks (whole, starting at a
-    multiple of 16 elements, in a padded layout) in whole tiles of G, then every other block. int32 unless a tile's
-    offsets (a tile's elements past a block's start) overflow it. Made once per (blocks, device, tile, width) and
-    cached on ``blocks``."""
+    number of vector tiles: ``count + 1`` rows of a block's first element, its first payload bytes at 8 and at 4 bits
+    (the last row: the ends), and the order in which programs take the blocks: ``nvt`` runs of G vector blocks
+    (:func:`runs`), then every other block (the last row's order entry is 0). int32 unless a tile's offsets (a tile's
+    elements past a block's start) overflow it. Made once per (blocks, device, tile, width) and cached on
+    ``blocks``."""
     wide = needs_int64(blocks.numel + 2 * G * HALF, blocks.payload_bytes(8) + 2 * G * HALF)
     key = ("triton", torch.device(device), G, HALF, wide)
 
     def make() -> tuple[torch.Tensor, int]:
-        starts, size = blocks.starts, blocks.block_size
-        vector = [b for b in range(blocks.count) if blocks.padded and starts[b + 1] - starts[b] == size
-                  and starts[b] % 16 == 0]  # fmt: skip
-        nvt = len(vector) // G
-        first = vector[: nvt * G]
-        taken = set(first)
-        order = first + [b for b in range(blocks.count) if b not in taken]
-        values = starts + blocks.payload_offsets(8) + blocks.payload_offsets(4) + tuple(order)
-        return torch.tensor(values, dtype=torch.int64 if wide else torch.int32, device=device), nvt
+        first = runs(blocks, G)
+        nvt = len(first)
+        taken = {b + g for b in first for g in range(G)}
+        order = [b + g for b in first for g in range(G)] + [b for b in range(blocks.count) if b not in taken]
+        columns = (blocks.starts, blocks.payload_offsets(8), blocks.payload_offsets(4), (*order, 0))
+        table = torch.tensor(columns, dtype=torch.int64 if wide else torch.int32).t().contiguous().view(-1)
+        return table.to(device), nvt
 
     return blocks.cached(key, make)
+
+
+def runs(blocks: Blocks, G: int) -> list[int]:
+    """The first blocks of the vector tiles of a padded layout: runs of G consecutive whole blocks, the first starting
+    at a multiple of 16 elements, taken greedily from the row's start. In a run, element offsets, payload offsets (a
+    whole block's payload is ``block_size`` or ``block_size / 2`` bytes, multiples of 16) and scale slots are affine
+    in the block's place, so a vector tile reads one table entry per column (``_tiles``, MODE 2). Blocks outside
+    runs (tails, segments shorter than a run, odd starts) go to the masked tiles."""
+    if not blocks.padded:
+        return []
+    starts, size = blocks.starts, blocks.block_size
+    first, b = [], 0
+    while b + G <= blocks.count:
+        end = next((i for i in range(b, b + G) if starts[i + 1] - starts[i] != size), None)
+        if end is not None:  # a short block: no run reaches past it
+            b = end + 1
+        elif starts[b] % 16:
+            b += 1
+        else:
+            first.append(b)
+            b += G
+    return first
 
 
 class Tiling(NamedTuple):

@@ -93,8 +93,20 @@ def padded_blocks(n, BS: tl.constexpr):
 @triton.jit
 def wire_row(bytes_ptr, scales_ptr, row, wire, so):
     """Pointers to the payload and to the first scale of wire row ``row`` (rows of ``wire`` bytes, scales from byte
-    ``so``), given the buffer's int8 and fp32 views."""
+    ``so``), given the buffer's int8 and fp32 views. ``wire`` and ``so`` are multiples of 16 and not negative, so a
+    shift divides them by 4 (``//`` on a signed int costs three instructions: the rounding toward zero)."""
     return bytes_ptr + row * wire, scales_ptr + row * (wire // 4) + so // 4
+
+
+@triton.jit
+def wire_row_bytes(bytes_ptr, row, wire, so):
+    """:func:`wire_row` from the int8 view alone: the scales' pointer is the row's byte ``so`` cast to fp32 (``so`` is a
+    multiple of 16). No division by 4 (three instructions on a signed int, per row), one address per row. Used by the
+    parameter-aligned kernels; the uniform ones keep :func:`wire_row`, whose register allocation ptxas keeps without
+    a stack frame at sm_80 (this form gave one uniform variant, N = 8 INT4 -> INT4 with an fp32 residual, 96 registers
+    and a 16-byte stack)."""
+    payload = bytes_ptr + row * wire
+    return payload, (payload + so).to(tl.pointer_type(tl.float32))
 
 
 @triton.jit
@@ -463,16 +475,21 @@ def store_residual(res_ptr, rscale_ptr, row, e, blk, t, n, rs, le, lo, WIDTH: tl
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# Parameter-aligned blocks (layout.Blocks). A device table (``_launch.block_table``) holds four columns: the blocks'
-# first elements and their first payload bytes at 8 and at 4 bits (``nblk + 1`` entries each, the last one the row's
-# end), then the order in which the programs take the blocks (``nblk`` entries). Each of a tile's G blocks is one row
-# of the ``[G, 2 * HALF]`` tile, at its own start: element ``t`` of block ``b`` is row element ``starts[b] + t``.
+# Parameter-aligned blocks (layout.Blocks). A device table (``_launch.block_table``) holds ``nblk + 1`` rows of four:
+# a block's first element and its first payload bytes at 8 and at 4 bits (the last row: the row's ends), and in the
+# fourth column the order in which the programs take the blocks (entry ``i`` of the order in row ``i``). A block's
+# entries share one address (``table + 4 * blk``) and differ by an immediate offset. Each of a tile's G blocks is one
+# row of the ``[G, 2 * HALF]`` tile, at its own start: element ``t`` of block ``b`` is row element ``starts[b] + t``.
 #
 # ``MODE`` says what the compiler may assume about a tile's blocks:
-#   2  vector: G whole blocks of BS elements, each starting at a multiple of 16 elements and (``Blocks.padded``) on a
-#      16-byte payload boundary. No masks (for a power-of-two BS): every load and store moves 16 bytes. The table's
-#      order lists these blocks first, in whole tiles, so programs ``pid < nvt`` take only them. A padded layout's
-#      tiles are the uniform kernels' (16 payload bytes per thread need that many elements).
+#   2  vector: G consecutive whole blocks of BS elements (a run inside one segment, or across segments without a
+#      tail), the first starting at a multiple of 16 elements, in a padded layout (``Blocks.padded``: a whole block's
+#      payload is BS or BS / 2 bytes, so the run's payload is contiguous too). Everything is then affine in the run's
+#      first block, as in the uniform kernels: ``blk`` is that block's id (a scalar) and one load per column gives
+#      the run's element and payload offsets; no per-block table loads. No masks (for a power-of-two BS): every load
+#      and store moves 16 bytes. The table's order lists these runs first, G blocks each, so programs ``pid < nvt``
+#      take only them. A padded layout's tiles are the uniform kernels' (16 payload bytes per thread need that many
+#      elements).
 #   1  padded edge: any blocks of a padded layout (a segment's tail, a block at an odd start), a quarter of a tile at
 #      a time (each masked element needs its own address; a whole tile would spill). Element accesses are masked by
 #      the block's length; payload accesses by its padded length (a multiple of 16 bytes): they move what a quarter
@@ -484,20 +501,20 @@ def store_residual(res_ptr, rscale_ptr, row, e, blk, t, n, rs, le, lo, WIDTH: tl
 
 @triton.jit
 def aligned_index(table_ptr, nblk, base, MODE: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr):
-    """The block ids ``[G]`` of the tile at ``base`` in the table's order, which exist ``[G]``, their lengths
-    ``[G]``, element offsets ``[G, 2 * HALF]`` within the row, and which of those are the blocks' elements."""
+    """The block ids ``[G]`` of the tile at ``base`` in the table's order (MODE 2: the first of the run, a scalar),
+    which exist ``[G]``, their lengths ``[G]``, element offsets ``[G, 2 * HALF]`` within the row, and which of those
+    are the blocks' elements."""
     i = base + tl.arange(0, G)
     valid = i < nblk
     t = tl.arange(0, 2 * HALF)
-    order = table_ptr + 3 * (nblk + 1)
     if MODE == 2:
-        blk = tl.load(order + i)
-        first = tl.multiple_of(tl.load(table_ptr + blk), 16)
+        blk = tl.load(table_ptr + 4 * base + 3)
+        first = tl.multiple_of(tl.load(table_ptr + 4 * blk), 16) + tl.arange(0, G) * BS
         length = tl.zeros_like(first) + BS
     else:
-        blk = tl.load(order + i, mask=valid, other=0)
-        first = tl.load(table_ptr + blk, mask=valid, other=0)
-        length = tl.load(table_ptr + blk + 1, mask=valid, other=0) - first
+        blk = tl.load(table_ptr + 4 * i + 3, mask=valid, other=0)
+        first = tl.load(table_ptr + 4 * blk, mask=valid, other=0)
+        length = tl.load(table_ptr + 4 * blk + 4, mask=valid, other=0) - first
     return blk, valid, length, first[:, None] + t[None, :], t[None, :] < length[:, None]
 
 
@@ -526,8 +543,8 @@ def _store_elements(ptr, e, inside, v, MODE: tl.constexpr, BS: tl.constexpr, HAL
 @triton.jit
 def _block_scales(scale_ptr, blk, valid, MODE: tl.constexpr):
     """The fp32 scales of a tile's blocks (0 for blocks past the row's last)."""
-    if MODE == 2:
-        s = tl.load(scale_ptr + blk)
+    if MODE == 2:  # a run: consecutive scales
+        s = tl.load(scale_ptr + blk + tl.arange(0, valid.shape[0]))
     else:
         s = tl.load(scale_ptr + blk, mask=valid, other=0.0)
     return s
@@ -536,7 +553,7 @@ def _block_scales(scale_ptr, blk, valid, MODE: tl.constexpr):
 @triton.jit
 def _store_block_scales(scale_ptr, blk, valid, scale, MODE: tl.constexpr):
     if MODE == 2:
-        tl.store(scale_ptr + blk, scale)
+        tl.store(scale_ptr + blk + tl.arange(0, valid.shape[0]), scale)
     else:
         tl.store(scale_ptr + blk, scale, mask=valid)
 
@@ -548,32 +565,32 @@ def load_pairs_aligned(ptr, e, inside, MODE: tl.constexpr, BS: tl.constexpr, G: 
 
 
 @triton.jit
-def _payload(table_ptr, nblk, blk, valid, length, BITS: tl.constexpr, MODE: tl.constexpr, HALF: tl.constexpr,
-             WORDS: tl.constexpr = False):  # fmt: skip
+def _payload(table_ptr, nblk, blk, valid, length, BITS: tl.constexpr, MODE: tl.constexpr, BS: tl.constexpr,
+             HALF: tl.constexpr, WORDS: tl.constexpr = False):  # fmt: skip
     """Byte offsets ``[G, W]`` of a tile's payload in a wire row of ``BITS`` (W = 2 * HALF at 8 bits, HALF at 4) and
     how many bytes of each block to move ``[G]``: its codes, or (padded layout) its codes and their padding.
     ``WORDS`` (padded layout, 4 bits): the same in 32-bit words, ``[G, HALF // 4]``."""
-    column = table_ptr + (nblk + 1) * (3 - BITS // 4)  # 8 bits: the second column, 4 bits: the third
-    if MODE == 2:
-        byte0 = tl.multiple_of(tl.load(column + blk), 16)
+    column = table_ptr + (3 - BITS // 4)  # 8 bits: the second column, 4 bits: the third
+    if MODE == 2:  # a run: whole blocks back to back, BS or BS / 2 bytes each
+        byte0 = tl.multiple_of(tl.load(column + 4 * blk), 16) + tl.arange(0, valid.shape[0]) * (BS * BITS // 8)
     else:
-        byte0 = tl.load(column + blk, mask=valid, other=0)
+        byte0 = tl.load(column + 4 * blk, mask=valid, other=0)
         if MODE == 1:
             byte0 = tl.multiple_of(byte0, 16)
     if BITS == 8:
         used = length
         lane = tl.arange(0, 2 * HALF)
     elif WORDS:
-        used = (length + 1) // 2
+        used = (length + 1) >> 1
         lane = tl.arange(0, HALF // 4)
     else:
-        used = (length + 1) // 2
+        used = (length + 1) >> 1
         lane = tl.arange(0, HALF)
     if MODE == 1:
         used = tl.multiple_of((used + 15) & -16, 16)
     if WORDS:
-        byte0 = tl.multiple_of(byte0 // 4, 4)
-        used = used // 4
+        byte0 = tl.multiple_of(byte0 >> 2, 4)  # offsets and lengths are not negative: a shift divides
+        used = used >> 2
     return byte0[:, None] + lane[None, :], used
 
 
@@ -604,7 +621,7 @@ def store_codes_aligned(out_ptr, scale_ptr, table_ptr, nblk, ye, yo, scale, blk,
                         MODE: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr):  # fmt: skip
     """Writes a tile's codes of aligned blocks into a wire row and its scales. Lanes past a block's end hold the codes
     of masked (zero) elements, 0: an odd block's last high nibble, and a padded block's padding."""
-    p, used = _payload(table_ptr, nblk, blk, valid, length, BITS, MODE, HALF)
+    p, used = _payload(table_ptr, nblk, blk, valid, length, BITS, MODE, BS, HALF)
     if BITS == 8:
         _store_payload(out_ptr, p, used, join_pairs(ye, yo, G, HALF).to(tl.int8), MODE, BS, 2 * HALF)
     else:
@@ -618,7 +635,7 @@ def store_padding_aligned(out_ptr, scale_ptr, table_ptr, nblk, so, BITS: tl.cons
     bytes; none in a padded layout, whose blocks write their own padding) and after the last scale up to a multiple
     of 4 scales."""
     if MODE == 0:
-        pb = tl.load(table_ptr + (nblk + 1) * (3 - BITS // 4) + nblk)
+        pb = tl.load(table_ptr + 4 * nblk + (3 - BITS // 4))
         i = tl.arange(0, 16)
         tl.store(out_ptr + pb + i, tl.zeros([16], tl.int8), mask=pb + i < so)
     slot = nblk + tl.arange(0, 4)
@@ -634,7 +651,7 @@ def quantize_to_row_aligned(out_ptr, scale_ptr, table_ptr, nblk, row, base, edge
     branch for it. The rounding noise's counters are numbered by (row, block slot in the order)."""
     counter0 = (row * (nblk + G) + base) * HALF // 4
     ye, yo, scale = quantize_pairs(xe, xo, seed, counter0, QMAX, STOCHASTIC, G, HALF)
-    payload, scales = wire_row(out_ptr, scale_ptr, row, wire, so)
+    payload, scales = wire_row_bytes(out_ptr, row, wire, so)
     store_codes_aligned(payload, scales, table_ptr, nblk, ye, yo, scale, blk, valid, length, BITS, MODE, BS, G, HALF)
     if MODE != 2:
         if base == edge0:
@@ -649,15 +666,15 @@ def load_dequantized_aligned(buf_ptr, scale_ptr, table_ptr, nblk, blk, valid, le
     """Reads a tile of aligned blocks of a wire row back to fp32 pairs ``q * scale`` (lanes past a block's end: code
     0 or the padding's zeros). ``WORDS``: INT4 codes of a padded layout read as 32-bit words (``int4_word_pairs``)."""
     if BITS == 8:
-        p, used = _payload(table_ptr, nblk, blk, valid, length, BITS, MODE, HALF)
+        p, used = _payload(table_ptr, nblk, blk, valid, length, BITS, MODE, BS, HALF)
         q = _load_payload(buf_ptr, p, used, MODE, BS, 2 * HALF)
         qe, qo = split_pairs(q.to(tl.float32), G, HALF)
     elif WORDS and MODE != 0 and BS % 8 == 0:  # padded: each block's payload starts 16-byte aligned, whole words
-        p, used = _payload(table_ptr, nblk, blk, valid, length, BITS, MODE, HALF, True)
+        p, used = _payload(table_ptr, nblk, blk, valid, length, BITS, MODE, BS, HALF, True)
         w = _load_payload(buf_ptr.to(tl.pointer_type(tl.int32)), p, used, MODE, BS // 8, HALF // 4)
         qe, qo = int4_word_pairs(w, nib, G, HALF)
     else:
-        p, used = _payload(table_ptr, nblk, blk, valid, length, BITS, MODE, HALF)
+        p, used = _payload(table_ptr, nblk, blk, valid, length, BITS, MODE, BS, HALF)
         byte = _load_payload(buf_ptr, p, used, MODE, BS // 2, HALF).to(tl.int32)
         qe = ((byte << 28) >> 28).to(tl.float32)
         qo = (byte >> 4).to(tl.float32)
@@ -671,11 +688,11 @@ def sum_dequantized_aligned(buf_ptr, scale_ptr, table_ptr, nblk, row0, row_step,
                             G: tl.constexpr, HALF: tl.constexpr):  # fmt: skip
     """:func:`sum_dequantized` for aligned blocks (INT4 words for 3 or 4 rows: see :func:`int4_word_pairs`)."""
     words: tl.constexpr = 3 <= ROWS and ROWS <= 4
-    payload, scales = wire_row(buf_ptr, scale_ptr, row0, wire, so)
+    payload, scales = wire_row_bytes(buf_ptr, row0, wire, so)
     acc_e, acc_o = load_dequantized_aligned(payload, scales, table_ptr, nblk, blk, valid, length, nib, BITS, MODE, BS,
                                             G, HALF, words)  # fmt: skip
     for i in tl.static_range(1, ROWS):
-        payload, scales = wire_row(buf_ptr, scale_ptr, row0 + i * row_step, wire, so)
+        payload, scales = wire_row_bytes(buf_ptr, row0 + i * row_step, wire, so)
         ve, vo = load_dequantized_aligned(payload, scales, table_ptr, nblk, blk, valid, length, nib, BITS, MODE, BS,
                                           G, HALF, words)  # fmt: skip
         acc_e += ve
