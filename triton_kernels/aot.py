@@ -173,7 +173,56 @@ def _sass_paths(cubin: Path) -> tuple[list[dict], int]:
 
     for entry in entries:
         walk(entry, 0, 0, frozenset({entry}))
+    paths.extend(_fewest_masked_paths(blocks, edges, entries))
     return paths, spills
+
+
+def _fewest_masked_paths(blocks: dict, edges: dict, entries: list) -> list[dict]:
+    """Per entry, the path to EXIT with the fewest masked accesses and, among those, the fewest instructions, exactly
+    (the enumeration above stops at 256 paths, which in kernels with many branches (the IEEE division's slow paths,
+    error feedback's second quantization) can end before it reaches the vector tile's path). Back edges (loops) are
+    not followed, as above: counts are per pass."""
+    back, state = set(), {}
+
+    def classify(node: str) -> None:  # iterative DFS: back edges are those into a node still on the stack
+        stack = [(node, iter(edges.get(node, [])))]
+        state[node] = 1
+        while stack:
+            current, children = stack[-1]
+            child = next(children, None)
+            if child is None:
+                state[current] = 2
+                stack.pop()
+            elif state.get(child) == 1:
+                back.add((current, child))
+            elif child not in state:
+                state[child] = 1
+                stack.append((child, iter(edges.get(child, []))))
+
+    for entry in entries:
+        if entry not in state:
+            classify(entry)
+    best: dict = {}
+
+    def cost(node: str):  # (masked, instructions) of the best path from node to an EXIT; None: no EXIT reachable
+        if node in best:
+            return best[node]
+        order, todo = [], [node]
+        while todo:  # post-order over the DAG without back edges, so the recursion depth stays 1
+            n = todo.pop()
+            if n in best or n in order:
+                continue
+            order.append(n)
+            todo.extend(c for c in edges.get(n, []) if (n, c) not in back and c not in best)
+        for n in reversed(order):
+            size, predicated, exits = blocks.get(n, (0, 0, False))
+            options = [best.get(c) for c in edges.get(n, []) if (n, c) not in back]
+            options = [o for o in options if o is not None] + ([(0, 0)] if exits else [])
+            best[n] = min(((m + predicated, i + size) for m, i in options), default=None)
+        return best[node]
+
+    found = [cost(entry) for entry in entries]
+    return [{"instructions": i, "masked_accesses": m} for m, i in (f for f in found if f is not None)]
 
 
 def compile_launch(launch: Launch, arch: int) -> Compiled:
@@ -212,13 +261,17 @@ def _describe(err: BaseException) -> str:
     return " <- caused by: ".join(reversed(parts))
 
 
+# bumped when what _code_facts reads changes (2: the fewest-masked paths), so cached facts are read again
+_FACTS_VERSION = 2
+
+
 def _code_facts(cubin: bytes, with_paths: bool) -> dict:
     """Registers, stack and local memory of a cubin, and (``with_paths``) its SASS paths and spill instructions.
 
     Disassembly takes about a second per kernel, so the facts are cached beside Triton's own cache, keyed by the
     cubin's hash (Triton's cache is keyed by the kernel source: unchanged kernels recompile and re-read nothing).
     """
-    key = hashlib.sha256(cubin + bytes([with_paths])).hexdigest()
+    key = hashlib.sha256(cubin + bytes([with_paths, _FACTS_VERSION])).hexdigest()
     cache = Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache")) / "zeropp-aot"
     cached = cache / f"{key}.json"
     if cached.exists():
@@ -546,10 +599,12 @@ def bytes_per_element(c: dict) -> float:
 
 
 def full_tile_instructions(c: dict) -> int:
-    """SASS instructions a program executes on a full tile: the shortest path to EXIT without masked accesses (the
-    masked paths are the row's last tile; longer unmasked paths are the IEEE division's rare slow path)."""
-    unmasked = [p["instructions"] for p in c["sass_paths"] if p["masked_accesses"] == 0]
-    return min(unmasked) if unmasked else max(p["instructions"] for p in c["sass_paths"])
+    """SASS instructions a program executes on a full tile: the shortest path to EXIT among those with the fewest
+    masked accesses: none, where the tile's accesses are unmasked (the masked paths are the row's last tile; longer
+    unmasked paths are the IEEE division's rare slow path); otherwise the few stores predicated to one thread of those
+    holding the same value (a block's scale, say) or a kernel whose every tile is masked."""
+    fewest = min(p["masked_accesses"] for p in c["sass_paths"])
+    return min(p["instructions"] for p in c["sass_paths"] if p["masked_accesses"] == fewest)
 
 
 def static_row(c: dict) -> dict:
