@@ -250,3 +250,26 @@ def test_edge_blocks_with_either_absmax(monkeypatch, by_bits, aligned, bits):
 
     monkeypatch.setattr(_tiles, "ABSMAX_BY_BITS", _tiles.tl.constexpr(by_bits))
     check_edge_blocks(DEVICE, bits, aligned)
+
+
+def test_int4_stochastic_rounding_needs_no_clamp():
+    """The kernels round INT4 stochastically as ``floor(y + u)`` without a clamp (``_tiles.quantize_pairs``): with
+    ``|y| <= 7 * (1 + 3 * 2**-24)`` and the midpoint uniforms ``(k + 1/2) * 2**-16``, every fp32 ``y + u`` floors into
+    [-7, 7]. Every uniform against the largest ``|y|`` fp32 can hold under that bound, then the kernel itself on
+    blocks whose largest element scales to exactly +-7."""
+    u = (torch.arange(2**16, dtype=torch.float64) + 0.5) / 2**16
+    u = u.float()
+    assert torch.equal(u.double(), (torch.arange(2**16, dtype=torch.float64) + 0.5) / 2**16)  # exact in fp32
+    bound = torch.tensor(7 * (1 + 3 * 2**-24), dtype=torch.float64).float()  # rounds to the nearest fp32
+    for y in (bound, torch.nextafter(bound, torch.tensor(8.0)), -bound, -torch.nextafter(bound, torch.tensor(8.0))):
+        codes = torch.floor(y + u)  # fp32 add, as in the kernel
+        assert codes.min() >= -7 and codes.max() <= 7, float(y)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 32, generator=g)
+    x[:, 0] = x.abs().amax(1) * torch.where(torch.arange(64) % 2 == 0, 1.0, -1.0)  # the block's absmax, either sign
+    x = x.flatten()
+    absmax = x.view(64, 32).abs().amax(1, keepdim=True)
+    for seed in range(8):
+        wire = tk.quantize(x, 4, 32, stochastic=True, seed=seed, backend="triton")
+        back = tk.dequantize(wire, x.numel(), 4, 32, torch.float32, backend="triton").view(64, 32)
+        assert torch.all(back.abs() <= absmax * (1 + 1e-6)), "a code past +-7"

@@ -154,10 +154,11 @@ def _abs_max_nan(xe, xo):
 
 @triton.jit
 def uniform_pairs(seed, counter0, G: tl.constexpr, HALF: tl.constexpr):
-    """Uniform [0, 1) numbers for stochastic rounding, ``[G, HALF]`` even and odd.
+    """Uniform numbers in (0, 1) for stochastic rounding, ``[G, HALF]`` even and odd.
 
-    One Philox 4x32 call gives four 32-bit words; each word gives two 16-bit uniforms (exact multiples of 2**-16,
-    fine enough for rounding: the bias is below 2**-16 of a step). So one call serves eight elements, instead of one
+    One Philox 4x32 call gives four 32-bit words; each word gives two 16-bit uniforms, the midpoints
+    ``(k + 1/2) * 2**-16`` (fine enough for rounding: the bias is below 2**-17 of a step; and never 0 nor 1, which
+    lets INT4 rounding skip its clamp, see :func:`quantize_pairs`). So one call serves eight elements, instead of one
     call per element. Counters ``counter0 + [0, G * HALF / 4)`` must be unique per tile.
     """
     c = counter0 + tl.arange(0, G * HALF // 4)
@@ -169,13 +170,14 @@ def uniform_pairs(seed, counter0, G: tl.constexpr, HALF: tl.constexpr):
 
 @triton.jit
 def _lo16(r):
-    """The low 16 bits as a float in [0, 1): placed at the top of a mantissa of 1.0, minus 1."""
-    return ((r.to(tl.uint32, bitcast=True) << 7) & 0x7FFF80 | 0x3F800000).to(tl.float32, bitcast=True) - 1.0
+    """The low 16 bits k as ``(k + 1/2) * 2**-16``: k at the top of a mantissa of 1.0 with the next bit set
+    (``0x40``: 2**-17), minus 1 (exact)."""
+    return ((r.to(tl.uint32, bitcast=True) << 7) & 0x7FFF80 | 0x3F800040).to(tl.float32, bitcast=True) - 1.0
 
 
 @triton.jit
 def _hi16(r):
-    return ((r.to(tl.uint32, bitcast=True) >> 9) & 0x7FFF80 | 0x3F800000).to(tl.float32, bitcast=True) - 1.0
+    return ((r.to(tl.uint32, bitcast=True) >> 9) & 0x7FFF80 | 0x3F800040).to(tl.float32, bitcast=True) - 1.0
 
 
 @triton.jit
@@ -186,7 +188,10 @@ def quantize_pairs(xe, xo, seed, counter0, QMAX: tl.constexpr, STOCHASTIC: tl.co
     The codes come back as int32 words whose low bits are the code in two's complement: ``y + 1.5 * 2**23`` rounds
     ``y`` to the nearest integer (ties to even) and leaves it in the low mantissa bits, so no float -> int conversion
     is needed. Nearest rounding needs no clamp: ``|x| * (1 / (absmax / QMAX)) <= QMAX * (1 + 3 * 2**-24)``, which
-    rounds to QMAX. A block that cannot be scaled (NaN, Inf, or a scale below the smallest normal float) codes 0.
+    rounds to QMAX. Nor does stochastic rounding to INT4: there ``|y| <= 7 + 2**-19`` and the uniforms lie in
+    ``[2**-17, 1 - 2**-17]``, so ``y + u`` (rounded to fp32, whose spacing near 7 and 8 is 2**-21) stays inside
+    ``(-7, 8)`` and ``floor`` gives a code in [-7, 7]. At INT8 (``127 * 3 * 2**-24`` exceeds 2**-17) it clamps. A block
+    that cannot be scaled (NaN, Inf, or a scale below the smallest normal float) codes 0.
     """
     if ABSMAX_BY_BITS:
         absmax = tl.maximum(_abs_bits_max(xe), _abs_bits_max(xo)).to(tl.float32, bitcast=True)
@@ -202,8 +207,12 @@ def quantize_pairs(xe, xo, seed, counter0, QMAX: tl.constexpr, STOCHASTIC: tl.co
     yo = xo * inv
     if STOCHASTIC:
         ue, uo = uniform_pairs(seed, counter0, G, HALF)
-        ye = tl.minimum(tl.maximum(tl.floor(ye + ue), -QMAX), QMAX)  # y + u may round up to QMAX + 1
-        yo = tl.minimum(tl.maximum(tl.floor(yo + uo), -QMAX), QMAX)
+        if QMAX <= 7:  # no clamp needed (above)
+            ye = tl.floor(ye + ue)
+            yo = tl.floor(yo + uo)
+        else:  # y + u may round up to QMAX + 1 or, at -QMAX * (1 + 3 * 2**-24), down past -QMAX
+            ye = tl.minimum(tl.maximum(tl.floor(ye + ue), -QMAX), QMAX)
+            yo = tl.minimum(tl.maximum(tl.floor(yo + uo), -QMAX), QMAX)
     ye = tl.where(ok, ye, 0.0) + ROUND_MAGIC
     yo = tl.where(ok, yo, 0.0) + ROUND_MAGIC
     return ye.to(tl.int32, bitcast=True), yo.to(tl.int32, bitcast=True), scale
