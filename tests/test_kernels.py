@@ -3,11 +3,13 @@ interpreter is slow). The same checks run on CUDA in test_kernels_gpu.py."""
 
 import itertools
 import os
+from fractions import Fraction
 
 import pytest
 import torch
 
 from lightning_zeropp import kernels as tk
+from lightning_zeropp.kernels.layout import RECIPROCAL_QMAX
 from lightning_zeropp.testing.kernels import (
     DTYPES,
     SEGMENTS,
@@ -257,6 +259,14 @@ def test_int4_stochastic_rounding_needs_no_clamp():
     ``|y| <= 7 * (1 + 3 * 2**-24)`` and the midpoint uniforms ``(k + 1/2) * 2**-16``, every fp32 ``y + u`` floors into
     [-7, 7]. Every uniform against the largest ``|y|`` fp32 can hold under that bound, then the kernel itself on
     blocks whose largest element scales to exactly +-7."""
+    assert Fraction(RECIPROCAL_QMAX[4]) > Fraction(1, 7)  # the bound on |y| below rests on it
+    # the bound, checked on a million absmax values (every binade of normal floats): y of a block's largest element
+    absmax = torch.ldexp(
+        torch.rand(2**20, generator=torch.Generator().manual_seed(1)) + 1.0,
+        torch.randint(-125, 127, (2**20,), generator=torch.Generator().manual_seed(2)),
+    ).float()
+    y = absmax * (1.0 / (absmax * RECIPROCAL_QMAX[4]))  # fp32 throughout, as quantize_pairs
+    assert float(y.max()) <= 7 * (1 + 3 * 2**-24)
     u = (torch.arange(2**16, dtype=torch.float64) + 0.5) / 2**16
     u = u.float()
     assert torch.equal(u.double(), (torch.arange(2**16, dtype=torch.float64) + 0.5) / 2**16)  # exact in fp32

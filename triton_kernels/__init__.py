@@ -21,7 +21,7 @@ from typing import Literal
 import torch
 
 from . import reference
-from .layout import QMAX, Blocks, payload_bytes, scale_offset, stage_bounds, swizzle_order, wire_size
+from .layout import QMAX, RECIPROCAL_QMAX, Blocks, payload_bytes, scale_offset, stage_bounds, swizzle_order, wire_size
 from .specs import (
     DequantizeReduceQuantizeSpec,
     DequantizeReduceSpec,
@@ -202,6 +202,7 @@ def dequantize_reduce(buf: torch.Tensor, *args, backend: Backend = "auto", **kwa
 
 __all__ = [
     "QMAX",
+    "RECIPROCAL_QMAX",
     "Backend",
     "Blocks",
     "check_backend",

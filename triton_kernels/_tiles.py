@@ -17,7 +17,9 @@ Masks decide whether the compiler can move 16 bytes per instruction, so every he
 The arithmetic is the torch twins', operation for operation, so results match bit for bit (the launchers turn off
 FMA contraction, which would fuse ``q * scale`` into a following add):
 
-- ``scale = absmax / qmax`` (IEEE division), ``inv = 1 / scale`` once per block (IEEE division), ``y = x * inv``;
+- ``scale = absmax * r`` with ``r = 1 / qmax`` rounded to fp32 once (``layout.RECIPROCAL_QMAX``: a multiply where a
+  division by the constant took a reciprocal's refinement and a slow-path check), ``inv = 1 / scale`` once per block
+  (IEEE division), ``y = x * inv``;
 - round half to even is ``y + 1.5 * 2**23``, whose low mantissa bits are then the code (exact for |y| < 2**22);
 - ``absmax`` is a NaN-propagating max of the magnitudes, so a block with NaN or Inf is found without a separate
   pass: it gets scale NaN and codes 0; a block whose scale is below the smallest normal float codes 0 (its
@@ -38,6 +40,8 @@ ROUND_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23
 INT4_MAGIC = tl.constexpr(8388616.0)  # 2**23 + 8
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
 FLT_MIN_NORMAL = tl.constexpr(1.1754943508222875e-38)
+RECIPROCAL_QMAX_8 = tl.constexpr(layout.RECIPROCAL_QMAX[8])  # fp32 holds them exactly
+RECIPROCAL_QMAX_4 = tl.constexpr(layout.RECIPROCAL_QMAX[4])
 # Philox 4x32 with 7 rounds passes the BigCrush battery (Salmon et al., SC 2011, "Parallel random numbers: as easy as
 # 1, 2, 3"); 10 is the library default's safety margin. Rounding noise needs no more, and each round costs.
 PHILOX_ROUNDS = tl.constexpr(7)
@@ -187,8 +191,10 @@ def quantize_pairs(xe, xo, seed, counter0, QMAX: tl.constexpr, STOCHASTIC: tl.co
 
     The codes come back as int32 words whose low bits are the code in two's complement: ``y + 1.5 * 2**23`` rounds
     ``y`` to the nearest integer (ties to even) and leaves it in the low mantissa bits, so no float -> int conversion
-    is needed. Nearest rounding needs no clamp: ``|x| * (1 / (absmax / QMAX)) <= QMAX * (1 + 3 * 2**-24)``, which
-    rounds to QMAX. Nor does stochastic rounding to INT4: there ``|y| <= 7 + 2**-19`` and the uniforms lie in
+    is needed. Nearest rounding needs no clamp: ``r`` (``layout.RECIPROCAL_QMAX``) is ``1 / QMAX`` within 2**-24
+    (relatively), so ``|x| * (1 / (absmax * r)) <= QMAX * (1 + 4 * 2**-24)`` (three more roundings), which rounds to
+    QMAX. Nor does stochastic rounding to INT4: there ``r`` lies above 1/7, so ``|y| <= 7 * (1 + 3 * 2**-24) < 7 +
+    2**-19``, and the uniforms lie in
     ``[2**-17, 1 - 2**-17]``, so ``y + u`` (rounded to fp32, whose spacing near 7 and 8 is 2**-21) stays inside
     ``(-7, 8)`` and ``floor`` gives a code in [-7, 7]. At INT8 (``127 * 3 * 2**-24`` exceeds 2**-17) it clamps. A block
     that cannot be scaled (NaN, Inf, or a scale below the smallest normal float) codes 0.
@@ -198,7 +204,8 @@ def quantize_pairs(xe, xo, seed, counter0, QMAX: tl.constexpr, STOCHASTIC: tl.co
     else:
         absmax = _abs_max_nan(xe, xo)
     bad = (absmax != absmax) | (absmax > FLT_MAX)
-    scale = tl.math.div_rn(absmax, tl.full(absmax.shape, QMAX, tl.float32))
+    tl.static_assert(QMAX == 127 or QMAX == 7)
+    scale = absmax * (RECIPROCAL_QMAX_8 if QMAX == 127 else RECIPROCAL_QMAX_4)
     usable = (~bad) & (scale >= FLT_MIN_NORMAL)
     scale = tl.where(bad, float("nan"), scale)
     inv = tl.math.div_rn(tl.full(absmax.shape, 1.0, tl.float32), tl.where(usable, scale, 1.0))[:, None]
@@ -395,13 +402,16 @@ def store_values(out_ptr, e, t, n, ve, vo, MASKED: tl.constexpr, BF16_BY_HAND: t
 
 # ------------------------------------------------------------------------------------------------------------------
 # Error feedback: ``v = x + decay * residual`` is quantized, and ``residual`` becomes ``v - q * scale``, stored in the
-# residual's width (``FEEDBACK``: 32 fp32, 16 bf16, 8 INT8 codes with a scale per block; 0: no feedback)
+# residual's width (``FEEDBACK``: 32 fp32, 16 bf16, 8 INT8 codes with a scale per block; 0: no feedback). The
+# decayed residual is ``decay * r`` for fp32 and bf16, and ``q * (scale * decay)`` for INT8 codes (the decay folded
+# into the block's scale: one multiply per element, not two; the twins round the same way).
 
 
 @triton.jit
-def with_feedback(xe, xo, re, ro, decay):
-    """The values to quantize: ``x + decay * residual`` (the product rounded, then the sum: no FMA contraction)."""
-    return xe + decay * re, xo + decay * ro
+def with_feedback(xe, xo, re, ro):
+    """The values to quantize: ``x`` plus the decayed residual (:func:`load_residual`; rounded, then the sum: no FMA
+    contraction)."""
+    return xe + re, xo + ro
 
 
 @triton.jit
@@ -423,14 +433,16 @@ def _bf16_bits_to_f32(b):
 
 
 @triton.jit
-def load_residual(res_ptr, rscale_ptr, row, e, blk, t, n, rs, WIDTH: tl.constexpr, MASKED: tl.constexpr,
+def load_residual(res_ptr, rscale_ptr, row, e, blk, t, n, rs, decay, WIDTH: tl.constexpr, MASKED: tl.constexpr,
                   BS: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr):  # fmt: skip
-    """A tile of residual row ``row`` (rows ``rs`` elements apart) as fp32 pairs, 0 past ``n``. ``WIDTH`` 32: fp32;
-    16: bf16 (an int16 view: the interpreter and the GPU then convert alike); 8: INT8 codes (a masked tile reads the
-    row's padding too, in vectors) times their block's scale (a row of scales per row of codes)."""
+    """A tile of residual row ``row`` (rows ``rs`` elements apart) times ``decay``, as fp32 pairs, 0 past ``n``.
+    ``WIDTH`` 32: fp32; 16: bf16 (an int16 view: the interpreter and the GPU then convert alike); 8: INT8 codes (a
+    masked tile reads the row's padding too, in vectors) times their block's scale times ``decay`` (a row of scales
+    per row of codes)."""
     res_ptr += row * rs
     if WIDTH == 32:
         ve, vo = load_pairs(res_ptr, e, t, n, MASKED, BS, G, HALF)
+        ve, vo = ve * decay, vo * decay
     elif WIDTH == 16:
         if MASKED:
             b = tl.load(res_ptr + e, mask=(t[None, :] < BS) & (e < n), other=0)
@@ -438,21 +450,21 @@ def load_residual(res_ptr, rscale_ptr, row, e, blk, t, n, rs, WIDTH: tl.constexp
             b = tl.load(res_ptr + e)
         else:
             b = tl.load(res_ptr + e, mask=t[None, :] < BS, other=0)
-        ve, vo = split_pairs(_bf16_bits_to_f32(b), G, HALF)
+        ve, vo = split_pairs(_bf16_bits_to_f32(b) * decay, G, HALF)
     else:
         nb = (n + BS - 1) // BS
         rscale_ptr += row * nb
         if MASKED:
             q = tl.load(res_ptr + e, mask=(t[None, :] < BS) & (e < rs), other=0)
-            scale = tl.load(rscale_ptr + blk, mask=blk < nb, other=0.0)[:, None]
-            v = tl.where(e < n, q.to(tl.float32) * scale, 0.0)  # the row's padding is not data
+            scale = tl.load(rscale_ptr + blk, mask=blk < nb, other=0.0) * decay
+            v = tl.where(e < n, q.to(tl.float32) * scale[:, None], 0.0)  # the row's padding is not data
         else:
             if BS == 2 * HALF:
                 q = tl.load(res_ptr + e)
             else:
                 q = tl.load(res_ptr + e, mask=t[None, :] < BS, other=0)
-            v = q.to(tl.float32) * tl.load(rscale_ptr + blk)[:, None]
-        ve, vo = split_pairs(v, G, HALF)
+            v = q.to(tl.float32) * (tl.load(rscale_ptr + blk) * decay)[:, None]
+        ve, vo = split_pairs(v, G, HALF)  # the decay is in the scale
     return ve, vo
 
 
@@ -718,17 +730,17 @@ def store_values_aligned(out_ptr, e, inside, ve, vo, BF16_BY_HAND: tl.constexpr,
 
 
 @triton.jit
-def load_residual_aligned(res_ptr, rscale_ptr, row, rs, nblk, blk, valid, e, inside, WIDTH: tl.constexpr,
+def load_residual_aligned(res_ptr, rscale_ptr, row, rs, nblk, blk, valid, e, inside, decay, WIDTH: tl.constexpr,
                           MODE: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr):  # fmt: skip
     """:func:`load_residual` for a tile of aligned blocks (``nblk`` per row; elements past a block's end are 0)."""
     res_ptr += row * rs
     if WIDTH == 32:
-        v = _load_elements(res_ptr, e, inside, MODE, BS, HALF)
+        v = _load_elements(res_ptr, e, inside, MODE, BS, HALF) * decay
     elif WIDTH == 16:
-        v = _bf16_bits_to_f32(_load_elements(res_ptr, e, inside, MODE, BS, HALF))
+        v = _bf16_bits_to_f32(_load_elements(res_ptr, e, inside, MODE, BS, HALF)) * decay
     else:
         q = _load_elements(res_ptr, e, inside, MODE, BS, HALF)
-        v = q.to(tl.float32) * _block_scales(rscale_ptr + row * nblk, blk, valid, MODE)[:, None]
+        v = q.to(tl.float32) * (_block_scales(rscale_ptr + row * nblk, blk, valid, MODE) * decay)[:, None]
         if MODE != 2 or BS != 2 * HALF:
             v = tl.where(inside, v, 0.0)  # a scale of NaN must not reach the lanes past a block's end
     return split_pairs(v, G, HALF)

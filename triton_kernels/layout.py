@@ -6,7 +6,8 @@ One quantized row of ``numel`` elements is one uint8 buffer::
       INT8: 1 byte / elem                 block b covers elements [b * block_size, (b + 1) * block_size)
       INT4: 2 elems / byte, element 2i in the low nibble, 2i+1 in the high nibble (two's complement)
 
-Symmetric absmax scaling: ``scale = absmax(block) / qmax`` (qmax 127 or 7), ``q = round_half_even(x / scale)``,
+Symmetric absmax scaling: ``scale = absmax(block) * (1 / qmax)`` (qmax 127 or 7; ``1 / qmax`` rounded to fp32 once,
+``RECIPROCAL_QMAX``: a multiply, not a division, per block), ``q = round_half_even(x / scale)``,
 ``x' = q * scale``. A block of zeros has scale 0 and comes back exact; a block holding Inf or NaN gets scale NaN and
 comes back as NaN, so an overflow is never hidden. Several rows (2-D input) are quantized independently and stacked.
 """
@@ -14,8 +15,12 @@ comes back as NaN, so an overflow is never hidden. Several rows (2-D input) are 
 from __future__ import annotations
 
 import bisect
+import struct
 
 QMAX = {8: 127, 4: 7}
+# 1 / qmax rounded to the nearest fp32, as a Python float that fp32 holds exactly (so the twins' ``absmax * r`` and
+# the kernels' are the same single rounding): a block's scale is ``absmax * r``, within an ulp of ``absmax / qmax``
+RECIPROCAL_QMAX = {bits: struct.unpack("f", struct.pack("f", 1.0 / q))[0] for bits, q in QMAX.items()}
 ALIGN = 16
 PIECE_ALIGN = 16  # elements: where Blocks.stages prefers to cut (the vector tiles' block alignment)
 

@@ -50,8 +50,8 @@ def _quantize_tile(pid, row, x_ptr, out_ptr, scale_ptr, n, chunk, start, N, K, w
     blk, e, t = tile_index(pid, BS, G, HALF)
     xe, xo = load_pairs(x_ptr + swizzle_source(row, N, K) * chunk + start, e, t, n, MASKED, BS, G, HALF)
     if FEEDBACK:  # plain quantization: row r of the residual is row r's
-        re, ro = load_residual(res_ptr, rscale_ptr, row, e, blk, t, n, rs, FEEDBACK, MASKED, BS, G, HALF)
-        xe, xo = with_feedback(xe, xo, re, ro, decay)
+        re, ro = load_residual(res_ptr, rscale_ptr, row, e, blk, t, n, rs, decay, FEEDBACK, MASKED, BS, G, HALF)
+        xe, xo = with_feedback(xe, xo, re, ro)
     ye, yo, scale = quantize_to_row(out_ptr, scale_ptr, row, pid, wire, so, padded_blocks(n, BS), xe, xo, seed, e,
                                     blk, t, BITS, QMAX, STOCHASTIC, MASKED, BS, G, HALF)  # fmt: skip
     if FEEDBACK:
@@ -67,9 +67,9 @@ def _quantize_aligned_tile(base, edge0, row, x_ptr, out_ptr, scale_ptr, chunk, s
     blk, valid, length, e, inside = aligned_index(table_ptr, nblk, base, MODE, BS, G, HALF)
     xe, xo = load_pairs_aligned(x_ptr + swizzle_source(row, N, K) * chunk + start, e, inside, MODE, BS, G, HALF)
     if FEEDBACK:
-        re, ro = load_residual_aligned(res_ptr, rscale_ptr, row, rs, nblk, blk, valid, e, inside, FEEDBACK, MODE, BS,
-                                       G, HALF)  # fmt: skip
-        xe, xo = with_feedback(xe, xo, re, ro, decay)
+        re, ro = load_residual_aligned(res_ptr, rscale_ptr, row, rs, nblk, blk, valid, e, inside, decay, FEEDBACK,
+                                       MODE, BS, G, HALF)  # fmt: skip
+        xe, xo = with_feedback(xe, xo, re, ro)
     ye, yo, scale = quantize_to_row_aligned(out_ptr, scale_ptr, table_ptr, nblk, row, base, edge0, wire, so, xe, xo,
                                             seed, blk, valid, length, BITS, QMAX, STOCHASTIC, MODE, BS, G,
                                             HALF)  # fmt: skip

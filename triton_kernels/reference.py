@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .layout import QMAX, Blocks, num_blocks, payload_bytes, scale_offset, swizzle_order, wire_size
+from .layout import QMAX, RECIPROCAL_QMAX, Blocks, num_blocks, payload_bytes, scale_offset, swizzle_order, wire_size
 from .specs import DequantizeReduceQuantizeSpec, DequantizeReduceSpec, DequantizeSpec, QuantizeSpec, SwizzleQuantizeSpec
 
 _FLT_MIN_NORMAL = torch.finfo(torch.float32).tiny
@@ -61,7 +61,7 @@ def _quantize_uniform(
     parts = _per_block(values, block_size)
     # max |x| without a full-size temporary (NaN propagates); abs_ turns the -0.0 of an all-zero block into +0.0
     absmax = torch.cat([torch.maximum(p.amax(dim=2), p.amin(dim=2).neg_()).abs_() for p in parts], dim=1)
-    scale = absmax / qmax
+    scale = absmax * RECIPROCAL_QMAX[bits]  # one fp32 rounding, as the kernels' multiply
     # below the smallest normal float a block's reciprocal would overflow: such a block codes 0
     usable = torch.isfinite(scale) & (scale >= _FLT_MIN_NORMAL)
     every_block_usable = bool(usable.all())
@@ -214,14 +214,15 @@ def _block_lengths(numel: int, block_size: int, blocks: Blocks | None, device: t
     return lengths
 
 
-def _residual_values(residual: torch.Tensor, scales: torch.Tensor | None, block_size: int,
-                     blocks: Blocks | None) -> torch.Tensor:  # fmt: skip
-    """An error feedback residual ``(R, numel)`` as fp32: as stored (fp32, bf16), or int8 codes times their block's
-    scale (one rounding: the int8 -> fp32 conversion is exact)."""
+def _decayed_residual(residual: torch.Tensor, scales: torch.Tensor | None, block_size: int, blocks: Blocks | None,
+                      decay: float) -> torch.Tensor:  # fmt: skip
+    """An error feedback residual ``(R, numel)`` times ``decay``, in fp32: as stored (fp32, bf16) times ``decay``, or
+    int8 codes times their block's ``scale * decay`` (the kernels' rounding: the decay folded into the scale; the
+    int8 -> fp32 conversion is exact)."""
     if scales is None:
-        return residual.float()
+        return residual.float() * decay
     lengths = _block_lengths(residual.shape[1], block_size, blocks, residual.device)
-    return torch.mul(residual, scales.repeat_interleave(lengths, dim=1))
+    return torch.mul(residual, (scales * decay).repeat_interleave(lengths, dim=1))
 
 
 def _store_residual(lost: torch.Tensor, residual: torch.Tensor, scales: torch.Tensor | None, block_size: int,
@@ -261,7 +262,7 @@ def _quantize_with_feedback(
     if blocks is not None:
         arguments = (values, bits, block_size, blocks, stochastic, seed, residual, scales, decay)
         return _quantize_with_feedback_padded(*arguments)
-    v = values + decay * _residual_values(residual, scales, block_size, blocks)
+    v = values + _decayed_residual(residual, scales, block_size, blocks, decay)
     out = _quantize_f32(v, bits, block_size, blocks, stochastic, seed)
     lost = v - _dequantize_rows(out, v.shape[1], bits, block_size, blocks)
     _store_residual(lost, residual, scales, block_size, blocks)
@@ -286,11 +287,12 @@ def _quantize_with_feedback_padded(
     padded = _Padded.of(blocks, block_size)
     R = values.shape[0]
     if scales is None:
-        stored = padded.spread(residual.float())
-    else:  # int8 codes (exact in fp32) times their block's scale, one rounding
-        stored = padded.spread(residual, torch.float32).view(R, blocks.count, block_size).mul_(scales.unsqueeze(2))
+        stored = padded.spread(residual.float()).mul_(decay)
+    else:  # int8 codes (exact in fp32) times their block's scale * decay, one rounding (see _decayed_residual)
+        decayed = (scales * decay).unsqueeze(2)
+        stored = padded.spread(residual, torch.float32).view(R, blocks.count, block_size).mul_(decayed)
         stored = stored.view(R, padded.width)
-    v = padded.spread(values).add_(stored.mul_(decay))
+    v = padded.spread(values).add_(stored)
     uniform = _quantize_uniform(v, bits, block_size, stochastic=stochastic, seed=seed)
     lost = v.sub_(_dequantize_f32(uniform, padded.width, bits, block_size))
     if scales is None:

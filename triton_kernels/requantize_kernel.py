@@ -48,8 +48,8 @@ def _requantize_tile(pid, k, buf_ptr, in_scale_ptr, out_ptr, out_scale_ptr, n, K
     xe, xo = sum_dequantized(buf_ptr, in_scale_ptr, k, K, in_wire, e, blk, t, n, in_so, nb4, nib, N, IN_BITS, MASKED,
                              BS, G, HALF)  # fmt: skip
     if FEEDBACK:
-        re, ro = load_residual(res_ptr, rscale_ptr, k, e, blk, t, n, rs, FEEDBACK, MASKED, BS, G, HALF)
-        xe, xo = with_feedback(xe, xo, re, ro, decay)
+        re, ro = load_residual(res_ptr, rscale_ptr, k, e, blk, t, n, rs, decay, FEEDBACK, MASKED, BS, G, HALF)
+        xe, xo = with_feedback(xe, xo, re, ro)
     ye, yo, scale = quantize_to_row(out_ptr, out_scale_ptr, k, pid, out_wire, out_so, nb4, xe, xo, seed, e, blk, t,
                                     OUT_BITS, QMAX, STOCHASTIC, MASKED, BS, G, HALF)  # fmt: skip
     if FEEDBACK:
@@ -68,9 +68,9 @@ def _requantize_aligned_tile(base, edge0, k, buf_ptr, in_scale_ptr, out_ptr, out
     xe, xo = sum_dequantized_aligned(buf_ptr, in_scale_ptr, table_ptr, nblk, k, K, in_wire, in_so, blk, valid, length,
                                      nib, N, IN_BITS, MODE, BS, G, HALF)  # fmt: skip
     if FEEDBACK:
-        re, ro = load_residual_aligned(res_ptr, rscale_ptr, k, rs, nblk, blk, valid, e, inside, FEEDBACK, MODE, BS, G,
-                                       HALF)  # fmt: skip
-        xe, xo = with_feedback(xe, xo, re, ro, decay)
+        re, ro = load_residual_aligned(res_ptr, rscale_ptr, k, rs, nblk, blk, valid, e, inside, decay, FEEDBACK,
+                                       MODE, BS, G, HALF)  # fmt: skip
+        xe, xo = with_feedback(xe, xo, re, ro)
     ye, yo, scale = quantize_to_row_aligned(out_ptr, out_scale_ptr, table_ptr, nblk, k, base, edge0, out_wire, out_so,
                                             xe, xo, seed, blk, valid, length, OUT_BITS, QMAX, STOCHASTIC, MODE, BS, G,
                                             HALF)  # fmt: skip
