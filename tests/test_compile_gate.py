@@ -228,7 +228,10 @@ def test_one_row_quantization_and_row_sums_move_elements_in_vectors(report):
     accesses: the tiles are not shifted to the buffer's alignment. ``Blocks.stages`` cuts pipeline pieces at a block
     start on the 16-element grid where one is near; in training steps the sums left unaligned are the second pieces of
     the test models' transformer units, whose shards are odd from their first parameter on: there no block start but
-    the first is on the grid, so no tile of either piece is a vector tile at run time.)"""
+    the first is on the grid, so no tile of either piece is a vector tile at run time.) INT4 quantization is not
+    checked: it loads a tile's even and odd elements apart, element by element, on purpose (``STRIDED`` in
+    ``quantize_kernel``: the vector load's layout differs from the INT4 codes', and converting the tile through shared
+    memory cost more instructions than the narrow loads; the static table in RESULTS.md has the counts)."""
     checked, odd, narrow = 0, 0, []
     for c in report["compiled"]:
         k = c["constexprs"]
@@ -236,6 +239,7 @@ def test_one_row_quantization_and_row_sums_move_elements_in_vectors(report):
             continue
         # N and K are constexprs only where they are 1 (Triton specializes that value)
         one_row = c["kernel"] == "_quantize_kernel" and k.get("N") == k.get("K") == "1" and k["FEEDBACK"] == "0"
+        one_row = one_row and k["BITS"] == "8"
         summed = c["kernel"] == "_dequantize_kernel" and int(k["ROWS"]) > 1
         if not ((one_row and "x_ptr" in c["aligned_pointers"]) or (summed and "out_ptr" in c["aligned_pointers"])):
             continue

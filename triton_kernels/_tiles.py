@@ -125,8 +125,13 @@ def join_pairs(ve, vo, G: tl.constexpr, HALF: tl.constexpr):
 
 
 @triton.jit
-def load_pairs(ptr, e, t, n, MASKED: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr):
-    """A contiguous tile of a float input as fp32 even / odd pairs (elements past ``n`` or the block are 0)."""
+def load_pairs(ptr, e, t, n, MASKED: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr,
+               STRIDED: tl.constexpr = False):  # fmt: skip
+    """A contiguous tile of a float input as fp32 even / odd pairs (elements past ``n`` or the block are 0);
+    ``STRIDED``: see :func:`load_pairs_aligned`."""
+    if STRIDED and not MASKED and BS == 2 * HALF:
+        ee, eo = split_pairs(e, G, HALF)
+        return tl.load(ptr + ee).to(tl.float32), tl.load(ptr + eo).to(tl.float32)
     if MASKED:
         v = tl.load(ptr + e, mask=(t[None, :] < BS) & (e < n), other=0.0)
     elif BS == 2 * HALF:
@@ -580,8 +585,19 @@ def _store_block_scales(scale_ptr, blk, valid, scale, MODE: tl.constexpr):
 
 
 @triton.jit
-def load_pairs_aligned(ptr, e, inside, MODE: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr):
-    """A tile of aligned blocks of a float input as fp32 even / odd pairs (elements past a block's end are 0)."""
+def load_pairs_aligned(ptr, e, inside, MODE: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr,
+                       STRIDED: tl.constexpr = False):  # fmt: skip
+    """A tile of aligned blocks of a float input as fp32 even / odd pairs (elements past a block's end are 0).
+
+    ``STRIDED`` (vector tiles of power-of-two blocks): the even and the odd elements as two loads of every other
+    element, each in the layout of the pairs' consumer, where one contiguous load is split in registers otherwise. A
+    contiguous load moves 16 bytes per thread, but Triton lays it out by its own vector width, and where the tile's
+    other accesses want a different layout (INT4 codes: 16 pairs per thread) it converts the whole tile through
+    shared memory, which costs more than the element-wide loads the strided form makes (see :func:`_quantize_kernel
+    <lightning_zeropp.kernels.quantize_kernel>`'s choice, measured in SASS)."""
+    if STRIDED and MODE == 2 and BS == 2 * HALF:
+        ee, eo = split_pairs(e, G, HALF)
+        return tl.load(ptr + ee).to(tl.float32), tl.load(ptr + eo).to(tl.float32)
     return split_pairs(_load_elements(ptr, e, inside, MODE, BS, HALF).to(tl.float32), G, HALF)
 
 

@@ -48,7 +48,8 @@ def _quantize_tile(pid, row, x_ptr, out_ptr, scale_ptr, n, chunk, start, N, K, w
                    decay, BITS: tl.constexpr, QMAX: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr,
                    STOCHASTIC: tl.constexpr, FEEDBACK: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
     blk, e, t = tile_index(pid, BS, G, HALF)
-    xe, xo = load_pairs(x_ptr + swizzle_source(row, N, K) * chunk + start, e, t, n, MASKED, BS, G, HALF)
+    STRIDED: tl.constexpr = BITS == 4 and FEEDBACK == 0  # with a residual, the uniform tiles keep one load (SASS)
+    xe, xo = load_pairs(x_ptr + swizzle_source(row, N, K) * chunk + start, e, t, n, MASKED, BS, G, HALF, STRIDED)
     if FEEDBACK:  # plain quantization: row r of the residual is row r's
         re, ro = load_residual(res_ptr, rscale_ptr, row, e, blk, t, n, rs, decay, FEEDBACK, MASKED, BS, G, HALF)
         xe, xo = with_feedback(xe, xo, re, ro)
@@ -65,7 +66,10 @@ def _quantize_aligned_tile(base, edge0, row, x_ptr, out_ptr, scale_ptr, chunk, s
                            BS: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr, STOCHASTIC: tl.constexpr,
                            FEEDBACK: tl.constexpr, MODE: tl.constexpr):  # fmt: skip
     blk, valid, length, e, inside = aligned_index(table_ptr, nblk, base, MODE, BS, G, HALF)
-    xe, xo = load_pairs_aligned(x_ptr + swizzle_source(row, N, K) * chunk + start, e, inside, MODE, BS, G, HALF)
+    # INT4 codes (16 pairs per thread) without an INT8 residual (whose codes are laid out as elements): strided loads
+    STRIDED: tl.constexpr = BITS == 4 and FEEDBACK != 8
+    xe, xo = load_pairs_aligned(x_ptr + swizzle_source(row, N, K) * chunk + start, e, inside, MODE, BS, G, HALF,
+                                STRIDED)  # fmt: skip
     if FEEDBACK:
         re, ro = load_residual_aligned(res_ptr, rscale_ptr, row, rs, nblk, blk, valid, e, inside, decay, FEEDBACK,
                                        MODE, BS, G, HALF)  # fmt: skip
