@@ -317,7 +317,12 @@ def _calibration_rows(rows: list[dict], calibrate: str) -> list[dict]:
 
 
 def check_cluster(
-    path: Path, overlap: float, probe_fit: bool = False, latency_us: float = 50.0, calibrate: str | None = None
+    path: Path,
+    overlap: float,
+    probe_fit: bool = False,
+    latency_us: float = 50.0,
+    calibrate: str | None = None,
+    calibrate_from: Path | None = None,
 ) -> list[dict]:
     """Predicted step time on the emulated two-node cluster against ``benchmarks/cluster.py``'s measurements.
 
@@ -326,12 +331,20 @@ def check_cluster(
     (:func:`~lightning_zeropp.costs.step_bytes`, equal to the ledger) at the link's rate, composed with the
     planner's overlap (:func:`cluster_measurements` has the link). ``calibrate``: the link's efficiency and the
     overlap fitted (:func:`fit_cluster`) on the rows it names (``rate:200``, ``config:zero3``), the other rows
-    predicted from them; without it, efficiency 1 (the nominal rate) and ``overlap``."""
+    predicted from them; without it, efficiency 1 (the nominal rate) and ``overlap``. ``calibrate_from``: the two
+    fitted on every row of another ``cluster.py`` run and every row of this one predicted from them."""
     rows, fits = cluster_measurements(path, probe_fit, latency_us)
-    efficiency, chosen = 1.0, []
+    efficiency, chosen, chosen_count = 1.0, [], 0
+    if calibrate and calibrate_from:
+        raise SystemExit("plan_check: --calibrate and --calibrate-from: choose one")
     if calibrate:
         chosen = _calibration_rows(rows, calibrate)
         efficiency, overlap = fit_cluster(chosen)
+        chosen_count = len(chosen)
+    elif calibrate_from:
+        other = cluster_measurements(calibrate_from, probe_fit, latency_us)[0]
+        efficiency, overlap = fit_cluster(other)
+        calibrate, chosen_count = f"every row of {calibrate_from}", len(other)
     out = []
     for r in rows:
         compute, seconds, predicted = predict_cluster(r, efficiency, overlap)
@@ -346,7 +359,7 @@ def check_cluster(
         print(f"| {rate} | {cells} |")
     print()
     if calibrate:
-        print(f"fitted on {calibrate} ({len(chosen)} rows): link efficiency {efficiency:.3f}, overlap {overlap:.2f}\n")
+        print(f"fitted on {calibrate} ({chosen_count} rows): link efficiency {efficiency:.3f}, overlap {overlap:.2f}\n")
     print("| link | config | compute s (unshaped run) | predicted comm s | predicted step s | measured step s"
           " | error | |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|")
@@ -443,6 +456,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--calibrate", default=None,
                         help="fit the link's efficiency and the overlap on these rows (rate:200, config:zero3) and"
                              " predict the others")  # fmt: skip
+    parser.add_argument("--calibrate-from", type=Path, default=None,
+                        help="fit the efficiency and the overlap on every row of another cluster.py run")  # fmt: skip
     parser.add_argument("--memory", nargs="*", default=None, help="configurations for the memory check (CPU runs)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -459,7 +474,8 @@ def main(argv: list[str] | None = None) -> None:
 
         sys.path.insert(0, str(ROOT / "benchmarks"))
         overlap = OVERLAP if args.overlap is None else args.overlap
-        rows = check_cluster(args.cluster, overlap, args.probe_fit, args.latency_us, args.calibrate)
+        rows = check_cluster(args.cluster, overlap, args.probe_fit, args.latency_us, args.calibrate,
+                             args.calibrate_from)  # fmt: skip
         if args.json:
             args.json.write_text(json.dumps(rows, indent=2))
         return
