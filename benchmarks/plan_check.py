@@ -322,7 +322,7 @@ def check_cluster(
     probe_fit: bool = False,
     latency_us: float = 50.0,
     calibrate: str | None = None,
-    calibrate_from: Path | None = None,
+    calibrate_from: list[Path] | None = None,
 ) -> list[dict]:
     """Predicted step time on the emulated two-node cluster against ``benchmarks/cluster.py``'s measurements.
 
@@ -332,7 +332,7 @@ def check_cluster(
     planner's overlap (:func:`cluster_measurements` has the link). ``calibrate``: the link's efficiency and the
     overlap fitted (:func:`fit_cluster`) on the rows it names (``rate:200``, ``config:zero3``), the other rows
     predicted from them; without it, efficiency 1 (the nominal rate) and ``overlap``. ``calibrate_from``: the two
-    fitted on every row of another ``cluster.py`` run and every row of this one predicted from them."""
+    fitted on every row of other ``cluster.py`` runs and every row of this one predicted from them."""
     rows, fits = cluster_measurements(path, probe_fit, latency_us)
     efficiency, chosen, chosen_count = 1.0, [], 0
     if calibrate and calibrate_from:
@@ -342,9 +342,9 @@ def check_cluster(
         efficiency, overlap = fit_cluster(chosen)
         chosen_count = len(chosen)
     elif calibrate_from:
-        other = cluster_measurements(calibrate_from, probe_fit, latency_us)[0]
+        other = [r for f in calibrate_from for r in cluster_measurements(f, probe_fit, latency_us)[0]]
         efficiency, overlap = fit_cluster(other)
-        calibrate, chosen_count = f"every row of {calibrate_from}", len(other)
+        calibrate, chosen_count = "every row of " + ", ".join(map(str, calibrate_from)), len(other)
     out = []
     for r in rows:
         compute, seconds, predicted = predict_cluster(r, efficiency, overlap)
@@ -456,8 +456,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--calibrate", default=None,
                         help="fit the link's efficiency and the overlap on these rows (rate:200, config:zero3) and"
                              " predict the others")  # fmt: skip
-    parser.add_argument("--calibrate-from", type=Path, default=None,
-                        help="fit the efficiency and the overlap on every row of another cluster.py run")  # fmt: skip
+    parser.add_argument("--calibrate-from", type=Path, nargs="+", default=None,
+                        help="fit the efficiency and the overlap on every row of other cluster.py runs")  # fmt: skip
     parser.add_argument("--memory", nargs="*", default=None, help="configurations for the memory check (CPU runs)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)

@@ -151,22 +151,24 @@ def _synthetic_cluster_rows(efficiency, overlap):
 
 
 def test_cluster_calibration_from_another_run_predicts_every_row_of_this_one(capsys):
-    """``plan_check --cluster A --calibrate-from B``: the link's efficiency and the overlap are fitted on every row of
-    run B and every row of run A is predicted from them (none counted as fitted); with ``--calibrate`` as well it is
-    refused by name. The two committed runs of the emulated cluster."""
+    """``plan_check --cluster A --calibrate-from B [C ...]``: the link's efficiency and the overlap are fitted on every
+    row of the other runs and every row of run A is predicted from them (none counted as fitted); with
+    ``--calibrate`` as well it is refused by name. The committed runs of the emulated cluster."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import plan_check
 
     a, b = ROOT / "benchmarks" / "cluster_plan.json", ROOT / "benchmarks" / "cluster_plan_2026-12-02.json"
-    out = plan_check.check_cluster(a, 0.0, calibrate_from=b)
+    out = plan_check.check_cluster(a, 0.0, calibrate_from=[b])
     efficiency, overlap = plan_check.fit_cluster(plan_check.cluster_measurements(b)[0])
     rows = plan_check.cluster_measurements(a)[0]
     assert len(out) == len(rows) == 12 and not any(r["fitted"] for r in out)
     for r, row in zip(out, rows):
         assert r["predicted_s"] == pytest.approx(plan_check.predict_cluster(row, efficiency, overlap)[2], rel=1e-12)
     assert f"fitted on every row of {b} (12 rows)" in capsys.readouterr().out
+    plan_check.check_cluster(a, 0.0, calibrate_from=[a, b])  # several runs: every row of each
+    assert f"fitted on every row of {a}, {b} (24 rows)" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="--calibrate and --calibrate-from"):
-        plan_check.check_cluster(a, 0.0, calibrate="rate:200", calibrate_from=b)
+        plan_check.check_cluster(a, 0.0, calibrate="rate:200", calibrate_from=[b])
 
 
 def test_cluster_calibration_recovers_the_link_efficiency_and_overlap_it_was_made_with():
