@@ -12,8 +12,9 @@ this machine, emulated as that many nodes (``devices=nodes*ranks_per_node``, ``n
     zeropp-qgz-half   ... with qgZ for the first half of the steps, then the exact reduce-scatter
                       (quantize_gradients_steps = steps // 2: the paper's remedy for late-training accuracy)
 
-and, with ``--configs``: zeropp-int4w (INT4 weights), zeropp-int4w+ef, zeropp-deltas, and reference-like (the
-ablation of the reference implementation's choices: INT4 on both gradient hops, blocks over each unit's flat buffer,
+and, with ``--configs``: zeropp-int4w (INT4 weights), zeropp-int4w+ef, zeropp-deltas, the attribution pair
+zeropp-qwz-only (INT8 weights and hpZ, gradients reduce-scattered exactly) and zeropp-qgz-only (qgZ alone: exact
+weights, no secondary partition), and reference-like (the ablation of the reference implementation's choices: INT4 on both gradient hops, blocks over each unit's flat buffer,
 so that a block may hold elements of two parameters, INT8 weights, no error feedback).
 
 Seeds: ``--seed_everything`` sets the initial weights, dropout and the data order, and every configuration runs at
@@ -97,6 +98,8 @@ RUNS: dict[str, dict[str, Any] | Callable[[int], dict[str, Any]]] = {
     "reference-like": dict(intra_node_gradient_bits=4, block_alignment="flat", weight_bits=8,
                            gradient_error_feedback=False),
     "zeropp-deltas": dict(weight_deltas=True),
+    "zeropp-qwz-only": dict(quantize_gradients=False),
+    "zeropp-qgz-only": dict(quantize_weights=False, hpz_partition_size=1),
 }  # fmt: skip
 DEFAULT_CONFIGS = ["zero3", "zeropp", "zeropp+ef", "zeropp-deltas+ef", "zeropp-qgz-half"]
 BASE = "zero3"
