@@ -52,12 +52,8 @@ class ZeroPPComms:
         self._group_timeout = groups.timeout
         self.ledger = ledger
         self.topology = groups.topology
+        self.use_qwz = config.quantizes_weights(self.topology.num_nodes)
         self.use_qgz = config.quantize_gradients and self.topology.num_nodes > 1
-        if config.quantize_gradients and not self.use_qgz:
-            rank_zero_info(
-                f"ZeroPPStrategy: qgZ is on but the job has one node ({self.topology.ranks_per_node} ranks): there is"
-                " no inter-node traffic to save, so gradients use the exact reduce-scatter."
-            )
         self.gradient_calls = 0
         self.steps = 0  # optimizer steps taken
         self.feedback = (
@@ -67,13 +63,49 @@ class ZeroPPComms:
         )
         R, W = self.topology.hpz_partition_size, self.topology.world_size
         self.deltas = WeightDeltas(config, self.topology, ledger) if config.weight_deltas and 1 < R < W else None
-        if config.weight_deltas and self.deltas is None:
-            rank_zero_info(
-                f"ZeroPPStrategy: weight_deltas is on but the job has one hpZ group (hpz_partition_size={R} of {W}"
-                " ranks): every rank already gathers from its own node, so the forward all-gather stays as it is."
-            )
+        rank_zero_info(self.describe())
         self.units: list[UnitBlocks] = []  # the model's sharded units (:meth:`use_units`)
         self._warned_raw_bytes = False
+
+    def describe(self) -> str:
+        """One line: what each collective runs in this job, and why where a switch the user left on does nothing."""
+        c, t = self.config, self.topology
+        K, N, R, W = t.num_nodes, t.ranks_per_node, t.hpz_partition_size, t.world_size
+        shape = f"{K} node{'s' if K > 1 else ''} x {N} rank{'s' if N > 1 else ''}"
+        if c.hybrid:
+            parts = ["HSDP: weights gathered and gradients reduce-scattered inside each node"]
+            parts.append(
+                "gradients all-reduced exactly across nodes" if K > 1 else "one node: no cross-node all-reduce"
+            )
+            return f"ZeroPPStrategy: {shape}; " + "; ".join(parts) + "."
+        parts = []
+        if self.deltas is not None:
+            parts.append(f"weight deltas INT{c.weight_delta_bits} (forward gather from the node's copy)")
+        elif self.use_qwz:
+            where = (
+                f"across {K} nodes" if K > 1 else "(quantize_weights=True on one node: lossy, no cross-node byte saved)"
+            )
+            parts.append(f"qwZ INT{c.weight_bits} weights {where}")
+        elif c.quantize_weights == "auto":
+            parts.append("weights gathered exactly (qwZ off: one node, nothing crosses nodes)")
+        else:
+            parts.append("weights gathered exactly (quantize_weights=False)")
+        if c.weight_deltas and self.deltas is None:
+            parts.append(f"weight_deltas off (one hpZ group of {R} ranks: every rank already gathers in its node)")
+        if 1 < R < W:
+            parts.append(f"hpZ backward gather inside {R} ranks")
+        if self.use_qgz:
+            steps = f" for the first {c.quantize_gradients_steps} steps" if c.quantize_gradients_steps else ""
+            feedback = ", error feedback" if self.feedback is not None else ""
+            parts.append(
+                f"qgZ INT{c.intra_node_gradient_bits} -> INT{c.gradient_bits} gradients{steps}"
+                f" ({c.gradient_pieces} pieces, {c.gradient_rounding} rounding{feedback})"
+            )
+        elif c.quantize_gradients:
+            parts.append("gradients reduce-scattered exactly (qgZ off: one node, nothing crosses nodes)")
+        else:
+            parts.append("gradients reduce-scattered exactly (quantize_gradients=False)")
+        return f"ZeroPPStrategy: {shape}; " + "; ".join(parts) + "."
 
     def ensure_groups(self) -> ProcessGroups:
         """The job's groups, built again if :meth:`release_groups` destroyed them (collective, as every call needing
@@ -115,7 +147,7 @@ class ZeroPPComms:
             self.deltas.all_gather(output, input, unit, groups, self.steps)
             return None
         kind = "weight_all_gather_backward" if backward else "weight_all_gather"
-        if self.config.quantize_weights and self._quantizable(input):
+        if self.use_qwz and self._quantizable(input):
             blocks = unit.weights(input.numel()) if unit is not None else None
             return qwz.quantized_all_gather(
                 output, input, group, ranks, self.ledger, self.config, kind, async_op, blocks=blocks

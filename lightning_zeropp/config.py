@@ -75,6 +75,11 @@ def _check_bool(name: str, value: object) -> None:
         raise TypeError(f"ZeroPPStrategy: `{name}` must be True or False, got {value!r} ({type(value).__name__}).")
 
 
+def _check_bool_or_auto(name: str, value: object) -> None:
+    if value != "auto" or not isinstance(value, str):
+        _check_bool(name, value)
+
+
 def _check_int(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"ZeroPPStrategy: `{name}` must be an int, got {value!r} ({type(value).__name__}).")
@@ -256,8 +261,12 @@ class ZeroPPConfig:
     is the strategy's. Fields are checked in their order by their own check, then the rules across fields.
     """
 
-    quantize_weights: bool = argument(
-        True, "qwZ: all-gather the weights in the forward pass as block-quantized integers.", check=_check_bool
+    quantize_weights: bool | Literal["auto"] = argument(
+        "auto",
+        "qwZ: all-gather the weights in the forward pass as block-quantized integers."
+        ' "auto": on with more than one node; on one node weights gather exactly (nothing crosses nodes, so'
+        " quantizing them would lose precision and save no cross-node byte). True: on everywhere, one node included.",
+        check=_check_bool_or_auto,
     )
     weight_bits: Literal[8, 4] = argument(8, "qwZ: 8 or 4 bits per weight element on the wire.", check=_bits(8, 4))
     hpz_partition_size: PositiveIntOrAuto = argument(
@@ -452,6 +461,12 @@ class ZeroPPConfig:
                     " `cpu_offload=True` exists to avoid; turn one of them off."
                 )
 
+    def quantizes_weights(self, num_nodes: int) -> bool:
+        """Whether qwZ runs in a job of ``num_nodes`` nodes: ``"auto"`` with more than one node, or ``True``."""
+        if self.hybrid:
+            return False
+        return self.quantize_weights is True or (self.quantize_weights == "auto" and num_nodes > 1)
+
     @property
     def hybrid(self) -> bool:
         """Whether the model is sharded HSDP-style (``sharding_strategy="HYBRID_SHARD"``)."""
@@ -467,7 +482,7 @@ class ZeroPPConfig:
             " inside the node and all-reduces across nodes exactly",
             "weight_deltas": "weight deltas keep hpZ's node copy; HSDP's weights never leave the node",
         }
-        wrong = [name for name in reasons if getattr(self, name)]
+        wrong = [name for name in reasons if getattr(self, name) is True]  # "auto" resolves to off under HSDP
         if wrong:
             raise ValueError(
                 "ZeroPPStrategy: `sharding_strategy='HYBRID_SHARD'` (HSDP) does not combine with "

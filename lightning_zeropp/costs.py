@@ -155,7 +155,7 @@ def step_bytes(
                 "weight_delta_all_to_all", world_ranks, [wire if r in holders else 0 for r in world_ranks]
             )
             ledger.record_all_gather("weight_all_gather_node_copy", topo.hpz_ranks(), G * C * e)
-        elif config.quantize_weights:
+        elif config.quantizes_weights(K):
             wire = _wire(tuple(segments), config.weight_bits, config.weight_block_size, aligned)
             ledger.record_all_gather("weight_all_gather", world_ranks, wire)
         else:
@@ -163,7 +163,7 @@ def step_bytes(
         # backward all-gather
         if reshard_after_forward(R, W) is not True:
             ledger.record_all_gather("weight_all_gather_secondary", topo.hpz_ranks(), C * (W // R) * e)
-        elif config.quantize_weights and not hybrid:
+        elif config.quantizes_weights(K):
             wire = _wire(tuple(segments), config.weight_bits, config.weight_block_size, aligned)
             ledger.record_all_gather("weight_all_gather_backward", world_ranks, wire)
         else:
@@ -208,7 +208,7 @@ def kernel_bytes(
             wire = _wire(segments, config.weight_delta_bits, config.weight_block_size, aligned)
             G = W // R
             total += 2 * C * e + wire + G * (wire + 2 * C * e)  # quantize w - tracked; holders add G deltas in place
-        elif config.quantize_weights:
+        elif config.quantizes_weights(K):
             wire = _wire(segments, config.weight_bits, config.weight_block_size, aligned)
             gathers = 1 if 1 < R < W else 2  # the backward re-gathers (and dequantizes) without hpZ
             total += gathers * (C * e + wire + W * (wire + C * e))
@@ -238,7 +238,7 @@ def collective_buffers(units: list[Unit], config: ZeroPPConfig, world: int, rank
         if config.weight_deltas and 1 < R < W:
             wire = _wire(segments, config.weight_delta_bits, config.weight_block_size, aligned)
             forward = wire + 2 * (W // R) * wire
-        elif config.quantize_weights:
+        elif config.quantizes_weights(K):
             wire = _wire(segments, config.weight_bits, config.weight_block_size, aligned)
             forward = wire + W * wire
         if config.quantize_gradients and K > 1:

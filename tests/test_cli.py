@@ -80,13 +80,15 @@ def test_class_path_form_parses(train):
     assert s.activation_checkpointing_policy == ["CausalSelfAttention"]
 
 
-@pytest.mark.parametrize(("alias", "quantized", "hpz"), [("zeropp", True, "auto"), ("zero3", False, 1)])
-def test_string_alias_parses(train, alias, quantized, hpz):
+@pytest.mark.parametrize(
+    ("alias", "weights", "gradients", "hpz"), [("zeropp", "auto", True, "auto"), ("zero3", False, False, 1)]
+)
+def test_string_alias_parses(train, alias, weights, gradients, hpz):
     cli = _parse(train, "--trainer.strategy", alias)
     s = cli.trainer.strategy
     assert isinstance(s, ZeroPPStrategy)
     assert s.zeropp_config.hpz_partition_size == hpz
-    assert s.zeropp_config.quantize_weights is quantized and s.zeropp_config.quantize_gradients is quantized
+    assert s.zeropp_config.quantize_weights == weights and s.zeropp_config.quantize_gradients is gradients
 
 
 @pytest.mark.parametrize(

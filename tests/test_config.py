@@ -108,11 +108,18 @@ def one_rank():
 
 @pytest.mark.parametrize(
     "kwargs",
-    [dict(weight_bits=4, weight_block_size=64), dict(weight_block_size=32), dict(), dict(quantize_weights=False)],
-    ids=["int4-64", "int8-32", "defaults", "exact"],
+    [
+        dict(quantize_weights=True, weight_bits=4, weight_block_size=64),
+        dict(quantize_weights=True, weight_block_size=32),
+        dict(quantize_weights=True),
+        dict(),
+        dict(quantize_weights=False),
+    ],
+    ids=["int4-64", "int8-32", "forced", "defaults-one-node", "exact"],
 )
 def test_weight_arguments_reach_the_all_gather(one_rank, kwargs):
-    """What the forward all-gather produces is the quantizer the arguments name, bit for bit, and no other."""
+    """What the forward all-gather produces is the quantizer the arguments name, bit for bit, and no other. The job
+    has one node: the defaults ("auto") gather exactly there; an explicit True still quantizes."""
     import torch
 
     from lightning_zeropp import kernels
@@ -128,7 +135,7 @@ def test_weight_arguments_reach_the_all_gather(one_rank, kwargs):
     for bits, block in ((8, 256), (4, 64), (8, 32), (4, 256)):
         expected[(bits, block)] = kernels.dequantize(kernels.quantize(x, bits, block), 1000, bits, block, x.dtype)
     matches = [key for key, y in expected.items() if torch.equal(out, y)]
-    if kwargs.get("quantize_weights", True):
+    if kwargs.get("quantize_weights") is True:
         assert matches == [(config.weight_bits, config.weight_block_size)]
     else:
         assert torch.equal(out, x) and not matches

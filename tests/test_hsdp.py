@@ -38,8 +38,11 @@ def test_hsdp_alias_and_argument():
 @pytest.mark.parametrize(
     ("given", "named"),
     [
-        (dict(sharding_strategy="HYBRID_SHARD"), ["quantize_weights=True", "quantize_gradients=True"]),
-        (dict(sharding_strategy="HYBRID_SHARD", quantize_gradients=False), ["quantize_weights=True"]),
+        (dict(sharding_strategy="HYBRID_SHARD"), ["quantize_gradients=True"]),
+        (
+            dict(sharding_strategy="HYBRID_SHARD", quantize_gradients=False, quantize_weights=True),
+            ["quantize_weights=True"],
+        ),
         (dict(HSDP, weight_deltas=True), ["weight_deltas=True"]),
         (dict(HSDP, hpz_partition_size=2), ["hpz_partition_size=2", "HYBRID_SHARD"]),
         (dict(sharding_strategy="hybrid"), ["sharding_strategy='hybrid'", "FULL_SHARD"]),

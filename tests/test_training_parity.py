@@ -145,3 +145,20 @@ def test_triton_backend_trains_bit_identically(inputs):
     }
     for name, value in states["torch"].items():
         assert torch.equal(value, states["triton"][name]), name
+
+
+@pytest.mark.slow
+def test_defaults_on_one_node_train_exactly_as_zero3(inputs):
+    """On one node nothing crosses nodes, so the defaults quantize nothing: the weights after training equal ZeRO-3's
+    bit for bit (each parameter, gathered from every rank's shard; each rank's losses), and the ledger holds no
+    quantized collective."""
+    init_path, data_path, *_ = inputs
+    one_node = dict(ranks_per_node=WORLD)
+    zero3 = dict(one_node, quantize_weights=False, hpz_partition_size=1, quantize_gradients=False)
+    got = spawn(train_worker, WORLD, one_node, init_path, data_path, BATCH, STEPS, "32-true", 1, True)
+    want = spawn(train_worker, WORLD, zero3, init_path, data_path, BATCH, STEPS, "32-true", 1, True)
+    for rank, (g, w) in enumerate(zip(got, want)):  # every rank's losses, bit for bit
+        assert g["losses"] == w["losses"], (rank, g["losses"], w["losses"])
+    differ = sorted(n for n in want[0]["state"] if not torch.equal(got[0]["state"][n], want[0]["state"][n]))
+    assert not differ, f"parameters (gathered from every rank's shard) not bit-identical to ZeRO-3's: {differ}"
+    assert set(got[0]["ledger"]) == set(want[0]["ledger"]), (sorted(got[0]["ledger"]), sorted(want[0]["ledger"]))
