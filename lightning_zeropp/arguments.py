@@ -2,10 +2,11 @@
 
 Both strategies (the Trainer's :class:`lightning_zeropp.ZeroPPStrategy` and Fabric's
 :class:`lightning_zeropp.fabric.ZeroPPStrategy`) take, in this order: the fields of
-:class:`~lightning_zeropp.config.ZeroPPConfig` with their types and defaults, the deprecated spellings of
-:data:`~lightning_zeropp.config.RENAMED`, then the front door's own arguments (Fabric's ``parallelize_fn``), keyword
-only. LightningCLI (jsonargparse) reads that signature (``inspect.signature``) and the generated docstring, so each
-argument is typed and documented there as in Python. The README's table of arguments comes from the same fields
+:class:`~lightning_zeropp.config.ZeroPPConfig` with their types and defaults, then the front door's own arguments
+(Fabric's ``parallelize_fn``), keyword only. The deprecated spellings of :data:`~lightning_zeropp.config.RENAMED` are
+still taken by name, with a warning, but are not part of the signature (nor of LightningCLI's help). LightningCLI
+(jsonargparse) reads that signature (``inspect.signature``) and the generated docstring, so each argument is typed and
+documented there as in Python. The docs' table of arguments comes from the same fields
 (:mod:`lightning_zeropp.argument_table`).
 """
 
@@ -29,11 +30,7 @@ def parameters(config_class: type[ZeroPPConfig], own: type | None = None) -> lis
         hints = typing.get_type_hints(dataclass)
         return [inspect.Parameter(f.name, kind, default=f.default, annotation=hints[f.name]) for f in fields(dataclass)]
 
-    positional = inspect.Parameter.POSITIONAL_OR_KEYWORD
-    params = of(config_class, positional)
-    hints = typing.get_type_hints(config_class)
-    for old, (new, _) in RENAMED.items():
-        params.append(inspect.Parameter(old, positional, default=None, annotation=hints[new] | None))
+    params = of(config_class, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     return params + (of(own, inspect.Parameter.KEYWORD_ONLY) if own is not None else [])
 
 
@@ -45,7 +42,6 @@ def signature(config_class: type[ZeroPPConfig], own: type | None = None) -> insp
 
 def _entries(config_class: type[ZeroPPConfig], own: type | None) -> list[tuple[str, str]]:
     entries = [(f.name, doc(f)) for f in fields(config_class)]
-    entries += [(old, f"Deprecated spelling of ``{new}``.") for old, (new, _) in RENAMED.items()]
     entries += [(f.name, doc(f)) for f in fields(own)] if own is not None else []
     return entries
 
@@ -86,12 +82,17 @@ def declare(cls: type, config_class: type[ZeroPPConfig], own: type | None) -> No
 
 def bind(cls: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[ZeroPPConfig, dict[str, Any]]:
     """A strategy's arguments as its ``__init__`` received them: the validated config and the front door's own
-    arguments (defaults filled in). An unknown or missing argument raises the ``TypeError`` Python would."""
+    arguments (defaults filled in). An unknown or missing argument raises the ``TypeError`` Python would. The
+    deprecated spellings (:data:`~lightning_zeropp.config.RENAMED`) are taken by name, outside the signature (so that
+    neither the signature nor LightningCLI's help shows them), and mapped with a warning by the config."""
+    kwargs = dict(kwargs)
+    deprecated = {old: kwargs.pop(old) for old in RENAMED if old in kwargs}
     try:
         bound = cls.arguments_signature.bind(None, *args, **kwargs)
     except TypeError as err:
         raise TypeError(f"{cls.__name__}.__init__() {err}") from None
     given = dict(bound.arguments)
     given.pop("self")
+    given.update(deprecated)
     own = {f.name: given.pop(f.name, f.default) for f in fields(cls.own_arguments)} if cls.own_arguments else {}
     return cls.config_class.from_arguments(given), own

@@ -71,7 +71,9 @@ class FabricArguments:
 
 
 class ZeroPPStrategy(FrontDoor, FabricModelParallelBase, config=ZeroPPConfig, own_arguments=FabricArguments):
-    """ZeRO++ for Fabric: the arguments of :class:`lightning_zeropp.ZeroPPStrategy` (the fields of
+    """ZeRO++ for Fabric: quantized weight all-gather (qwZ), an in-node weight partition (hpZ), quantized gradients.
+
+    The arguments of :class:`lightning_zeropp.ZeroPPStrategy` (the fields of
     :class:`~lightning_zeropp.ZeroPPConfig`, with the same defaults and checks), plus ``parallelize_fn``;
     ``ZeroPPStrategy.from_config(config, parallelize_fn=...)`` takes them from a config.
 

@@ -53,8 +53,10 @@ class _StepRedirection(ForwardRedirection):
 
 
 class ZeroPPStrategy(FrontDoor, ModelParallelBase, config=ZeroPPConfig):
-    """ZeRO++: ZeRO-3 (FSDP2) with quantized weight all-gather, a secondary weight partition per node, and a
-    2-hop quantized gradient reduce-scatter. ``ZeroPPStrategy(quantize_weights=False, hpz_partition_size=1,
+    """ZeRO++ on FSDP2: quantized weight all-gather (qwZ), an in-node weight partition (hpZ), quantized gradients.
+
+    ZeRO-3 (FSDP2) with a quantized weight all-gather, a secondary weight partition per node, and a 2-hop quantized
+    gradient reduce-scatter. ``ZeroPPStrategy(quantize_weights=False, hpz_partition_size=1,
     quantize_gradients=False)`` is plain ZeRO-3 (registered as ``"zero3"``); the defaults are ``"zeropp"``.
 
     The arguments are the fields of :class:`~lightning_zeropp.ZeroPPConfig` (this signature and the section below are

@@ -1,5 +1,5 @@
 """One source for the arguments: ``ZeroPPConfig`` defines each one (type, default, check, doc), and both front doors'
-signatures and docstrings, LightningCLI's view of them and the README's table follow from it; adding a field is all
+signatures and docstrings, LightningCLI's view of them and the docs' table follow from it; adding a field is all
 it takes. Also: building a strategy from a config, and the deprecated spellings."""
 
 import dataclasses
@@ -11,7 +11,7 @@ import pytest
 
 from lightning_zeropp import ZeroPPConfig
 from lightning_zeropp import ZeroPPStrategy as TrainerStrategy
-from lightning_zeropp.argument_table import TABLE_END, TABLE_START, table
+from lightning_zeropp.argument_table import PAGE, TABLE_END, TABLE_START, table, write_table
 from lightning_zeropp.config import RENAMED, PositiveInt, argument
 from lightning_zeropp.fabric import FabricArguments
 from lightning_zeropp.fabric import ZeroPPStrategy as FabricStrategy
@@ -24,7 +24,7 @@ except ImportError:  # the oldest-versions run installs torch, Lightning and pyt
     ArgumentParser = None
 needs_cli = pytest.mark.skipif(ArgumentParser is None, reason="jsonargparse (the cli and test extras) is not installed")
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ARGUMENTS_PAGE = Path(__file__).resolve().parents[1] / PAGE
 FRONT_DOORS = [TrainerStrategy, FabricStrategy]
 
 
@@ -94,10 +94,8 @@ def test_signature_and_docstring_come_from_the_config(config_class, front_door):
         assert (p.annotation, p.default) == (hints[f.name], f.default), f.name
         assert p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
         assert _words(f"{f.name}: {f.metadata['doc']}") in doc, f.name
-    for old, (new, _) in RENAMED.items():
-        p = params.pop(old)
-        assert p.default is None and p.annotation == typing.Optional[hints[new]]  # noqa: UP045
-        assert f"{old}: Deprecated spelling of ``{new}``." in doc
+    for old in RENAMED:  # deprecated spellings are taken by name (with a warning), never shown
+        assert old not in params and f"{old}:" not in doc, old
     if front_door == "Fabric":
         p = params.pop("parallelize_fn")
         assert p.default is None and p.kind is inspect.Parameter.KEYWORD_ONLY
@@ -122,7 +120,7 @@ def test_cli_sees_each_argument_with_its_type_default_and_help(strategy, monkeyp
         shown = text[text.rindex("(type: ") :]
         for leaf in _leaves(p.annotation):
             assert leaf in shown or (leaf == "null" and "None" in shown), (name, leaf, shown)
-        expected = f"Deprecated spelling of ``{RENAMED[name][0]}``." if name in RENAMED else None
+        expected = None
         for f in dataclasses.fields(strategy.config_class):
             if f.name == name:
                 expected = f.metadata["doc"]
@@ -158,13 +156,29 @@ def test_a_new_field_is_taken_checked_and_documented_by_both_front_doors(strateg
     )  # after the header and every field before it, before the front doors' own arguments
 
 
-def test_readme_holds_the_generated_table():
-    text = README.read_text()
+def test_the_docs_hold_the_generated_table():
+    text = ARGUMENTS_PAGE.read_text()
     start, end = text.index(TABLE_START), text.index(TABLE_END) + len(TABLE_END)
-    assert text[start:end] == table(), "README.md: run `python -m lightning_zeropp.argument_table README.md`"
+    assert text[start:end] == table(), f"{PAGE}: run `python -m lightning_zeropp.argument_table {PAGE}`"
     rows = table().splitlines()[3:-1]
     names = [row.split("`")[1] for row in rows]
     assert names == [f.name for f in dataclasses.fields(ZeroPPConfig)] + ["parallelize_fn"]
+
+
+def test_write_table_replaces_only_the_table(tmp_path):
+    page = tmp_path / "arguments.md"
+    page.write_text(f"# Arguments\n\n{TABLE_START}\n| stale |\n{TABLE_END}\n\nText after.\n")
+    assert write_table(page) is True
+    assert page.read_text() == f"# Arguments\n\n{table()}\n\nText after.\n"
+    assert write_table(page) is False  # already current
+
+
+def test_write_table_refuses_a_page_without_the_markers(tmp_path):
+    page = tmp_path / "README.md"
+    page.write_text("# A page without the table\n")
+    with pytest.raises(ValueError, match=f"no generated table.*{PAGE}"):
+        write_table(page)
+    assert page.read_text() == "# A page without the table\n"
 
 
 @pytest.mark.parametrize("strategy", FRONT_DOORS)
@@ -202,19 +216,21 @@ def test_pipeline_stages_is_a_deprecated_spelling_of_gradient_pieces(strategy):
 
 
 @needs_cli
-def test_pipeline_stages_in_yaml_still_parses(tmp_path):
-    parser = ArgumentParser(exit_on_error=False)
-    parser.add_class_arguments(TrainerStrategy, "s")
-    config = tmp_path / "old.yaml"
-    config.write_text("s:\n  pipeline_stages: 4\n")
-    with pytest.deprecated_call(match="pipeline_stages"):
-        strategy = TrainerStrategy(
-            **parser.parse_path(config).s.as_dict()
-        )  # every value, defaults too, as LightningCLI
-    assert strategy.zeropp_config.gradient_pieces == 4
+@pytest.mark.parametrize("strategy", [TrainerStrategy, FabricStrategy])
+def test_deprecated_spellings_are_not_in_the_cli_help(strategy, monkeypatch):
+    helps = _cli_help(strategy, monkeypatch)
+    assert not set(RENAMED) & set(helps), sorted(set(RENAMED) & set(helps))
+    assert "gradient_pieces" in helps and "auto_wrap_policy" in helps
 
 
 def test_topology_is_not_exported():
     import lightning_zeropp
 
     assert not hasattr(lightning_zeropp, "Topology") and "Topology" not in lightning_zeropp.__all__
+
+
+@pytest.mark.parametrize("strategy", FRONT_DOORS)
+def test_help_title_is_a_whole_sentence(strategy):
+    """LightningCLI's help title is the docstring's first line: a sentence of its own, not one cut mid-way."""
+    first, second = strategy.__doc__.splitlines()[:2]
+    assert first.startswith("ZeRO++") and first.endswith(".") and not second.strip(), (first, second)

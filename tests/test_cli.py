@@ -98,7 +98,6 @@ def test_string_alias_parses(train, alias, weights, gradients, hpz):
         ("gradient_block_size", "0"),
         ("weight_block_size", "7"),
         ("gradient_pieces", "0"),
-        ("pipeline_stages", "0"),  # the deprecated spelling
         ("error_feedback_decay", "0"),
         ("error_feedback_decay", "1.5"),
         ("error_feedback_reset", "-1"),
@@ -119,3 +118,15 @@ def test_bad_value_in_yaml_is_refused_at_parse_time(train, tmp_path, capsys, key
     lines = err[err.index("error:") :].splitlines()
     reason = "\n".join(lines[:16])  # as for a Literal: the strategy key, then ours with the value
     assert f'Parser key "{key}"' in reason and value in reason, err[-3000:]
+
+
+def test_deprecated_spelling_in_yaml_is_refused_naming_it(train, tmp_path, capsys):
+    """The deprecated spellings are out of the signature (Python still takes them, with a warning): in a YAML file
+    the parser refuses one, naming it."""
+    old = tmp_path / "old.yaml"
+    strategy = "class_path: lightning_zeropp.ZeroPPStrategy\n    init_args:\n"
+    old.write_text(f"trainer:\n  strategy:\n    {strategy}      pipeline_stages: 4\n")
+    with pytest.raises(SystemExit):
+        _parse(train, "--config", str(old))
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "Option 'pipeline_stages' is not accepted" in err, err[-3000:]
