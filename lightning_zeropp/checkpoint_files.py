@@ -225,11 +225,28 @@ def remove(path: Path) -> None:
 
 
 def save_full(checkpoint: dict[str, Any], path: Path, save: Callable[[dict[str, Any], Path], None]) -> None:
-    """One-file checkpoint (called on rank 0 only): written next to ``path``, then renamed onto it."""
+    """One-file checkpoint (called on rank 0 only): written next to ``path``, then renamed onto it.
+
+    The temporary file is created here first, so that a folder this process may not write is named in the error:
+    Lightning's ``CheckpointIO`` (its atomic save) swallows a ``PermissionError`` and writes nothing, and the rename
+    would then fail on a missing file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temporary_name(path)
     try:
+        tmp.touch(exist_ok=False)
+    except PermissionError as err:
+        raise PermissionError(
+            f"ZeroPPStrategy: cannot save the checkpoint {str(path)!r}: no permission to create files in"
+            f" {str(path.parent)!r} ({err.strerror}). Save to a folder you can write (ModelCheckpoint(dirpath=...),"
+            " Trainer(default_root_dir=...)) or change its permissions."
+        ) from None
+    try:
         save(checkpoint, tmp)
+        if tmp.stat().st_size == 0:
+            raise OSError(
+                f"ZeroPPStrategy: saving the checkpoint {str(path)!r} wrote nothing to {str(tmp)!r}: the checkpoint IO"
+                " plugin failed without an error. Check that the folder is writable and has free space."
+            )
         replace_atomically(tmp, path)
     except BaseException:
         remove(tmp)

@@ -149,6 +149,19 @@ def _check_process_group_backend(name: str, value: object) -> None:
         raise _fail(name, value, allowed)
 
 
+def _check_timeout(name: str, value: object) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (timedelta, int, float)):
+        raise TypeError(
+            f"ZeroPPStrategy: `{name}` must be a datetime.timedelta, a number of seconds or None, got {value!r}"
+            f" ({type(value).__name__}). Example: {name}=timedelta(minutes=30) or {name}=1800."
+        )
+    seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
+    if not seconds > 0 or seconds == float("inf"):
+        raise _fail(name, value, "use a positive, finite duration, e.g. timedelta(minutes=30) or 1800 (seconds)")
+
+
 def _is_module_class(value: object) -> bool:
     return isinstance(value, type) and issubclass(value, nn.Module)
 
@@ -402,10 +415,12 @@ class ZeroPPConfig:
     process_group_backend: str | None = argument(
         None, '"nccl", "gloo", ...; None: chosen for the device.', check=_check_process_group_backend
     )
-    timeout: timedelta | None = argument(
+    timeout: timedelta | float | None = argument(
         default_pg_timeout,
         "How long any collective waits for a peer: Lightning's default group and every group of the strategy's own"
-        " (world, node, rail, hpZ) get it, so a frozen rank ends the job on the others after it.",
+        " (world, node, rail, hpZ) get it, so a frozen rank ends the job on the others after it. A timedelta, or a"
+        " number of seconds (as YAML writes it: 1800); None: torch's default.",
+        check=_check_timeout,
         shown="Lightning's (30 min)",
     )
     sharding_strategy: ShardingStrategy = argument(
@@ -428,6 +443,8 @@ class ZeroPPConfig:
             value = getattr(self, f.name)
             if isinstance(value, (int, float)) and type(value) not in (int, float, bool):
                 object.__setattr__(self, f.name, float(value) if isinstance(value, float) else int(value))
+        if isinstance(self.timeout, (int, float)):  # seconds, as YAML writes a duration: torch takes a timedelta
+            object.__setattr__(self, "timeout", timedelta(seconds=self.timeout))
 
     def _check_rules(self) -> None:
         """The rules across fields (each field's own value is checked already)."""

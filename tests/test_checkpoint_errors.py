@@ -161,3 +161,57 @@ def test_resume_errors_name_the_cause_first(tmp_path):
             assert "param groups: 1 in the checkpoint, 2 here" in first, (rank, first)
         first = report["truncated"].splitlines()[0]
         assert "CheckpointMismatchError" in first and ".distcp is truncated" in first, (rank, first)
+
+
+def _in_unprivileged_child(fn) -> str:
+    """Runs ``fn()`` in a forked child that cannot write root's files (as root: the child drops to nobody after the
+    fork, every module already imported; otherwise the folder's mode denies it), and returns what it raised."""
+    import os
+    import traceback
+
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        os.close(read)
+        try:
+            if os.geteuid() == 0:
+                os.setgid(65534)
+                os.setuid(65534)
+            fn()
+            message = "no error"
+        except BaseException as err:  # the child reports whatever was raised
+            message = "".join(traceback.format_exception_only(type(err), err))
+        os.write(write, message.encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        message = pipe.read()
+    os.waitpid(pid, 0)
+    return message
+
+
+def test_full_save_into_a_folder_without_write_permission_names_it():
+    """Lightning's atomic save swallows the PermissionError and writes nothing; the error still names the folder and
+    the permission, not a missing temporary file."""
+    import tempfile
+
+    from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+    from lightning_zeropp.checkpoint_files import save_full
+
+    top = Path(tempfile.mkdtemp())  # in /tmp, which anyone may traverse (pytest's tmp_path is the owner's alone)
+    folder = top / "read_only"
+    folder.mkdir()
+    top.chmod(0o755)
+    folder.chmod(0o555)
+    try:
+        io = TorchCheckpointIO()
+        io.save_checkpoint({"x": 1}, top / "warm.ckpt")  # imports what a save imports lazily, before the child forks
+        (top / "warm.ckpt").unlink()
+        message = _in_unprivileged_child(lambda: save_full({"x": 1}, folder / "x.ckpt", io.save_checkpoint))
+        assert not list(folder.iterdir())
+    finally:
+        folder.chmod(0o755)
+        shutil.rmtree(top)
+    assert message.startswith("PermissionError: ZeroPPStrategy: cannot save the checkpoint"), message
+    assert "no permission to create files in" in message and str(folder) in message, message

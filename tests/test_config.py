@@ -2,6 +2,7 @@
 
 import functools
 import re
+from datetime import timedelta
 
 import pytest
 from torch import nn
@@ -46,7 +47,20 @@ BAD = [
     (dict(cpu_offload=1), TypeError, r"`cpu_offload` must be True, False or a torch.distributed.fsdp.CPUOffloadPolicy"),
     (dict(cpu_offload="cpu"), TypeError, r"`cpu_offload` must be True, False or .*got 'cpu'"),
     (dict(weight_deltas=True, cpu_offload=CPUOffloadPolicy()), ValueError, r"`weight_deltas=True`.*`cpu_offload=True`"),
+    (dict(timeout=timedelta(seconds=-5)), ValueError, r"`timeout=datetime.timedelta.*positive, finite duration"),
+    (dict(timeout=0), ValueError, r"`timeout=0`.*positive"),
+    (dict(timeout=float("inf")), ValueError, r"`timeout=inf`.*finite"),
+    (dict(timeout="30"), TypeError, r"`timeout` must be a datetime.timedelta, a number of seconds or None"),
+    (dict(timeout=True), TypeError, r"`timeout` must be a datetime.timedelta.*got True"),
 ]
+
+
+def test_timeout_in_seconds_is_a_timedelta():
+    """A number is read as seconds (YAML writes a duration so), None keeps torch's default."""
+    assert ZeroPPStrategy(timeout=30).zeropp_config.timeout == timedelta(seconds=30)
+    assert ZeroPPStrategy(timeout=2.5).zeropp_config.timeout == timedelta(seconds=2.5)
+    assert ZeroPPStrategy(timeout=timedelta(minutes=2)).zeropp_config.timeout == timedelta(minutes=2)
+    assert ZeroPPStrategy(timeout=None).zeropp_config.timeout is None
 
 
 # ids without object addresses: every pytest-xdist worker must collect the same names
