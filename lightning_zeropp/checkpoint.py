@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import random
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +52,13 @@ MODEL_KEY = "state_dict"
 RNG_KEY = "zeropp_rng_states"
 COMMS_KEY = "zeropp_comms"  # per rank: the collectives' counters and error feedback residuals (ZeroPPComms)
 FABRIC_KEYS = "zeropp_fabric_keys"  # a Fabric full file: the user's keys of the model, optimizers and schedulers
+VERSION_KEY = "pytorch-lightning_version"  # what marks a file as a Lightning checkpoint (replaceable by a save)
+HIDDEN_ATTRIBUTE = "zeropp_strategy_entries"
+"""A Fabric full file's top-level dict is an ``OrderedDict`` whose attribute of this name holds the strategy's own
+entries (:data:`RNG_KEY`, :data:`COMMS_KEY`, :data:`FABRIC_KEYS`, :data:`VERSION_KEY`), as a ``state_dict()`` holds
+its ``_metadata``: a plain Fabric's ``load`` returns the file's entries beyond the objects it restored, which are then
+the user's alone; ``torch.load(weights_only=True)`` reads the attribute."""
+_HIDDEN_KEYS = (RNG_KEY, COMMS_KEY, FABRIC_KEYS, VERSION_KEY)
 OPTIMIZER_STATES = "optimizer_states"  # the Trainer's list of optimizer states (a full file)
 SCHEDULERS_KEY = "lr_schedulers"  # the Trainer's list of learning-rate scheduler states
 
@@ -215,7 +223,7 @@ def read_checkpoint(
             set_optimizer_state_dict(model, optimizer, optimizer_state[name], options=StateDictOptions(strict=strict))
         # the metadata: Lightning's own objects (callbacks' states, hyperparameters), the user's in Fabric
         return dict(torch.load(path / METADATA_FILENAME, weights_only=bool(weights_only)))
-    checkpoint = dict(torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only))
+    checkpoint = reveal_strategy_entries(torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only))
     full = StateDictOptions(full_state_dict=True, strict=strict)  # each rank keeps its slices: nothing is sent
     set_model_state_dict(model, checkpoint.pop(layout.model), options=full)
     if layout.optimizers_in_list:
@@ -230,6 +238,18 @@ def read_checkpoint(
             for group, stored in zip(optimizer.param_groups, optimizer_state["param_groups"]):
                 group.update({k: v for k, v in stored.items() if k != "params"})
     return checkpoint
+
+
+def hide_strategy_entries(checkpoint: Mapping[str, Any]) -> OrderedDict:
+    """The checkpoint with the strategy's own entries moved into the :data:`HIDDEN_ATTRIBUTE` attribute."""
+    visible = OrderedDict((k, v) for k, v in checkpoint.items() if k not in _HIDDEN_KEYS)
+    setattr(visible, HIDDEN_ATTRIBUTE, {k: checkpoint[k] for k in _HIDDEN_KEYS if k in checkpoint})
+    return visible
+
+
+def reveal_strategy_entries(loaded: Mapping[str, Any]) -> dict[str, Any]:
+    """A loaded file's entries as one dict, the hidden ones (:func:`hide_strategy_entries`) among them again."""
+    return {**loaded, **getattr(loaded, HIDDEN_ATTRIBUTE, {})}
 
 
 def load_plain_weights(path: Path, model: torch.nn.Module, strict: bool, weights_only: bool | None) -> None:
@@ -351,7 +371,7 @@ def _read_file(path: Path) -> Mapping[str, Any]:
         raise CheckpointMismatchError(
             f"ZeroPPStrategy: {path} holds a {type(checkpoint).__name__}, not a checkpoint (a dict of states)."
         )
-    return checkpoint
+    return reveal_strategy_entries(checkpoint)
 
 
 def _stored(path: Path, layout: Layout) -> tuple[dict[str, tuple[int, ...]], list[set[str]]]:
@@ -486,6 +506,8 @@ def save(
         full = state_dict_type == "full"
         checkpoint[COMMS_KEY] = _gather_to_zero(_stash(comms_state, None if full else rank_tensors), ranks)
     if state_dict_type == "full":
+        if FABRIC_KEYS in checkpoint:  # Fabric's: a plain Fabric's load returns the user's entries alone
+            checkpoint = hide_strategy_entries(checkpoint)
         error = _attempt(lambda: save_full(checkpoint, path, save_file)) if ranks.is_global_zero else None
         agree_or_raise(error, f"ZeroPPStrategy: saving the checkpoint {path}", after=_UNTOUCHED)
         return

@@ -37,6 +37,7 @@ from .checkpoint import (
     OPTIMIZER_STATES,
     RNG_KEY,
     SCHEDULERS_KEY,
+    VERSION_KEY,
     index_keyed,
     load_plain_weights,
 )
@@ -48,8 +49,7 @@ from .preemption import Preemption
 
 __all__ = ["FabricArguments", "ZeroPPStrategy"]
 
-_VERSION_KEY = "pytorch-lightning_version"  # what marks a file as a Lightning checkpoint (replaceable by a save)
-_RESERVED = (MODEL_KEY, OPTIMIZER_STATES, SCHEDULERS_KEY, RNG_KEY, COMMS_KEY, FABRIC_KEYS, _VERSION_KEY)
+_RESERVED = (MODEL_KEY, OPTIMIZER_STATES, SCHEDULERS_KEY, RNG_KEY, COMMS_KEY, FABRIC_KEYS, VERSION_KEY)
 _RESHARD_HOOK = "_zeropp_fabric_reshard_hook"
 
 
@@ -267,7 +267,7 @@ class ZeroPPStrategy(FrontDoor, FabricModelParallelBase, config=ZeroPPConfig, ow
                 OPTIMIZER_STATES: optimizer_states,
                 SCHEDULERS_KEY: [scheduler.state_dict() for _, scheduler in schedulers],
             }
-        checkpoint.update({FABRIC_KEYS: names, _VERSION_KEY: lightning.__version__})
+        checkpoint.update({FABRIC_KEYS: names, VERSION_KEY: lightning.__version__})
         for key, obj in state.items():
             if key == module_key or isinstance(obj, (Optimizer, LRScheduler)):
                 continue
@@ -321,7 +321,7 @@ class ZeroPPStrategy(FrontDoor, FabricModelParallelBase, config=ZeroPPConfig, ow
                 )
             for (_, scheduler), scheduler_state in zip(schedulers, stored_schedulers):
                 scheduler.load_state_dict(scheduler_state)
-        loaded.pop(_VERSION_KEY, None)
+        loaded.pop(VERSION_KEY, None)
         for key, obj in state.items():
             if key == module_key or isinstance(obj, Optimizer):
                 continue
