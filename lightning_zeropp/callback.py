@@ -20,11 +20,15 @@ class CommVolumeMonitor(Callback):
 
     Args:
         per_kind: also log one pair of metrics per collective kind (``comm/weight_all_gather/inter_node_MB``, ...).
-        prog_bar: show the two totals in the progress bar.
+        prog_bar: also show the two totals in the progress bar (off by default: their names are long, and the bar
+            would wrap; the metrics go to the loggers either way).
         unit: ``"B"``, ``"KB"``, ``"MB"`` or ``"GB"`` (decimal); the metric names carry it.
     """
 
-    def __init__(self, per_kind: bool = False, prog_bar: bool = True, unit: str = "MB") -> None:
+    def __init__(self, per_kind: bool = False, prog_bar: bool = False, unit: str = "MB") -> None:
+        for name, value in (("per_kind", per_kind), ("prog_bar", prog_bar)):
+            if not isinstance(value, bool):
+                raise TypeError(f"CommVolumeMonitor: `{name}` must be True or False, got {value!r}.")
         if unit not in UNITS:
             raise ValueError(f"CommVolumeMonitor: `unit={unit!r}` is not allowed; choose one of {list(UNITS)}.")
         self.per_kind = per_kind
