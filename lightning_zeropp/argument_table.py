@@ -1,9 +1,9 @@
-"""The README's table of arguments, generated from :class:`~lightning_zeropp.ZeroPPConfig` (and Fabric's own).
+"""The docs' table of arguments, generated from :class:`~lightning_zeropp.ZeroPPConfig` (and Fabric's own).
 
-    python -m lightning_zeropp.argument_table            # prints the table
-    python -m lightning_zeropp.argument_table README.md  # writes it between the markers there
+    python -m lightning_zeropp.argument_table                     # prints the table
+    python -m lightning_zeropp.argument_table docs/arguments.md   # writes it between the markers there
 
-``tests/test_arguments.py`` checks that the README holds exactly this table.
+``tests/test_arguments.py`` checks that ``docs/arguments.md`` holds exactly this table.
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ from pathlib import Path
 
 from .config import RENAMED, ZeroPPConfig, doc, shown_default
 
-TABLE_START = "<!-- arguments: generated from ZeroPPConfig by `python -m lightning_zeropp.argument_table README.md` -->"
+PAGE = "docs/arguments.md"
+"""The page that holds the table, relative to the repository's root."""
+TABLE_START = f"<!-- arguments: generated from ZeroPPConfig by `python -m lightning_zeropp.argument_table {PAGE}` -->"
 TABLE_END = "<!-- end of the generated arguments -->"
 
 
@@ -27,7 +29,7 @@ def _default(f: Field) -> str:
 
 
 def table(config_class: type[ZeroPPConfig] = ZeroPPConfig, own: dict[str, type] | None = None) -> str:
-    """The README's table of arguments: every field of ``config_class`` (with its deprecated spelling, if any), then
+    """The table of arguments: every field of ``config_class`` (with its deprecated spelling, if any), then
     each front door's own arguments (``own``: front door name -> its dataclass; default: Fabric's)."""
     if own is None:
         from .fabric import FabricArguments
@@ -43,12 +45,18 @@ def table(config_class: type[ZeroPPConfig] = ZeroPPConfig, own: dict[str, type] 
     return "\n".join([TABLE_START, *rows, TABLE_END])
 
 
-def write_table(readme: Path) -> bool:
-    """Replaces the table between the markers of ``readme``; returns whether the file changed."""
-    text = readme.read_text()
+def write_table(page: Path) -> bool:
+    """Replaces the table between the markers of ``page``; returns whether the file changed.
+
+    Raises:
+        ValueError: ``page`` lacks the markers (the table goes in ``docs/arguments.md``).
+    """
+    text = page.read_text()
+    if TABLE_START not in text or TABLE_END not in text:
+        raise ValueError(f"{page} has no generated table: its markers are {TABLE_START!r} and {TABLE_END!r} ({PAGE})")
     start, end = text.index(TABLE_START), text.index(TABLE_END) + len(TABLE_END)
     new = text[:start] + table() + text[end:]
-    readme.write_text(new)
+    page.write_text(new)
     return new != text
 
 

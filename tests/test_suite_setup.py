@@ -12,17 +12,21 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _readme_test_command() -> str:
+def _readme_test_commands() -> list[str]:
+    """The README's test command (quick start, step 2): its lines, the install and the test run."""
     quick_start = ROOT.joinpath("README.md").read_text().split("## Quick start", 1)[1].split("\n## ", 1)[0]
-    (command,) = re.findall(r"^pip install .*\[test\].*$", quick_start, re.M)
-    return command
+    step = quick_start.split("# 2.", 1)[1].split("```", 1)[0]
+    return [line for line in step.splitlines()[1:] if line.strip() and not line.startswith("#")]
 
 
 def test_ci_runs_the_readme_test_command():
-    command = _readme_test_command()
+    install, run = _readme_test_commands()
+    assert re.fullmatch(r"pip install .*\[test\].*", install), install
+    assert run.startswith("python -m pytest ") and "-n 2" in run.split("pytest", 1)[1], run
     ci = [line for line in ROOT.joinpath(".ci", "run").read_text().splitlines() if not line.startswith("#")]
-    assert command in ci, f".ci/run does not run the README's test command {command!r}"
-    assert "-n 2" in command.split("pytest", 1)[1], command
+    # one line each: under `set -e` an install chained with `&&` to the test run would fail without failing CI
+    assert install in ci, f".ci/run does not run the README's install {install!r}"
+    assert run in ci[ci.index(install) + 1 :], f".ci/run does not run {run!r} after {install!r}"
 
 
 def test_the_test_extra_brings_xdist():
