@@ -117,7 +117,7 @@ def test_an_included_page_keeps_its_links(tmp_path):
         hook.expand_includes("<!-- include: ../bench/MISSING.md -->\n", page, tmp_path)
 
 
-@pytest.mark.slow  # about 5 s alone, more on a busy machine
+@pytest.mark.slow  # 3 s on an idle machine, 7-11 s beside a training run: a subprocess building the whole site
 @needs_mkdocs
 def test_the_docs_build_strictly(tmp_path):
     result = subprocess.run(
