@@ -3,7 +3,8 @@
 Two optimizer steps of the example GPT (the CPU demo's shape) in bf16-mixed, on gloo ranks emulating
 ``nodes x ranks_per_node``; the figures are the second step's (the steady state: with weight deltas the first step
 fills the node copies exactly; its bytes are reported separately). The ledger's accounting is logical per peer
-(README), so the figures are exact and repeatable; ``benchmarks/cluster.py`` measures what a real link carries.
+(docs/index.md, "How ZeRO++ maps onto FSDP2"), so the figures are exact and repeatable; ``benchmarks/cluster.py``
+measures what a real link carries.
 
     python benchmarks/comm_volume.py [--topologies 2x2 3x2 4x2] [--json benchmarks/comm_volume.json]
 """

@@ -97,6 +97,7 @@ class ZeroPPComms:
         if self.use_qgz:
             steps = f" for the first {c.quantize_gradients_steps} steps" if c.quantize_gradients_steps else ""
             feedback = ", error feedback" if self.feedback is not None else ""
+            feedback += ", Hadamard-rotated blocks" if c.gradient_rotation == "hadamard" else ""
             parts.append(
                 f"qgZ INT{c.intra_node_gradient_bits} -> INT{c.gradient_bits} gradients{steps}"
                 f" ({c.gradient_pieces} pieces, {c.gradient_rounding} rounding{feedback})"

@@ -2,7 +2,8 @@
 
 :class:`ZeroPPConfig` is the single definition of every argument: its type (what LightningCLI parses), its default,
 its check and its documentation. The strategies' signatures and ``Arguments:`` docstrings, LightningCLI's help and the
-README's table are generated from it (:mod:`lightning_zeropp.arguments`): adding a field is all it takes.
+docs' table (docs/arguments.md) are generated from it (:mod:`lightning_zeropp.arguments`): adding a field is all it
+takes.
 
 Every argument is checked here, once, at construction. Arguments that can only be checked against the running job
 (the world size, the model's module classes) are checked by :meth:`ZeroPPConfig.resolve` and by the sharding code,
@@ -28,6 +29,7 @@ from lightning_zeropp.kernels import Backend as KernelBackend
 
 StateDictType = Literal["sharded", "full"]
 GradientRounding = Literal["nearest", "stochastic"]
+GradientRotation = Literal["none", "hadamard"]
 BlockAlignment = Literal["parameter", "flat"]
 ShardingStrategy = Literal["FULL_SHARD", "HYBRID_SHARD"]
 ModulePolicy = Callable[[nn.Module], bool]
@@ -62,6 +64,7 @@ PositiveIntOrAuto = PositiveInt | Literal["auto"]
 _KERNEL_BACKENDS = get_args(KernelBackend)
 _STATE_DICT_TYPES = get_args(StateDictType)
 _GRADIENT_ROUNDINGS = get_args(GradientRounding)
+_GRADIENT_ROTATIONS = get_args(GradientRotation)
 _BLOCK_ALIGNMENTS = get_args(BlockAlignment)
 _SHARDING_STRATEGIES = get_args(ShardingStrategy)
 
@@ -240,7 +243,7 @@ def _check_module_selection(name: str, value: object) -> None:
 
 def argument(default: Any, doc: str, *, check: Check | None = None, shown: str | None = None) -> Any:
     """A field of :class:`ZeroPPConfig` (or of a front door's own arguments): its default, its documentation (the
-    strategies' docstrings, LightningCLI's help, the README's table; ``shown`` replaces the default's repr there) and
+    strategies' docstrings, LightningCLI's help, the docs' table; ``shown`` replaces the default's repr there) and
     the check of its value alone, ``check(name, value)``, run at construction."""
     return field(default=default, metadata={"doc": doc, "check": check, "shown": shown})
 
@@ -251,7 +254,7 @@ def doc(f: Field) -> str:
 
 
 def shown_default(f: Field) -> str:
-    """How the docs show a field's default: strings in double quotes, as YAML and the README write them."""
+    """How the docs show a field's default: strings in double quotes, as YAML and the docs write them."""
     if f.metadata.get("shown"):
         return f.metadata["shown"]
     return f'"{f.default}"' if isinstance(f.default, str) else repr(f.default)
@@ -320,6 +323,14 @@ class ZeroPPConfig:
         "nearest",
         'Rounding of gradients: "nearest" (half to even) or "stochastic" (unbiased).',
         check=_one_of(_GRADIENT_ROUNDINGS),
+    )
+    gradient_rotation: GradientRotation = argument(
+        "none",
+        'qgZ: "hadamard" rotates each gradient block before the inter-node hop quantizes it (random signs from a'
+        " per-reduction seed every rank derives alike, then a Walsh-Hadamard transform; the inverse after the sum),"
+        " so that one large element no longer sets a scale that rounds its neighbours to zero. Same bytes on the"
+        ' wire. Torch kernels only so far (on GPUs: kernel_backend="torch"). "none": blocks quantized as they are.',
+        check=_one_of(_GRADIENT_ROTATIONS),
     )
     block_alignment: BlockAlignment = argument(
         "parameter",

@@ -134,6 +134,12 @@ class ZeroPPCore:
                 f"ZeroPPStrategy does not support `precision={precision!r}`; use one of {SUPPORTED_PRECISIONS}."
             )
         tk.check_backend(self.config.kernel_backend, device)
+        if self.config.gradient_rotation != "none" and device.type == "cuda" and self.config.kernel_backend != "torch":
+            raise ValueError(
+                f"ZeroPPStrategy: `gradient_rotation={self.config.gradient_rotation!r}` runs on the torch kernels only"
+                f" so far, and `kernel_backend={self.config.kernel_backend!r}` picks Triton on {device}; set"
+                " kernel_backend='torch' (slower quantization kernels) or gradient_rotation='none'."
+            )
 
     def connect(self, world_size: int, local_world_size: int, rank: int, device_type: str) -> DeviceMesh:
         """Topology, mesh, ledger, process groups and collectives for a job of ``world_size`` ranks launched

@@ -19,6 +19,10 @@ inter-node hop, where the error is: step 3 quantizes ``sum + decay * residual`` 
 A residual there covers the K pieces this rank sends, M / N elements per rank; one on the intra-node hop would cover
 the W pieces it sends (M per rank) to correct an INT8 error 16x smaller.
 
+Rotation (``gradient_rotation="hadamard"``): step 3 rotates each block of the node's sum before quantizing it for
+the rail (signs from a seed of the call and stage, the same on every rank), and step 5 un-rotates the sum of the K
+pieces once; a residual is kept in the unrotated coordinates, since the next call's rotation differs.
+
 Stage s + 1's intra-node hop is started before stage s's inter-node hop is waited on, so the two links work at once.
 Nothing is divided before the last step: AVG divides the fp32 sum by W exactly once. The sizes are free: any chunk
 length (tails are partial blocks), 1-D or not, any N and K. With N = 1 the intra hop is skipped (nothing to send);
@@ -71,8 +75,8 @@ class Plan:
         stages: every pipeline stage's piece of a chunk (:func:`stages`; sizes may be 0).
         blocks: the whole chunk's parameter-aligned blocks (None: flat blocks).
         multiplier: what the fp32 sum is scaled by at the end (AVG's 1 / W, PREMUL_SUM's factor).
-        call: the reduction's number in the job, for stochastic rounding's seeds; None: rounding to nearest, or the
-            kernels draw fresh seeds.
+        call: the reduction's number in the job, for stochastic rounding's and rotation's seeds; None: the kernels
+            draw fresh rounding seeds (and blocks are not rotated).
         config: the bits, block size, rounding, error feedback decay and kernel backend.
     """
 
@@ -94,7 +98,7 @@ class Plan:
         if base_op == dist.ReduceOp.AVG:
             multiplier /= topology.world_size
         pieces = tuple(Stage(s, *piece) for s, piece in enumerate(stages(chunk, config, blocks)))
-        if config.gradient_rounding != "stochastic":
+        if config.gradient_rounding != "stochastic" and config.gradient_rotation == "none":
             call = None
         return cls(topology, chunk, pieces, blocks, multiplier, call, config)
 
@@ -111,10 +115,18 @@ class Plan:
         """The seed of hop ``hop``'s quantization (0: intra-node, 1: inter-node) in ``stage``: one per (call, rank,
         hop, stage) for stochastic rounding, so the noise is independent everywhere and reproducible. Without a call
         number the kernels draw a fresh seed."""
-        if self.call is None:
+        if self.call is None or not self.stochastic:
             return None
         # ints hash to themselves: the same in every process
         return hash((self.call, self.topology.rank, hop, stage.index)) & 0x7FFFFFFF
+
+    def rotation_seed(self, stage: Stage) -> int | None:
+        """The seed of the inter-node hop's block rotation in ``stage`` (``gradient_rotation="hadamard"``), or None:
+        one per (call, stage), the same on every rank (the K pieces summed on a rail must share their rotation), and
+        new at every reduction, so no block keeps an unlucky rotation."""
+        if self.call is None or self.config.gradient_rotation == "none":
+            return None
+        return hash((self.call, stage.index, 3)) & 0x7FFFFFFF
 
 
 def quantized_reduce_scatter(
@@ -189,10 +201,12 @@ def _reduce_in_node(plan: Plan, stage: Stage, input: torch.Tensor, intra: _Hop, 
     if N == 1:  # nothing arrived from local peers: this rank's own K pieces go straight to the rail
         own = input.view(topo.world_size, plan.chunk)[:, start : start + size]
         return tk.quantize(own, c.gradient_bits, c.gradient_block_size, blocks=stage.blocks, backend=backend,
-                           stochastic=plan.stochastic, seed=plan.seed(1, stage), **feedback)  # fmt: skip
+                           stochastic=plan.stochastic, seed=plan.seed(1, stage),
+                           rotation_seed=plan.rotation_seed(stage), **feedback)  # fmt: skip
     return tk.dequantize_reduce_quantize(
         intra.recv.view(N, K, -1), size, c.intra_node_gradient_bits, c.gradient_bits, c.gradient_block_size,
-        blocks=stage.blocks, backend=backend, stochastic=plan.stochastic, seed=plan.seed(1, stage), **feedback,
+        blocks=stage.blocks, backend=backend, stochastic=plan.stochastic, seed=plan.seed(1, stage),
+        rotation_seed=plan.rotation_seed(stage), **feedback,
     )  # fmt: skip
 
 
@@ -210,6 +224,7 @@ def _finish(plan: Plan, stage: Stage, inter: _Hop, out: torch.Tensor) -> None:
     tk.dequantize_reduce(
         inter.recv, stage.size, c.gradient_bits, c.gradient_block_size, multiplier=plan.multiplier,
         out=out[stage.start : stage.start + stage.size], blocks=stage.blocks, backend=c.kernel_backend,
+        rotation_seed=plan.rotation_seed(stage),
     )  # fmt: skip
 
 

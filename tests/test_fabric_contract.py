@@ -1,8 +1,8 @@
 """Our contract with Lightning Fabric: the scenarios of Lightning's own tests of Fabric's ``ModelParallelStrategy``
 (``tests/tests_fabric/strategies/test_model_parallel.py`` and ``test_model_parallel_integration.py``), written for
 :class:`lightning_zeropp.fabric.ZeroPPStrategy` on 2 CPU gloo ranks. Each test names its upstream scenario (3.x: the
-unit tests, 4.x: the integration tests). Where we differ on purpose, the test asserts our behaviour (README, "Contract
-with Lightning").
+unit tests, 4.x: the integration tests). Where we differ on purpose, the test asserts our behaviour
+(docs/development.md, "Contract with Lightning").
 
 All multi-process scenarios run in one spawn of 2 ranks (``fabric_results``), one after the other, each with its own
 Fabric; each test then checks its scenario's results. The timeout scenario runs first: it creates the default group.

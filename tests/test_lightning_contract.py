@@ -1,8 +1,8 @@
 """Our contract with Lightning's Trainer: the scenarios of Lightning's own tests of ``ModelParallelStrategy``
 (``tests/tests_pytorch/strategies/test_model_parallel.py`` and ``test_model_parallel_integration.py``), written for
 :class:`lightning_zeropp.ZeroPPStrategy` on 2 CPU gloo ranks. Each test names its upstream scenario (1.x: the unit
-tests, 2.x: the integration tests). Where we differ on purpose, the test asserts our behaviour (README, "Contract with
-Lightning").
+tests, 2.x: the integration tests). Where we differ on purpose, the test asserts our behaviour
+(docs/development.md, "Contract with Lightning").
 
 All multi-process scenarios run in one spawn of 2 ranks (``trainer_results``), one after the other, each with its own
 Trainer; each test then checks its scenario's results. The timeout scenario runs first: it creates the default group.

@@ -184,6 +184,92 @@ class _Padded:
         return out
 
 
+# ------------------------------------------------------------------------------------------------------------------
+# Rotated blocks (``rotation_seed``): before quantization each block is multiplied by a sign vector and transformed by
+# a Walsh-Hadamard matrix, which spreads an outlier's magnitude over the whole block, so one large element no longer
+# sets a scale that rounds its neighbours to zero; after dequantization the inverse. A block of L elements that is not
+# a power of two (a parameter's last block, a row's tail) is rotated as the power-of-two pieces of L's binary form,
+# largest first (100 = 64 + 32 + 4): each piece is its own orthogonal transform, nothing is padded and the wire is
+# unchanged. The signs depend on the seed and the element's place in its block only (the same on every rank), and
+# the forward transform is unnormalized (``H (d * x)``: adds and subtracts, exact scaling for a per-block absmax
+# quantizer); the inverse divides by the piece's length, a power of two (exact).
+
+
+def rotation_signs(seed: int, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The sign vector (fp32 +-1) of elements ``0 .. n-1`` of a block: bit 0 of a 32-bit mix (murmur3's finalizer)
+    of ``seed + i * 0x9E3779B1``; integer arithmetic a kernel reproduces exactly."""
+    mask = 0xFFFFFFFF
+    h = (torch.arange(n, dtype=torch.int64, device=device) * 0x9E3779B1 + (seed & mask)) & mask
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & mask
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & mask
+    h ^= h >> 16
+    return (1 - 2 * (h & 1)).to(torch.float32)
+
+
+def rotation_pieces(length: int) -> list[tuple[int, int]]:
+    """``(offset, size)`` of the power-of-two pieces a block of ``length`` elements is rotated in, largest first."""
+    pieces, offset = [], 0
+    for bit in reversed(range(length.bit_length())):
+        if length >> bit & 1:
+            pieces.append((offset, 1 << bit))
+            offset += 1 << bit
+    return pieces
+
+
+def _hadamard(x: torch.Tensor) -> torch.Tensor:
+    """The unnormalized Walsh-Hadamard transform over the last dimension (a power of two), as butterflies of stride
+    1, 2, 4, ...: ``(a, b) -> (a + b, a - b)``, the order a kernel's butterflies take."""
+    n = x.shape[-1]
+    lead = x.shape[:-1]
+    h = 1
+    while h < n:
+        pairs = x.reshape(*lead, n // (2 * h), 2, h)
+        a, b = pairs[..., 0, :], pairs[..., 1, :]
+        x = torch.stack((a + b, a - b), dim=-2).reshape(*lead, n)
+        h *= 2
+    return x
+
+
+def _rotate_slots(slots: torch.Tensor, lengths: list[int], seed: int, inverse: bool) -> torch.Tensor:
+    """Rotates (or, ``inverse``, un-rotates) each block of ``slots`` ``(R, count, block_size)`` fp32, block ``b``
+    holding ``lengths[b]`` elements from its slot's start (zeros after). Returns a new tensor."""
+    out = slots.clone()
+    signs = rotation_signs(seed, slots.shape[2], slots.device)
+    by_length: dict[int, list[int]] = {}
+    for b, length in enumerate(lengths):
+        by_length.setdefault(length, []).append(b)
+    for length, members in by_length.items():
+        index = torch.tensor(members, device=slots.device)
+        for offset, size in rotation_pieces(length):
+            d = signs[offset : offset + size]
+            x = slots[:, index, offset : offset + size]
+            y = _hadamard(x).mul_(d).div_(size) if inverse else _hadamard(x * d)
+            out[:, index, offset : offset + size] = y
+    return out
+
+
+def _rotate_rows(
+    values: torch.Tensor, block_size: int, blocks: Blocks | None, seed: int, inverse: bool
+) -> torch.Tensor:
+    """``(R, numel)`` fp32 -> the same rows with every block (uniform or ``blocks``) rotated (see above)."""
+    R, numel = values.shape
+    if numel == 0:
+        return values.clone()
+    if blocks is not None:
+        padded = _Padded.of(blocks, block_size)
+        slots = padded.spread(values).view(R, blocks.count, block_size)
+        lengths = [b - a for a, b in zip(blocks.starts, blocks.starts[1:])]
+        return padded.gather(_rotate_slots(slots, lengths, seed, inverse).view(R, padded.width))
+    count = num_blocks(numel, block_size)
+    slots = torch.zeros(R, count * block_size, dtype=torch.float32, device=values.device)
+    slots[:, :numel] = values
+    lengths = [block_size] * (numel // block_size) + ([numel % block_size] if numel % block_size else [])
+    rotated = _rotate_slots(slots.view(R, count, block_size), lengths, seed, inverse)
+    return rotated.view(R, -1)[:, :numel]
+
+
 def _quantize_f32(
     values: torch.Tensor, bits: int, block_size: int, blocks: Blocks | None, stochastic: bool, seed: int | None
 ) -> torch.Tensor:
@@ -250,10 +336,16 @@ def _quantize_with_feedback(
     residual: torch.Tensor | None,
     scales: torch.Tensor | None,
     decay: float,
+    rotation_seed: int | None = None,
 ) -> torch.Tensor:
     """Quantizes fp32 ``(R, numel)`` rows; with ``residual`` (same shape: fp32, bf16, or int8 codes with their
     ``scales``) first adds ``decay * residual`` and then leaves in ``residual`` what the quantization lost:
-    ``v - dequantize(quantize(v))``, in the residual's width."""
+    ``v - dequantize(quantize(v))``, in the residual's width. With ``rotation_seed``, the blocks of ``v`` are
+    rotated before they are quantized, and what was lost is measured in the rows' own (unrotated) coordinates:
+    ``v - unrotate(dequantize(quantize(rotate(v))))``, so the next call, whose rotation differs, can add it."""
+    if rotation_seed is not None:
+        return _quantize_rotated(values, bits, block_size, blocks, stochastic, seed, residual, scales, decay,
+                                 rotation_seed)  # fmt: skip
     if residual is None:
         return _quantize_f32(values, bits, block_size, blocks, stochastic, seed)
     if values.shape[0] > 1 and not stochastic:
@@ -305,6 +397,31 @@ def _quantize_with_feedback_padded(
     return padded.compact_wire(uniform, blocks, bits)
 
 
+def _quantize_rotated(
+    values: torch.Tensor,
+    bits: int,
+    block_size: int,
+    blocks: Blocks | None,
+    stochastic: bool,
+    seed: int | None,
+    residual: torch.Tensor | None,
+    scales: torch.Tensor | None,
+    decay: float,
+    rotation_seed: int,
+) -> torch.Tensor:
+    """:func:`_quantize_with_feedback` with rotated blocks (see the section above)."""
+    v = values.float()
+    if residual is not None:
+        v = v + _decayed_residual(residual, scales, block_size, blocks, decay)
+    out = _quantize_f32(_rotate_rows(v, block_size, blocks, rotation_seed, False), bits, block_size, blocks,
+                        stochastic, seed)  # fmt: skip
+    if residual is not None:
+        sent = _rotate_rows(_dequantize_rows(out, v.shape[1], bits, block_size, blocks), block_size, blocks,
+                            rotation_seed, True)  # fmt: skip
+        _store_residual(v - sent, residual, scales, block_size, blocks)
+    return out
+
+
 def quantize(x: torch.Tensor, spec: QuantizeSpec) -> torch.Tensor:
     """Block-quantizes ``x`` (1-D: one row; 2-D: each row on its own) into the wire format (see ``layout``), in
     uniform blocks or in ``spec.blocks``; with ``spec.residual``, with error feedback (see
@@ -314,7 +431,7 @@ def quantize(x: torch.Tensor, spec: QuantizeSpec) -> torch.Tensor:
     if residual is not None and not two_d:  # written through the views: the caller's tensors keep their shapes
         residual = residual.view(1, -1)
         scales = scales.view(1, -1) if scales is not None else None
-    if spec.stochastic or rows.shape[0] == 1:  # one noise draw covers all the rows
+    if spec.stochastic or rows.shape[0] == 1 or spec.rotation_seed is not None:  # one noise draw covers all rows
         out = _quantize_rows(rows, spec, residual, scales)
         return out if two_d else out.view(-1)
     return _row_by_row(rows, residual, scales, lambda r, res, sc: _quantize_rows(r, spec, res, sc))
@@ -324,12 +441,13 @@ def _quantize_rows(
     rows: torch.Tensor, spec: QuantizeSpec, residual: torch.Tensor | None, scales: torch.Tensor | None
 ) -> torch.Tensor:
     bits, block_size, blocks = spec.bits, spec.block_size, spec.blocks
-    if blocks is None and residual is None:
+    if blocks is None and residual is None and spec.rotation_seed is None:
         return _quantize_uniform(rows, bits, block_size, stochastic=spec.stochastic, seed=spec.seed)
-    values = rows.float() if residual is not None else rows
+    values = rows.float() if residual is not None or spec.rotation_seed is not None else rows
     return _quantize_with_feedback(
-        values, bits, block_size, blocks, spec.stochastic, spec.seed, residual, scales, float(spec.decay)
-    )
+        values, bits, block_size, blocks, spec.stochastic, spec.seed, residual, scales, float(spec.decay),
+        spec.rotation_seed,
+    )  # fmt: skip
 
 
 def _row_by_row(rows: torch.Tensor, residual: torch.Tensor | None, scales: torch.Tensor | None, quantize_rows):
@@ -393,7 +511,7 @@ def dequantize_reduce_quantize(buf: torch.Tensor, spec: DequantizeReduceQuantize
     total = _sum_dequantized(buf, numel, spec.in_bits, block_size, blocks)
     return _quantize_with_feedback(
         total, spec.out_bits, block_size, blocks, spec.stochastic, spec.seed, spec.residual, spec.residual_scales,
-        float(spec.decay),
+        float(spec.decay), spec.rotation_seed,
     )  # fmt: skip
 
 
@@ -401,6 +519,8 @@ def dequantize_reduce(buf: torch.Tensor, spec: DequantizeReduceSpec) -> torch.Te
     """qgZ step 5: ``buf`` is ``(M, wire)``; returns the fp32 sum of the M dequantized rows times ``multiplier``,
     cast to ``out``'s dtype (written into ``out`` when given) or ``dtype``."""
     total = _sum_dequantized(buf.unsqueeze(1), spec.numel, spec.bits, spec.block_size, spec.blocks)[0]
+    if spec.rotation_seed is not None:  # the rows share one rotation: the sum of the rotated rows is un-rotated once
+        total = _rotate_rows(total.unsqueeze(0), spec.block_size, spec.blocks, spec.rotation_seed, True)[0]
     multiplier = float(spec.multiplier)
     if multiplier != 1.0:
         total = total * multiplier

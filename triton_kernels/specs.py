@@ -177,6 +177,28 @@ class _Rounding:
 
 
 @dataclass(**_FROZEN, kw_only=True)
+class _Rotation:
+    """Args:
+    rotation_seed: rotated blocks: each block multiplied by signs drawn from this seed and transformed by a
+        Walsh-Hadamard matrix before it is quantized (a quantization), or after the dequantized rows are summed (a
+        reduction: the inverse); blocks that are not a power of two in the power-of-two pieces of their length (see
+        ``reference``). A non-negative int below 2**63; None: no rotation. The torch kernels only, so far.
+    """
+
+    rotation_seed: int | None = None
+
+    def _check_rotation(self, op: str) -> None:
+        seed = self.rotation_seed
+        if seed is None:
+            return
+        allowed = "use None (no rotation) or an int in [0, 2**63)"
+        if not _is_int(seed):
+            raise TypeError(f"{op}: `rotation_seed={seed!r}` is not an int; {allowed}.")
+        if not 0 <= seed < _SEED_LIMIT:
+            raise ValueError(f"{op}: `rotation_seed={seed!r}` is not allowed; {allowed}.")
+
+
+@dataclass(**_FROZEN, kw_only=True)
 class _Feedback:
     """Args:
     residual: error feedback: one value per element quantized, ``v = values + decay * residual`` is quantized and
@@ -276,14 +298,14 @@ class _WireRows(_Spec):
 
 
 @dataclass(**_FROZEN)
-class QuantizeSpec(_Feedback, _Rounding, _Spec):
+class QuantizeSpec(_Rotation, _Feedback, _Rounding, _Spec):
     """:func:`~lightning_zeropp.kernels.quantize`'s arguments after ``x``.
 
     Args:
         bits: 8 or 4.
         block_size: elements per fp32 scale (even for 4 bits).
-        stochastic, seed, blocks, residual, residual_scales, decay: as the bases say; ``residual`` is shaped like
-            ``x``.
+        stochastic, seed, blocks, residual, residual_scales, decay, rotation_seed: as the bases say; ``residual``
+            is shaped like ``x``.
     """
 
     name: ClassVar[str] = "quantize"
@@ -295,6 +317,7 @@ class QuantizeSpec(_Feedback, _Rounding, _Spec):
         _check_float_input(op, "x", x, (1, 2))
         check_format(self.bits, self.block_size, op=op)
         self._check_rounding(op)
+        self._check_rotation(op)
         self._check_blocks(op, x.shape[-1], self.block_size, "a row of `x`")
         blocks = self.blocks.count if self.blocks is not None else num_blocks(x.shape[-1], self.block_size)
         self._check_feedback(op, tuple(x.shape), x.device, blocks)
@@ -379,7 +402,7 @@ class SwizzleQuantizeSpec(_Rounding, _Spec):
 
 
 @dataclass(**_FROZEN)
-class DequantizeReduceQuantizeSpec(_Feedback, _Rounding, _Spec):
+class DequantizeReduceQuantizeSpec(_Rotation, _Feedback, _Rounding, _Spec):
     """:func:`~lightning_zeropp.kernels.dequantize_reduce_quantize`'s arguments after ``buf``.
 
     Args:
@@ -389,6 +412,7 @@ class DequantizeReduceQuantizeSpec(_Feedback, _Rounding, _Spec):
         blocks: the pieces' blocks (both bit widths), as :class:`QuantizeSpec`.
         residual, residual_scales, decay: error feedback on the re-quantization, as :class:`QuantizeSpec`;
             ``residual`` is ``(K, numel)``.
+        rotation_seed: the re-quantization's blocks rotated, as :class:`QuantizeSpec` (the received pieces are not).
     """
 
     name: ClassVar[str] = "dequantize_reduce_quantize"
@@ -409,12 +433,13 @@ class DequantizeReduceQuantizeSpec(_Feedback, _Rounding, _Spec):
         if buf.shape[0] == 0:
             raise ValueError(f"{op}: `buf` is {_describe(buf)}, pieces from no peer; use N >= 1 rows of pieces.")
         self._check_rounding(op)
+        self._check_rotation(op)
         blocks = self.blocks.count if self.blocks is not None else num_blocks(numel, self.block_size)
         self._check_feedback(op, (buf.shape[1], numel), buf.device, blocks)
 
 
 @dataclass(**_FROZEN)
-class DequantizeReduceSpec(_WireRows):
+class DequantizeReduceSpec(_Rotation, _WireRows):
     """:func:`~lightning_zeropp.kernels.dequantize_reduce`'s arguments after ``buf``.
 
     Args:
@@ -422,6 +447,8 @@ class DequantizeReduceSpec(_WireRows):
         multiplier: a finite number the sum is scaled by (in fp32).
         out: written instead of a new tensor: ``(numel,)``, contiguous, fp32/bf16/fp16, on ``buf``'s device.
         dtype: the output dtype (fp32, bf16 or fp16; None: ``out``'s, or fp32); with ``out``, None or ``out.dtype``.
+        rotation_seed: the rows were quantized rotated with this seed: their fp32 sum is un-rotated before the
+            multiplier (see :class:`QuantizeSpec`).
     """
 
     name: ClassVar[str] = "dequantize_reduce"
@@ -436,6 +463,7 @@ class DequantizeReduceSpec(_WireRows):
             raise ValueError(f"{op}: `buf` is {_describe(buf)}, no rows to sum; use M >= 1 rows.")
         if not _is_finite_real(self.multiplier):
             raise ValueError(f"{op}: `multiplier={self.multiplier!r}` is not allowed; use a finite float.")
+        self._check_rotation(op)
         _check_dtype(op, "dtype", self.dtype, optional=True)
         if self.out is not None:
             _check_out(op, self.out, [(self.numel,)], buf.device, self.dtype)
