@@ -1,13 +1,17 @@
-"""The rules of :mod:`lightning_zeropp.preemption`, on simulated ranks in one process (no collectives): which boundary
-answers a requeue signal, that a late copy of the signal starts no second save, whose save request every rank runs,
-what the barrier after a deferred save does, SIGTERM answered on every rank at once, and SIGTERM held during a save.
+"""The rules of :mod:`lightning_zeropp.preemption`, on simulated ranks in one process (a thread per rank; the
+all-reduce and the broadcast computed from what each rank sends, without torch.distributed): which boundary answers a
+requeue signal, that a late copy of the signal starts no second save, whose save request every rank runs, what the
+barrier after a deferred save does, SIGTERM answered on every rank at once, and SIGTERM held during a save.
 ``tests/test_preemption.py`` runs them on real ranks."""
 
 from __future__ import annotations
 
+import copy
 import os
 import signal
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -50,25 +54,75 @@ def _job(holding: bool = True) -> tuple[list[Preemption], list[FakeTrainer], lis
     return ranks, trainers, requeued
 
 
+class _Collectives:
+    """``WORLD`` ranks' all-reduce (MAX) and object broadcast, each rank in its own thread: a call returns only when
+    every rank has made it, with what the ranks sent, as the world group's collectives do. A rank that makes one call
+    more than its peers (or another kind of call) breaks the barrier instead of hanging."""
+
+    def __init__(self) -> None:
+        self.barrier = threading.Barrier(WORLD, timeout=10)
+        self.slots: list[Any] = [None] * WORLD
+        self.calls = [0] * WORLD  # collectives of either kind, per rank
+        self.exchanges = [0] * WORLD
+
+    def _gather(self, rank: int, value: Any) -> list[Any]:
+        self.calls[rank] += 1
+        self.slots[rank] = value
+        self.barrier.wait()
+        seen = list(self.slots)
+        self.barrier.wait()  # nobody writes the next call's value before every rank has read this one's
+        return seen
+
+    def exchange(self, rank: int, values: list[int]) -> list[int]:
+        self.exchanges[rank] += 1
+        sent = self._gather(rank, ("all_reduce", list(values)))
+        kinds = {kind for kind, _ in sent}
+        assert kinds == {"all_reduce"}, f"rank {rank}: the ranks made different collectives: {sent}"
+        lengths = {len(v) for _, v in sent}
+        assert len(lengths) == 1, f"the ranks all-reduced lists of different lengths: {sent}"
+        return [max(column) for column in zip(*(v for _, v in sent))]
+
+    def broadcast(self, rank: int, obj: Any, src: int) -> Any:
+        sent = self._gather(rank, ("broadcast", (copy.deepcopy(obj), src)))
+        assert {kind for kind, _ in sent} == {"broadcast"}, f"rank {rank}: the ranks made different collectives: {sent}"
+        sources = {s for _, (_, s) in sent}
+        assert len(sources) == 1 and 0 <= src < WORLD, f"the ranks broadcast from different or no ranks: {sources}"
+        return copy.deepcopy(sent[src][1][0])
+
+
 def _boundary(ranks: list[Preemption], trainers: list[FakeTrainer], saves: bool = True) -> int:
-    """Every rank reaches a boundary; each exchange is the MAX over ranks, as the all-reduce computes it (the ranks
-    run one after the other here, so every exchange sees the values of before the boundary). Returns how many
-    exchanges rank 0 made."""
-    sent = [
-        [p.received if saves else 0, WORLD - r if p.deferred and saves else 0, p.terms] for r, p in enumerate(ranks)
-    ]
-    agreed = [max(column) for column in zip(*sent)]
-    lists = [list(p.deferred) for p in ranks]
-    calls = [0] * WORLD
-    for r, p in enumerate(ranks):
+    """Every rank reaches a boundary at once, each in a thread of its own, and exchanges what it holds with the others
+    through :class:`_Collectives` (the MAX all-reduce and the broadcast the strategy passes in): what a rank learns is
+    what the ranks sent. Returns how many all-reduces each rank made (the same on every rank, or the test fails)."""
+    comm = _Collectives()
+    errors: list[BaseException] = []
 
-        def exchange(values, r=r):
-            calls[r] += 1
-            return agreed
+    def run(r: int) -> None:
+        try:
+            ranks[r].boundary(
+                trainers[r],
+                lambda values: comm.exchange(r, values),
+                lambda obj, src: comm.broadcast(r, obj, src),
+                WORLD,
+                r,
+                saves,
+            )
+        except BaseException as error:  # reported by the main thread
+            errors.append(error)
+            comm.barrier.abort()  # the other ranks stop waiting for this one
 
-        p.boundary(trainers[r], exchange, lambda obj, src: lists[src], WORLD, r, saves)
-    assert len(set(calls)) == 1, f"the ranks made different numbers of exchanges: {calls}"
-    return calls[0]
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(WORLD)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in threads), "a rank is still waiting in a collective"
+    first = next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), None)
+    if first is not None:
+        raise first
+    assert not errors, f"a collective found some ranks missing (calls per rank: {comm.calls}): {errors}"
+    assert len(set(comm.calls)) == 1, f"the ranks made different numbers of collectives: {comm.calls}"
+    return comm.exchanges[0]
 
 
 def test_a_signal_on_one_rank_is_answered_once_by_every_rank():
@@ -141,6 +195,23 @@ def test_sigterm_on_one_rank_reaches_every_rank_at_the_boundary_after_the_requeu
     ranks[2].terms += 2
     _boundary(ranks, trainers)
     assert [t.terms for t in trainers] == [2] * WORLD
+
+
+def test_sigterm_sent_during_the_requeue_is_answered_at_the_same_boundary():
+    """``scontrol requeue`` makes SLURM send SIGTERM while the requeue handler runs: on one rank here. The exchange
+    right after the requeue carries it to every rank, so all stop at this boundary, not one at the next."""
+    ranks, trainers, requeued = _job()
+    save = ranks[3].requeue
+
+    def requeue_then_sigterm(signum, frame):
+        save(signum, frame)
+        ranks[3].terms += 1  # arrives on rank 3 only, after that rank's save
+
+    ranks[3].requeue = requeue_then_sigterm
+    ranks[1].received += 1
+    assert _boundary(ranks, trainers) == 2
+    assert requeued == [1] * WORLD
+    assert [t.terms for t in trainers] == [1] * WORLD, "a SIGTERM sent during the requeue waited for the next boundary"
 
 
 def test_between_validation_batches_only_sigterm_is_answered():
