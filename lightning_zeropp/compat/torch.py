@@ -8,7 +8,7 @@ version and the supported range, not later in the middle of a training step.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -38,6 +38,7 @@ __all__ = [
     "live_process_groups",
     "reduce_scatter_single",
     "replace_meta_tensors",
+    "reset_function",
     "unit_parameters",
     "unit_versions",
 ]
@@ -175,6 +176,28 @@ def replace_meta_tensors(module: nn.Module, device: torch.device) -> None:
     meta tensors alone: the others keep their data). Called on the sharded root: FSDP2's ``FSDPModule._apply``
     re-points its parameter groups at the new shards."""
     module._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
+
+
+# torch.nn modules whose constructor initializes their own tensors with a private ``_reset_parameters()`` and that
+# have no public ``reset_parameters`` (torch 2.9 - 2.13: these two). A model built on the meta device calls it when it
+# materializes them, as the constructor does; without it their projections would stay uninitialized.
+PRIVATE_RESETS: tuple[type[nn.Module], ...] = (nn.MultiheadAttention, nn.Transformer)
+require(
+    all(callable(getattr(c, "_reset_parameters", None)) for c in PRIVATE_RESETS),
+    "torch",
+    "initializing nn.MultiheadAttention and nn.Transformer built on the meta device (their _reset_parameters)",
+)
+
+
+def reset_function(module: nn.Module) -> Callable[[], None] | None:
+    """What initializes ``module``'s own tensors as its constructor does: its ``reset_parameters()``, or for the
+    torch.nn modules that only have a private one (:data:`PRIVATE_RESETS`), that; ``None`` if it has neither."""
+    reset = getattr(module, "reset_parameters", None)
+    if callable(reset):
+        return reset
+    if isinstance(module, PRIVATE_RESETS):
+        return module._reset_parameters
+    return None
 
 
 def live_process_groups() -> int:
