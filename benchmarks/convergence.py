@@ -14,8 +14,11 @@ this machine, emulated as that many nodes (``devices=nodes*ranks_per_node``, ``n
 
 and, with ``--configs``: zeropp-int4w (INT4 weights), zeropp-int4w+ef, zeropp-deltas, the attribution pair
 zeropp-qwz-only (INT8 weights and hpZ, gradients reduce-scattered exactly) and zeropp-qgz-only (qgZ alone: exact
-weights, no secondary partition), and reference-like (the ablation of the reference implementation's choices: INT4 on both gradient hops, blocks over each unit's flat buffer,
-so that a block may hold elements of two parameters, INT8 weights, no error feedback).
+weights, no secondary partition), the long-run candidates zeropp+rot (Hadamard-rotated gradient blocks on the
+inter-node hop), zeropp+sr (stochastic rounding), zeropp+ef1 (error feedback with decay 1: the error telescopes) and
+zeropp+rot+ef1, and reference-like (the ablation of the reference implementation's choices: INT4 on both gradient
+hops, blocks over each unit's flat buffer, so that a block may hold elements of two parameters, INT8 weights, no error
+feedback).
 
 Seeds: ``--seed_everything`` sets the initial weights, dropout and the data order, and every configuration runs at
 every seed of ``--seeds``, so each gap is paired: at one seed, (config - zero3) / zero3. The seed alone moves ZeRO-3's
@@ -100,6 +103,10 @@ RUNS: dict[str, dict[str, Any] | Callable[[int], dict[str, Any]]] = {
     "zeropp-deltas": dict(weight_deltas=True),
     "zeropp-qwz-only": dict(quantize_gradients=False),
     "zeropp-qgz-only": dict(quantize_weights=False, hpz_partition_size=1),
+    "zeropp+rot": dict(gradient_rotation="hadamard"),
+    "zeropp+sr": dict(gradient_rounding="stochastic"),
+    "zeropp+ef1": dict(gradient_error_feedback=True, error_feedback_decay=1.0),
+    "zeropp+rot+ef1": dict(gradient_rotation="hadamard", gradient_error_feedback=True, error_feedback_decay=1.0),
 }  # fmt: skip
 DEFAULT_CONFIGS = ["zero3", "zeropp", "zeropp+ef", "zeropp-deltas+ef", "zeropp-qgz-half"]
 BASE = "zero3"
