@@ -12,7 +12,7 @@ import sys
 from dataclasses import Field, fields
 from pathlib import Path
 
-from .config import RENAMED, ZeroPPConfig, doc, shown_default
+from .config import RENAMED, ZeroPPConfig, doc, shown_default, when
 
 PAGE = "docs/arguments.md"
 """The page that holds the table, relative to the repository's root."""
@@ -36,12 +36,13 @@ def table(config_class: type[ZeroPPConfig] = ZeroPPConfig, own: dict[str, type] 
 
         own = {"Fabric": FabricArguments}
     formerly = {new: old for old, (new, _) in RENAMED.items()}
-    rows = ["| argument | default | meaning |", "|---|---|---|"]
+    rows = ["| argument | default | change it when | meaning |", "|---|---|---|---|"]
     for f in fields(config_class):
         meaning = doc(f) + (f" Deprecated spelling: `{formerly[f.name]}`." if f.name in formerly else "")
-        rows.append(f"| `{f.name}` | {_default(f)} | {_cell(meaning)} |")
+        rows.append(f"| `{f.name}` | {_default(f)} | {_cell(when(f))} | {_cell(meaning)} |")
     for front_door, arguments in own.items():
-        rows += [f"| `{f.name}` | {_default(f)} | {front_door} only: {_cell(doc(f))} |" for f in fields(arguments)]
+        rows += [f"| `{f.name}` | {_default(f)} | {_cell(when(f))} | {front_door} only: {_cell(doc(f))} |"
+                 for f in fields(arguments)]  # fmt: skip
     return "\n".join([TABLE_START, *rows, TABLE_END])
 
 

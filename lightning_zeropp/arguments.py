@@ -15,10 +15,10 @@ from __future__ import annotations
 import inspect
 import textwrap
 import typing
-from dataclasses import fields, is_dataclass
+from dataclasses import Field, fields, is_dataclass
 from typing import Any
 
-from .config import RENAMED, ZeroPPConfig, doc
+from .config import RENAMED, ZeroPPConfig, doc, when
 
 _WIDTH = 116  # a docstring line, once indented by four in the source, stays within 120 columns
 
@@ -41,8 +41,11 @@ def signature(config_class: type[ZeroPPConfig], own: type | None = None) -> insp
 
 
 def _entries(config_class: type[ZeroPPConfig], own: type | None) -> list[tuple[str, str]]:
-    entries = [(f.name, doc(f)) for f in fields(config_class)]
-    entries += [(f.name, doc(f)) for f in fields(own)] if own is not None else []
+    def text(f: Field) -> str:
+        return f"{doc(f)} Change it: {when(f)}" if when(f) else doc(f)
+
+    entries = [(f.name, text(f)) for f in fields(config_class)]
+    entries += [(f.name, text(f)) for f in fields(own)] if own is not None else []
     return entries
 
 

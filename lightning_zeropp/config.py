@@ -241,16 +241,24 @@ def _check_module_selection(name: str, value: object) -> None:
         )
 
 
-def argument(default: Any, doc: str, *, check: Check | None = None, shown: str | None = None) -> Any:
+def argument(
+    default: Any, doc: str, *, check: Check | None = None, shown: str | None = None, when: str | None = None
+) -> Any:
     """A field of :class:`ZeroPPConfig` (or of a front door's own arguments): its default, its documentation (the
-    strategies' docstrings, LightningCLI's help, the docs' table; ``shown`` replaces the default's repr there) and
-    the check of its value alone, ``check(name, value)``, run at construction."""
-    return field(default=default, metadata={"doc": doc, "check": check, "shown": shown})
+    strategies' docstrings, LightningCLI's help, the docs' table; ``shown`` replaces the default's repr there), when
+    a user should change it (``when``: the docs' table has a column for it, the docstrings append it) and the check
+    of its value alone, ``check(name, value)``, run at construction."""
+    return field(default=default, metadata={"doc": doc, "check": check, "shown": shown, "when": when})
 
 
 def doc(f: Field) -> str:
     """The documentation of a field made by :func:`argument`."""
     return f.metadata.get("doc", "")
+
+
+def when(f: Field) -> str:
+    """When a user should change the field (empty: its documentation says it)."""
+    return f.metadata.get("when") or ""
 
 
 def shown_default(f: Field) -> str:
@@ -283,46 +291,67 @@ class ZeroPPConfig:
         ' "auto": on with more than one node; on one node weights gather exactly (nothing crosses nodes, so'
         " quantizing them would lose precision and save no cross-node byte). True: on everywhere, one node included.",
         check=_check_bool_or_auto,
+        when="False: exact forward weights across nodes, at twice qwZ's forward bytes. True on one node only to"
+        " measure qwZ.",
     )
-    weight_bits: Literal[8, 4] = argument(8, "qwZ: 8 or 4 bits per weight element on the wire.", check=_bits(8, 4))
+    weight_bits: Literal[8, 4] = argument(
+        8,
+        "qwZ: 8 or 4 bits per weight element on the wire.",
+        check=_bits(8, 4),
+        when="4 halves the forward gather's bytes again at 16x the weight error: for very slow links, after measuring"
+        " accuracy.",
+    )
     hpz_partition_size: PositiveIntOrAuto = argument(
         "auto",
         "hpZ: after forward each rank keeps 1/R of the dequantized weights, so that the backward all-gather runs among"
         ' R consecutive ranks. "auto": ranks per node (never leaves the node); 1: off. Must divide the world size.',
         check=_check_size_or_auto,
+        when="1 when memory is short (hpZ keeps 1/R of the gathered weights from forward to backward).",
     )
     quantize_gradients: bool = argument(
         True,
         "qgZ: reduce gradients by an intra-node then an inter-node all-to-all of quantized blocks, summed in fp32. On"
         " one node the exact reduce-scatter is used (nothing crosses nodes).",
         check=_check_bool,
+        when="False to rule qgZ out when accuracy suffers, or where the gradient reduction is not the bottleneck.",
     )
     quantize_gradients_steps: NonNegativeInt = argument(
         0,
         "qgZ for the first this many optimizer steps, then the exact reduce-scatter (the paper's remedy for"
         " late-training accuracy); 0: throughout.",
         check=_steps("qgZ throughout"),
+        when="Half the run's optimizer steps when the last 0.1% of loss matters (docs: Accuracy); ZeRO-3's gradient"
+        " bytes after it.",
     )
     gradient_bits: Literal[4, 8] = argument(
-        4, "qgZ: 4 or 8 bits per gradient element on the inter-node hop.", check=_bits(4, 8)
+        4,
+        "qgZ: 4 or 8 bits per gradient element on the inter-node hop.",
+        check=_bits(4, 8),
+        when="8 when qgZ costs too much accuracy and the link has room (twice the cross-node gradient bytes).",
     )
     intra_node_gradient_bits: Literal[4, 8] = argument(
-        8, "qgZ: 4 or 8 bits per gradient element on the intra-node hop.", check=_bits(4, 8)
+        8,
+        "qgZ: 4 or 8 bits per gradient element on the intra-node hop.",
+        check=_bits(4, 8),
+        when="4 only when the links inside a node are slow (PCIe): INT8 keeps the first hop's error 16x smaller.",
     )
     weight_block_size: BlockSize = argument(
         256,
         f"Weight elements that share one fp32 scale ({_MIN_BLOCK_SIZE} .. {_MAX_BLOCK_SIZE}; even for INT4).",
         check=_check_block,
+        when="Rarely: smaller for less error (more scales on the wire), larger for fewer bytes.",
     )
     gradient_block_size: BlockSize = argument(
         128,
         f"Gradient elements that share one fp32 scale ({_MIN_BLOCK_SIZE} .. {_MAX_BLOCK_SIZE}; even for INT4).",
         check=_check_block,
+        when="Rarely: smaller for less error (more scales on the wire), larger for fewer bytes.",
     )
     gradient_rounding: GradientRounding = argument(
         "nearest",
         'Rounding of gradients: "nearest" (half to even) or "stochastic" (unbiased).',
         check=_one_of(_GRADIENT_ROUNDINGS),
+        when='"stochastic" for an unbiased qgZ on long runs (docs: Accuracy has what it measured).',
     )
     gradient_rotation: GradientRotation = argument(
         "none",
@@ -331,6 +360,8 @@ class ZeroPPConfig:
         " so that one large element no longer sets a scale that rounds its neighbours to zero. Same bytes on the"
         ' wire. Torch kernels only so far (on GPUs: kernel_backend="torch"). "none": blocks quantized as they are.',
         check=_one_of(_GRADIENT_ROTATIONS),
+        when='"hadamard" for long runs whose accuracy matters (docs: Accuracy), on CPU ranks or with'
+        ' kernel_backend="torch".',
     )
     block_alignment: BlockAlignment = argument(
         "parameter",
@@ -339,6 +370,7 @@ class ZeroPPConfig:
         " (the reference implementation's layout; an ablation: small parameters next to large ones can be rounded to"
         " zero).",
         check=_one_of(_BLOCK_ALIGNMENTS),
+        when='"flat" only to reproduce the reference implementation.',
     )
     gradient_error_feedback: bool = argument(
         False,
@@ -346,18 +378,26 @@ class ZeroPPConfig:
         " for the M/N elements it sends) and adds it, times error_feedback_decay, to the next reduction's values."
         " Saved in checkpoints.",
         check=_check_bool,
+        when="Opt-in; read docs: Error feedback first (with error_feedback_decay < 1 the error does not telescope).",
     )
     error_feedback_bits: Literal[8, 16, 32] = argument(
         8,
         "The error feedback residual's width: 8 (INT8 codes and one fp32 scale per gradient block, about 1 byte per"
         " element of the M/N a rank sends, as LoCo), 16 (bf16, 2 bytes) or 32 (fp32, 4 bytes).",
         check=_bits(8, 16, 32),
+        when="16 or 32 when the residual's own rounding matters more than its memory.",
     )
     error_feedback_decay: Decay = argument(
-        0.8, "The error feedback residual's carry-over factor to the next step, in (0, 1].", check=_check_decay
+        0.8,
+        "The error feedback residual's carry-over factor to the next step, in (0, 1].",
+        check=_check_decay,
+        when="1.0 for classic error feedback, whose error telescopes (docs: Error feedback).",
     )
     error_feedback_reset: NonNegativeInt = argument(
-        1024, "Zero the error feedback residuals every this many optimizer steps (0: never).", check=_steps("never")
+        1024,
+        "Zero the error feedback residuals every this many optimizer steps (0: never).",
+        check=_steps("never"),
+        when="0 never resets; smaller when the gradients' scale shifts quickly.",
     )
     weight_deltas: bool = argument(
         False,
@@ -367,12 +407,14 @@ class ZeroPPConfig:
         " (hpz_partition_size >= 2). Costs M / R elements per rank in the compute dtype, plus M / W for what the"
         " other nodes hold of this rank's shard (persistent_memory).",
         check=_check_bool,
+        when="A slow cross-node link and memory to spare: the planner says whether it beats the defaults.",
     )
     weight_delta_bits: Literal[4, 8] = argument(
         4,
         "weight_deltas: 4 or 8 bits per delta element on the wire. 4 halves the bytes; 8 cuts the error 16x, for"
         " training whose weights move more than a few percent per step.",
         check=_bits(4, 8),
+        when="8 when the weights move more than a few percent per step.",
     )
     weight_delta_refresh: NonNegativeInt = argument(
         1000,
@@ -380,12 +422,14 @@ class ZeroPPConfig:
         " rebuilt when the weights change outside an optimizer step (a checkpoint load, an EMA swap: any in-place"
         " write to the parameters; after writes through param.data, call refresh_weight_copies()).",
         check=_steps("never"),
+        when="Smaller if the node copies drift on long runs; 0 never rebuilds.",
     )
     gradient_pieces: PositiveInt = argument(
         2,
         "qgZ pipelining: the pieces each rank's chunk of the gradient reduce-scatter is cut into, so that piece s+1"
         " crosses the node's links while piece s crosses nodes. 1: no overlap.",
         check=_check_pieces,
+        when="1 when a unit's chunks are small (latency dominates); more when one piece's hops are long.",
     )
     ranks_per_node: PositiveIntOrAuto = argument(
         "auto",
@@ -393,6 +437,7 @@ class ZeroPPConfig:
         " number makes the processes of one machine act as nodes of that many ranks each, so that 4 processes on one"
         " box run as 2 nodes x 2 (tests, demos); it must divide the ranks launched per machine.",
         check=_check_size_or_auto,
+        when="Only to make one machine act as several nodes (tests, demos).",
     )
     auto_wrap_policy: ModuleSelection = argument(
         None,
@@ -400,11 +445,13 @@ class ZeroPPConfig:
         " (module) -> bool, as Lightning's FSDP strategies take it. None: every module held in an nn.ModuleList"
         " (transformer blocks). The root is always sharded last.",
         check=_check_module_selection,
+        when="When the blocks are not held in an nn.ModuleList, or to shard at another granularity.",
     )
     activation_checkpointing_policy: ModuleSelection = argument(
         None,
         "The modules whose activations are recomputed in backward, in the same forms as auto_wrap_policy.",
         check=_check_module_selection,
+        when="When the activations do not fit in memory.",
     )
     cpu_offload: CpuOffload = argument(
         False,
@@ -412,19 +459,25 @@ class ZeroPPConfig:
         " torch.distributed.fsdp.CPUOffloadPolicy (its pin_memory chosen); FSDP1's CPUOffload is read as its"
         " offload_params.",
         check=_check_cpu_offload,
+        when="When the sharded parameters, gradients and optimizer state do not fit on the device.",
     )
     state_dict_type: StateDictType = argument(
         "sharded",
         '"sharded": a checkpoint folder written by every rank; "full": one file.',
         check=_one_of(_STATE_DICT_TYPES),
+        when='"full" for one file other tools read.',
     )
     kernel_backend: KernelBackend = argument(
         "auto",
         '"auto": Triton on CUDA tensors, pure torch elsewhere; "triton" or "torch" to force one.',
         check=_one_of(_KERNEL_BACKENDS),
+        when='"torch" to debug the kernels, or for gradient_rotation on GPUs.',
     )
     process_group_backend: str | None = argument(
-        None, '"nccl", "gloo", ...; None: chosen for the device.', check=_check_process_group_backend
+        None,
+        '"nccl", "gloo", ...; None: chosen for the device.',
+        check=_check_process_group_backend,
+        when="When the device's default (nccl on CUDA, gloo on CPU) is not the one wanted.",
     )
     timeout: timedelta | float | None = argument(
         default_pg_timeout,
@@ -433,6 +486,7 @@ class ZeroPPConfig:
         " number of seconds (as YAML writes it: 1800); None: torch's default.",
         check=_check_timeout,
         shown="Lightning's (30 min)",
+        when="Shorter to end a job with a frozen rank sooner; longer for slow checkpoint storage.",
     )
     sharding_strategy: ShardingStrategy = argument(
         "FULL_SHARD",
@@ -442,6 +496,8 @@ class ZeroPPConfig:
         ' quantize_weights=False and quantize_gradients=False (strategy="hsdp" sets them): ZeRO++\'s techniques'
         " cut cross-node weight and gradient traffic HSDP does not have.",
         check=_one_of(_SHARDING_STRATEGIES),
+        when='"HYBRID_SHARD" (strategy="hsdp") when the model\'s state fits sharded over one node: only gradients'
+        " cross nodes.",
     )
 
     def __post_init__(self) -> None:

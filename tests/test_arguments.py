@@ -149,11 +149,21 @@ def test_a_new_field_is_taken_checked_and_documented_by_both_front_doors(strateg
     with pytest.raises(TypeError, match="unexpected keyword argument 'extra_knob'"):
         strategy.__mro__[1](extra_knob=5)  # the front door of the plain config does not take it
     rows = table(ExtendedConfig).splitlines()
-    assert "| `extra_knob` | `3` | A knob only this test has, turned a number of times. |" in rows
-    assert (
-        rows.index("| `extra_knob` | `3` | A knob only this test has, turned a number of times. |")
-        == len(dataclasses.fields(ExtendedConfig)) + 2
-    )  # after the header and every field before it, before the front doors' own arguments
+    row = "| `extra_knob` | `3` |  | A knob only this test has, turned a number of times. |"  # no "when" given
+    assert row in rows
+    # after the header and every field before it, before the front doors' own arguments
+    assert rows.index(row) == len(dataclasses.fields(ExtendedConfig)) + 2
+
+
+def test_every_argument_says_when_to_change_it():
+    """The docs' table and the docstrings (LightningCLI's help) say when a user should change each argument."""
+    from lightning_zeropp.config import when
+
+    missing = [f.name for f in dataclasses.fields(ZeroPPConfig) if not when(f)]
+    assert not missing, f"arguments without a `when=` text: {missing}"
+    doc = _words(TrainerStrategy.__doc__)
+    for f in dataclasses.fields(ZeroPPConfig):
+        assert _words(f"Change it: {when(f)}") in doc, f.name
 
 
 def test_the_docs_hold_the_generated_table():
