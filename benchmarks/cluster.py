@@ -8,12 +8,18 @@ Lightning's launcher starts the node's 2 local ranks (``num_nodes=2``, ``devices
 know it is emulated; a ``StepProbe`` callback (``benchmarks/step_probe.py``) records per-step timestamps, losses,
 the ledger's totals and, on each node's first rank, the veth's byte counters.
 
-Steady state: the first ``--warmup`` steps are dropped; step time is the median of the remaining steps' durations
-on rank 0, all repeats pooled; link bytes per step are node 0's veth counters over the window from the end of the
-warm-up to the last step, divided by its steps. Configurations run interleaved (one of each, then the next repeat)
-so a change in the machine's load hits all of them alike. Needs root.
+Steady state: the first ``--warmup`` steps are dropped; a repeat's step time is the median of its remaining steps'
+durations on rank 0; link bytes per step are node 0's veth counters over the window from the end of the warm-up to
+the last step, divided by its steps. Configurations run interleaved (one of each, then the next repeat) so a change
+in the machine's load hits all of them alike.
 
-    sudo python benchmarks/cluster.py [--rates 50 200 1000 unshaped] [--repeats 2] [--json benchmarks/cluster.json]
+Step times on this testbed move by 10-20% between runs of the same code, so one run decides nothing. A configuration's
+step time is the median over its repeats, with the interval from the smallest to the largest repeat (for the median
+of the repeats' distribution it covers 1 - 2**(1 - R): 75% at 3 repeats, 94% at 5). A speedup is paired: repeat r of
+a configuration against repeat r of ZeRO-3, run in the same round, so the load both saw is alike; its median and
+interval are those of the R paired ratios. Two configurations differ when their intervals do not overlap. Needs root.
+
+    sudo python benchmarks/cluster.py [--rates 50 200 1000 unshaped] [--repeats 3] [--json benchmarks/cluster.json]
 
 With ``--json`` a figure of the table (step time and speedup per configuration and link rate) goes beside it
 (``--png``; again from the JSON alone: ``python benchmarks/plots.py cluster benchmarks/cluster.json out.png``).
@@ -171,12 +177,14 @@ def _kind_per_step(rows: list[dict], kind: str, warmup: int) -> float:
 
 def summarize(name: str, runs: list[list[list[dict]]], warmup: int, tokens_per_step: int) -> dict:
     """Steady-state figures of one configuration over its repeats (see the module docstring)."""
-    durations, ledger_inter, ledger_intra, tx, rx, losses = [], [], [], [], [], []
+    durations, repeats, ledger_inter, ledger_intra, tx, rx, losses = [], [], [], [], [], [], []
     by_kind: dict[str, list[float]] = {}
     for ranks in runs:
         rank0 = ranks[0]
         times = [r["time"] for r in rank0]  # row k: end of step k (row 0: start of training)
-        durations += [b - a for a, b in zip(times[warmup:-1], times[warmup + 1 :], strict=True)]
+        steps = [b - a for a, b in zip(times[warmup:-1], times[warmup + 1 :], strict=True)]
+        durations += steps
+        repeats.append(statistics.median(steps))
         per_step = _per_step(warmup)
 
         node0 = [rows for rows in ranks if rows[0]["node_rank"] == 0]
@@ -188,10 +196,12 @@ def summarize(name: str, runs: list[list[list[dict]]], warmup: int, tokens_per_s
         tx.append(per_step(rank0, "tx_bytes"))
         rx.append(per_step(rank0, "rx_bytes"))
         losses += [r["loss"] for rows in ranks for r in rows[1:]]
-    step_s = statistics.median(durations)
+    step_s = statistics.median(repeats)
     return {
         "config": name,
         "step_s": step_s,
+        "step_s_interval": [min(repeats), max(repeats)],
+        "step_s_repeats": repeats,
         "step_s_all": durations,
         "tokens_per_s": tokens_per_step / step_s,
         "ledger_inter_bytes_per_step": statistics.mean(ledger_inter) if ledger_inter else None,
@@ -204,11 +214,25 @@ def summarize(name: str, runs: list[list[list[dict]]], warmup: int, tokens_per_s
     }
 
 
+def paired_ratio(base: list[float], other: list[float]) -> tuple[float, list[float]]:
+    """``base[r] / other[r]`` over the repeats run in the same round: the median and ``[min, max]``."""
+    if len(base) != len(other):
+        raise ValueError(f"paired repeats differ in number: {len(base)} and {len(other)}")
+    ratios = [b / o for b, o in zip(base, other)]
+    return statistics.median(ratios), [min(ratios), max(ratios)]
+
+
+def intervals_overlap(a: list[float], b: list[float]) -> bool:
+    """Whether two ``[low, high]`` intervals share a point (then the two figures are not told apart)."""
+    return a[0] <= b[1] and b[0] <= a[1]
+
+
 def add_ratios(rows: list[dict]) -> None:
-    """Speedup and byte ratios of each row against ``zero3`` at the same rate."""
+    """Speedup and byte ratios of each row against ``zero3`` at the same rate (speedups paired by repeat)."""
     for row in rows:
         base = next(r for r in rows if r["config"] == "zero3" and r["rate"] == row["rate"])
-        row["speedup_vs_zero3"] = base["step_s"] / row["step_s"]
+        speedup, interval = paired_ratio(base["step_s_repeats"], row["step_s_repeats"])
+        row["speedup_vs_zero3"], row["speedup_vs_zero3_interval"] = speedup, interval
         row["link_ratio_vs_zero3"] = row["link_tx_bytes_per_step"] / base["link_tx_bytes_per_step"]
         ledger = row["ledger_inter_bytes_per_step"]
         row["ledger_ratio_vs_zero3"] = None if ledger is None else ledger / base["ledger_inter_bytes_per_step"]
@@ -224,15 +248,18 @@ def _ratio(value: float | None) -> str:
 
 
 def table(rows: list[dict]) -> str:
+    repeats = len(rows[0]["step_s_repeats"]) if rows else 0
     lines = [
-        "| link | config | step s (median) | tokens/s | speedup vs zero3 | ledger inter MB/step | link MB/step"
-        " | ledger ratio | link ratio | link / ledger |",
+        f"| link | config | step s (median [min, max] of {repeats}) | tokens/s | speedup vs zero3 (paired)"
+        " | ledger inter MB/step | link MB/step | ledger ratio | link ratio | link / ledger |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         link = "unshaped" if r["rate"] is None else f"{r['rate']:g} Mbit/s"
+        (lo, hi), (slo, shi) = r["step_s_interval"], r["speedup_vs_zero3_interval"]
         lines.append(
-            f"| {link} | {r['config']} | {r['step_s']:.3f} | {r['tokens_per_s']:.0f} | {r['speedup_vs_zero3']:.2f}x"
+            f"| {link} | {r['config']} | {r['step_s']:.3f} [{lo:.3f}, {hi:.3f}] | {r['tokens_per_s']:.0f}"
+            f" | {r['speedup_vs_zero3']:.2f}x [{slo:.2f}, {shi:.2f}]"
             f" | {_mb(r['ledger_inter_bytes_per_step'])} | {_mb(r['link_tx_bytes_per_step'])}"
             f" | {_ratio(r['ledger_ratio_vs_zero3'])} | {_ratio(r['link_ratio_vs_zero3'])}"
             f" | {_ratio(r['link_over_ledger'])} |"
@@ -251,7 +278,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--configs", nargs="+", default=list(CONFIG_NAMES), choices=CONFIG_NAMES)
     parser.add_argument("--steps", type=int, default=14, help="optimizer steps per run")
     parser.add_argument("--warmup", type=int, default=4, help="first steps left out of the figures")
-    parser.add_argument("--repeats", type=int, default=1, help="interleaved rounds of all configurations")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="interleaved rounds of all configurations (>= 3 for an interval)"
+    )
     parser.add_argument("--batch-size", type=int, default=BATCH_SIZE, help="sequences per rank per step")
     parser.add_argument("--block-size", type=int, default=MODEL["block_size"], help="tokens per sequence")
     parser.add_argument("--n-embd", type=int, default=MODEL["n_embd"], help="model width")
@@ -264,6 +293,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if "zero3" not in args.configs:
         parser.error("--configs must include zero3 (the baseline of every ratio)")
+    if args.repeats < 1:
+        parser.error(f"--repeats {args.repeats}: use 1 or more (3 or more for a step time's interval)")
+    if args.repeats < 3:
+        print(f"benchmarks/cluster.py: {args.repeats} repeat(s): the intervals need 3 or more", file=sys.stderr)
     if args.steps <= args.warmup + 1:
         parser.error("--steps must exceed --warmup by at least 2")
     reason = missing_requirements()
