@@ -7,17 +7,17 @@ this machine, emulated as that many nodes (``devices=nodes*ranks_per_node``, ``n
 
     zero3             ZeRO-3: no quantization, no secondary partition (the baseline)
     zeropp            ZeRO++ defaults: INT8 weights, hpZ, qgZ (INT8 intra-node, INT4 inter-node), parameter-aligned
-    zeropp+ef         ... with error feedback on the quantized gradients
+    zeropp+ef         ... with error feedback on the quantized gradients at decay 0.8 (the default until 1.0)
     zeropp-deltas+ef  ... with weight deltas (the hpZ copies kept and updated by INT4 deltas) and error feedback
     zeropp-qgz-half   ... with qgZ for the first half of the steps, then the exact reduce-scatter
                       (quantize_gradients_steps = steps // 2: the paper's remedy for late-training accuracy)
 
 and, with ``--configs``: zeropp-int4w (INT4 weights), zeropp-int4w+ef, zeropp-deltas, the attribution pair
 zeropp-qwz-only (INT8 weights and hpZ, gradients reduce-scattered exactly) and zeropp-qgz-only (qgZ alone: exact
-weights, no secondary partition), the long-run candidates zeropp+rot (Hadamard-rotated gradient blocks on the
-inter-node hop), zeropp+sr (stochastic rounding), zeropp+ef1 (error feedback with decay 1: the error telescopes) and
-zeropp+rot+ef1, and reference-like (the ablation of the reference implementation's choices: INT4 on both gradient
-hops, blocks over each unit's flat buffer, so that a block may hold elements of two parameters, INT8 weights, no error
+weights, no secondary partition), the long-run candidates zeropp+rot (Hadamard-rotated gradient blocks on the inter-node
+hop), zeropp+sr (stochastic rounding), zeropp+ef1 (error feedback as it is now: decay 1, the error telescopes) and
+zeropp+rot+ef1, and reference-like (the ablation of the reference implementation's choices: INT4 on both gradient hops,
+blocks over each unit's flat buffer, so that a block may hold elements of two parameters, INT8 weights, no error
 feedback).
 
 Seeds: ``--seed_everything`` sets the initial weights, dropout and the data order, and every configuration runs at
@@ -93,7 +93,7 @@ from plots import convergence_png, try_plot  # noqa: E402
 RUNS: dict[str, dict[str, Any] | Callable[[int], dict[str, Any]]] = {
     "zero3": dict(quantize_weights=False, hpz_partition_size=1, quantize_gradients=False),
     "zeropp": dict(),
-    "zeropp+ef": dict(gradient_error_feedback=True),
+    "zeropp+ef": dict(gradient_error_feedback=True, error_feedback_decay=0.8),  # the runs before decay 1.0
     "zeropp-deltas+ef": dict(weight_deltas=True, gradient_error_feedback=True),
     "zeropp-qgz-half": lambda steps: dict(quantize_gradients_steps=steps // 2),
     "zeropp-int4w": dict(weight_bits=4),

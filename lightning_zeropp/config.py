@@ -138,7 +138,7 @@ def _check_decay(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"ZeroPPStrategy: `{name}` must be a float, got {value!r} ({type(value).__name__}).")
     if not 0.0 < value <= 1.0:
-        raise _fail(name, value, "use a float in (0, 1]: 0.8 as LoCo, 1.0 for plain feedback")
+        raise _fail(name, value, "use a float in (0, 1]: 1.0 for classic feedback (the default)")
 
 
 def _check_process_group_backend(name: str, value: object) -> None:
@@ -378,20 +378,21 @@ class ZeroPPConfig:
         " for the M/N elements it sends) and adds it, times error_feedback_decay, to the next reduction's values."
         " Saved in checkpoints.",
         check=_check_bool,
-        when="Opt-in; read docs: Error feedback first (with error_feedback_decay < 1 the error does not telescope).",
+        when="Opt-in, on long runs whose accuracy matters; docs: Error feedback has what it does and measured.",
     )
     error_feedback_bits: Literal[8, 16, 32] = argument(
         8,
         "The error feedback residual's width: 8 (INT8 codes and one fp32 scale per gradient block, about 1 byte per"
-        " element of the M/N a rank sends, as LoCo), 16 (bf16, 2 bytes) or 32 (fp32, 4 bytes).",
+        " element of the M/N a rank sends, as LoCo keeps its error), 16 (bf16, 2 bytes) or 32 (fp32, 4 bytes).",
         check=_bits(8, 16, 32),
         when="16 or 32 when the residual's own rounding matters more than its memory.",
     )
     error_feedback_decay: Decay = argument(
-        0.8,
-        "The error feedback residual's carry-over factor to the next step, in (0, 1].",
+        1.0,
+        "The error feedback residual's carry-over factor to the next step, in (0, 1]. 1.0: classic error feedback,"
+        " whose error over many steps is the last residual alone; below 1 a share of every residual is never sent.",
         check=_check_decay,
-        when="1.0 for classic error feedback, whose error telescopes (docs: Error feedback).",
+        when="Below 1 only to compare with the reference implementation's 0.8 (docs: Error feedback).",
     )
     error_feedback_reset: NonNegativeInt = argument(
         1024,

@@ -5,11 +5,11 @@ elements per rank over the whole model. A reduction quantizes ``sum + decay * re
 ``residual``. Only a call that reduces touches a residual, and residuals are zeroed every ``reset`` optimizer steps.
 
 Over T reductions this sends ``sum(g) - r_T - (1 - decay) * sum(r_t, t < T)``: with ``decay = 1`` (classic error
-feedback) the error of the summed gradients is the last residual alone, bounded; with ``decay < 1`` a fraction
-``1 - decay`` of every residual is never sent, and an element whose residual settles under half a quantization step
-(``g / (1 - decay)``) is never sent at all. This is not LoCo's rule (arXiv 2407.04480; its authors' reference
-kernels, DeepSpeed #6730, whose ``err_beta=0.8`` the 0.8 default was taken from): LoCo adds the whole carried error
-and keeps a moving average of the errors, ``e = beta * e + (1 - beta) * (h - Q(h))`` with ``h = g + e``, which is
+feedback) the error of the summed gradients is the last residual alone, bounded; with ``decay < 1`` a fraction ``1 -
+decay`` of every residual is never sent, and an element whose residual settles under half a quantization step (``g / (1
+- decay)``) is never sent at all. The default is 1. Neither is LoCo's rule (arXiv 2407.04480; its authors' reference
+kernels, DeepSpeed #6730, whose ``err_beta=0.8`` an earlier 0.8 default was taken from): LoCo adds the whole carried
+error and keeps a moving average of the errors, ``e = beta * e + (1 - beta) * (h - Q(h))`` with ``h = g + e``, which is
 bounded too. docs/error_feedback.md compares the two; tests/test_feedback_telescoping.py measures them.
 
 The residual is kept in ``error_feedback_bits``: 32 (fp32, 4 bytes per element), 16 (bf16, 2) or 8 (the default, as
