@@ -24,12 +24,13 @@ paper's end-to-end table (``benchmarks/plan_check.py --paper``, RESULTS.md).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from .config import ZeroPPConfig
 from .core import HSDP_ARGUMENTS
@@ -232,63 +233,242 @@ def plan(
     return rows
 
 
-OPT_IN_MARGIN = 1.10
-"""An opt-in (error feedback, weight deltas) is recommended over the defaults only when it is this much faster: each
-costs memory, and weight deltas' forward weights trail the exact ones by their INT4 rounding."""
+# ------------------------------------------------------------------------------------------------ verdict
+MARGIN = 0.10
+"""How much shorter a configuration's predicted step must be than the current choice's (a fraction of the step)
+before the verdict moves to it (``--margin``). :data:`CONFIGS` are in the order of what each costs beyond the one
+before: HSDP memory (a node holds the whole state), ZeRO++ accuracy (its weights and gradients cross nodes quantized),
+error feedback and weight deltas memory (and deltas' forward weights trail the exact ones by their INT4 rounding);
+a predicted gain inside the time model's own error buys nothing for that."""
+
+LABELS = {
+    "zero3": "ZeRO-3 (FSDP2 full sharding; exact)",
+    "hsdp": "HSDP (sharded inside each node, replicated across nodes; exact)",
+    "zeropp": "ZeRO++ (INT8 weights, hpZ, INT4 gradients across nodes; lossy)",
+    "zeropp+ef": "ZeRO++ with gradient error feedback (lossy)",
+    "zeropp+deltas": "ZeRO++ with INT4 weight deltas (lossy)",
+}
+"""What each of :data:`CONFIGS` is, in the verdict's words."""
 
 
-def recommend(rows: list[Row]) -> str:
-    """The configuration to use, and why: the fastest that fits, the defaults unless an opt-in beats them by
-    :data:`OPT_IN_MARGIN`."""
-    fitting = {r.config: r for r in rows if r.fits}
-    if not fitting:
-        return "none fits: more GPUs, activation checkpointing or CPU offload (cpu_offload=True)"
-    best = min(fitting.values(), key=lambda r: r.step_s)
-    default = fitting.get("zeropp")
-    if best.config.startswith("zeropp+") and default is not None and best.step_s * OPT_IN_MARGIN > default.step_s:
-        best = default
-    bound = "communication" if best.comm_s > best.compute_s else "compute"
-    why = [f"{best.speedup:.2f}x zero3's step", f"{bound}-bound", f"{best.memory_gib['total']:.1f} GiB per GPU"]
-    unfit = [r.config for r in rows if not r.fits]
-    if unfit:
-        why.append(f"{', '.join(unfit)} does not fit")
-    return f"{best.config} ({'; '.join(why)})"
+@dataclass
+class Verdict:
+    """The configuration to use and why; ``config`` is ``None`` when none fits."""
+
+    config: str | None
+    label: str
+    reason: str
+    speedup: float
+    margin: float
+    passed_over: list[str]
+    python: str = ""
+    alias: str | None = None
+    yaml: str = ""
+
+
+def lossy(name: str) -> bool:
+    """Whether a configuration of :data:`CONFIGS` sends anything quantized (qwZ, qgZ or weight deltas)."""
+    config = ZeroPPConfig(**CONFIGS[name])
+    return bool(config.quantize_weights) or config.quantize_gradients or config.weight_deltas
+
+
+def verdict(rows: list[Row], cluster: Cluster, margin: float = MARGIN) -> Verdict:
+    """The configuration to use, from the plan's rows (in :data:`CONFIGS` order, the first ZeRO-3).
+
+    Starting from the first that fits, each later one replaces the choice only if it fits and its step is more than
+    ``margin`` shorter than the choice's (:data:`MARGIN`). On one node nothing crosses nodes, so nothing lossy is
+    chosen: ZeRO++ would save no link time there and only add quantization error. Every row faster than the choice
+    is listed with the reason it lost."""
+    one_node = cluster.nodes == 1
+    choice = None
+    for row in rows:
+        if row.fits and not (one_node and lossy(row.config)):
+            if choice is None or choice.step_s > row.step_s * (1 + margin):
+                choice = row
+    if choice is None:
+        need = min(r.memory_gib["total"] for r in rows)
+        return Verdict(None, "nothing fits", f"the smallest needs {need:.1f} GiB per GPU of {cluster.gpu_memory_gib:g}:"
+                       " more GPUs, fewer --tokens per GPU, activation checkpointing, or CPU offload"
+                       " (cpu_offload=True, not in this plan)", 0.0, margin, [])  # fmt: skip
+    passed_over = []
+    for row in rows:
+        if row.step_s >= choice.step_s:
+            continue
+        faster = f"{row.config} is {choice.step_s / row.step_s - 1:.0%} faster,"
+        if not row.fits:
+            why = f"but needs {row.memory_gib['total']:.1f} GiB per GPU of {cluster.gpu_memory_gib:g}"
+        elif one_node and lossy(row.config):
+            why = "but lossy, and on one node there is no cross-node traffic for it to cut"
+        else:
+            why = f"within the {margin:.0%} margin" + (", and lossy" if lossy(row.config) else "")
+        passed_over.append(f"{faster} {why}")
+    bound = "communication" if choice.comm_s > choice.compute_s else "compute"
+    if choice is rows[0]:
+        reason = ["one node: nothing crosses nodes, so ZeRO++ would only add quantization error" if one_node else
+                  f"nothing else that fits is more than {margin:.0%} faster"]  # fmt: skip
+    else:
+        reason = [f"{choice.speedup:.2f}x ZeRO-3's predicted step"]
+        best = min((r for r in rows if r.fits and not lossy(r.config)), key=lambda r: r.step_s, default=None)
+        if lossy(choice.config) and best is not None and best is not rows[0]:
+            reason[0] += f" ({best.step_s / choice.step_s:.2f}x {best.config}'s, the fastest exact one)"
+    reason += [f"{bound}-bound (compute {choice.compute_s:.3g} s, communication {choice.comm_s:.3g} s)",
+               f"{choice.memory_gib['total']:.1f} of {cluster.gpu_memory_gib:g} GiB per GPU"]  # fmt: skip
+    if lossy(choice.config):
+        reason.append("lossy: compare its loss curve with zero3's early in a run (docs/accuracy.md)")
+    python, alias, yaml = strategy_code(choice.config, cluster)
+    return Verdict(choice.config, LABELS.get(choice.config, choice.config), "; ".join(reason), choice.speedup, margin,
+                   passed_over, python, alias, yaml)  # fmt: skip
+
+
+def strategy_code(name: str, cluster: Cluster) -> tuple[str, str | None, str]:
+    """The Python and the LightningCLI YAML that select configuration ``name`` of :data:`CONFIGS` on ``cluster``,
+    and its registered short name (``strategy="zero3"``), if it has one."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from .strategy import ZeroPPStrategy
+
+    kwargs = CONFIGS[name]
+    aliases = [k for k, v in StrategyRegistry.items() if v["strategy"] is ZeroPPStrategy and v["init_params"] == kwargs]
+    arguments = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+    python = (f"Trainer(num_nodes={cluster.nodes}, devices={cluster.gpus_per_node},"
+              f" strategy=ZeroPPStrategy({arguments}))")  # fmt: skip
+    yaml = [
+        "trainer:",
+        f"  num_nodes: {cluster.nodes}",
+        f"  devices: {cluster.gpus_per_node}",
+        "  strategy:",
+        "    class_path: lightning_zeropp.ZeroPPStrategy",
+    ]
+    if kwargs:  # JSON's scalars are YAML's: true/false, numbers, quoted strings
+        yaml += ["    init_args:", *(f"      {k}: {json.dumps(v)}" for k, v in kwargs.items())]
+    return python, (aliases[0] if aliases else None), "\n".join(yaml)
+
+
+def verdict_text(v: Verdict) -> str:
+    """The verdict as the CLI prints it: the choice and why, what lost and why, the code that selects it."""
+    if v.config is None:
+        return f"verdict: {v.label}: {v.reason}"
+    verb = "stay on" if v.config == next(iter(CONFIGS)) else "use"
+    lines = [f"verdict: {verb} {v.label} [{v.config}]", f"  why: {v.reason}"]
+    lines += [f"  not chosen: {p}" for p in v.passed_over]
+    lines += ["  python: from lightning_zeropp import ZeroPPStrategy", f"          {v.python}"]
+    if v.alias:
+        lines.append(f'          # the same: strategy="{v.alias}", a name lightning_zeropp registers when imported')
+    lines += ["  LightningCLI YAML:", *(f"    {line}" for line in v.yaml.splitlines())]
+    return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------------------------ models
-def model_units(args: argparse.Namespace) -> tuple[list[Unit], int, str]:
-    """The units, the width and a description of the model the arguments name."""
+DEMO = dict(n_layer=4, n_embd=256, vocab=256, block_size=128)
+"""The example GPT's demo size (``examples/gpt``: bytes as tokens), planned when no model is given."""
+
+LLM_VOCAB, LLM_BLOCK = 50304, 4096
+"""A real model's vocabulary (GPT-2's, padded to a multiple of 64) and positions, when ``--params`` or a shape is
+given without them: a 256-entry vocabulary would leave out the largest unit, the embedding."""
+
+PARAMS_TOLERANCE = 0.10
+"""How far the model planned may be from ``--params``: its shape is whole layers of a width that is a multiple of
+128, or given."""
+
+
+class InputError(ValueError):
+    """An argument the planner cannot use; the message names it and the fix."""
+
+
+@dataclass
+class Model:
+    """The model planned: its units, width (for the activations), vocabulary and positions, and where it came from
+    (``"demo"``, ``"params"``, ``"shape"`` or ``"litgpt"``)."""
+
+    units: list[Unit]
+    width: int
+    description: str
+    source: str
+    vocab: int
+    block_size: int
+    layers: int
+
+
+def model_of(args: argparse.Namespace) -> Model:
+    """The model the arguments name (``--litgpt``, ``--params`` with or without a shape, a shape, or the demo), or
+    :class:`InputError` naming the conflict."""
+    shape = [f"--{k.replace('_', '-')}" for k in ("params", "n_layer", "n_embd", "vocab", "block_size")
+             if getattr(args, k) is not None]  # fmt: skip
     if args.litgpt:
-        return _litgpt_units(args.litgpt)
+        if shape:
+            raise InputError(f"--litgpt {args.litgpt} takes the model's shape from litgpt's config: drop"
+                             f" {', '.join(shape)}")  # fmt: skip
+        return _litgpt_model(args.litgpt)
+    if args.params is None and args.n_layer is None and args.n_embd is None:
+        vocab, block = args.vocab or DEMO["vocab"], args.block_size or DEMO["block_size"]
+        units = gpt_units(vocab, block, DEMO["n_layer"], DEMO["n_embd"])
+        described = (f"the example's demo GPT, {DEMO['n_layer']} layers x {DEMO['n_embd']} wide, vocabulary {vocab},"
+                     f" {block} positions ({_count(parameters(units))})")  # fmt: skip
+        return Model(units, DEMO["n_embd"], described, "demo", vocab, block, DEMO["n_layer"])
+    vocab, block = args.vocab or LLM_VOCAB, args.block_size or LLM_BLOCK
+    layers, width = args.n_layer, args.n_embd
+    if args.params is None and not (layers and width):
+        given, missing = ("--n-layer", "--n-embd") if layers else ("--n-embd", "--n-layer")
+        raise InputError(f"{given} alone is half a shape: add {missing}, or --params to derive it")
+    if args.params is not None and not (layers and width):
+        layers, width = _derive_shape(args.params, layers, width, vocab + block)
+    units = gpt_units(vocab, block, layers, width)
+    count = parameters(units)
+    described = f"GPT, {layers} layers x {width} wide, vocabulary {vocab}, {block} positions ({_count(count)})"
     if args.params is not None:
-        d = args.n_embd or _width_for(args.params, args.n_layer)
-        layers = args.n_layer or max(1, round(args.params / (12 * d * d)))
-        units = gpt_units(args.vocab, args.block_size, layers, d)
-        return units, d, f"GPT, {layers} layers x {d} wide ({parameters(units) / 1e9:.2f}B parameters)"
-    units = gpt_units(args.vocab, args.block_size, args.n_layer or 4, args.n_embd or 256)
-    return units, args.n_embd or 256, f"example GPT ({parameters(units) / 1e6:.2f}M parameters)"
+        if abs(count / args.params - 1) > PARAMS_TOLERANCE:
+            fix = ("pass --n-layer and --n-embd that make it" if args.n_layer and args.n_embd else
+                   "pass --n-layer and --n-embd (and --vocab, --block-size) for a model of this size")  # fmt: skip
+            raise InputError(f"--params {_sci(args.params)}: the shape {layers} layers x {width} wide (vocabulary"
+                             f" {vocab}, {block} positions) has {_count(count)}, more than {PARAMS_TOLERANCE:.0%}"
+                             f" away: {fix}")  # fmt: skip
+        return Model(units, width, described, "params", vocab, block, layers)
+    return Model(units, width, described, "shape", vocab, block, layers)
 
 
-def _width_for(params: float, layers: int | None) -> int:
-    """A width (multiple of 128) for ``params`` parameters: ``12 L d^2`` with ``L = d / 128`` when not given."""
-    if layers:
-        return max(128, round(math.sqrt(params / (12 * layers)) / 128) * 128)
-    return max(128, round((params * 128 / 12) ** (1 / 3) / 128) * 128)
+def _sci(x: float) -> str:
+    """``x`` as a user would type it: 7e9, 1.3e9, 70e9 as 7e10."""
+    return f"{x:.4g}".replace("e+0", "e").replace("e+", "e")
 
 
-def _litgpt_units(name: str) -> tuple[list[Unit], int, str]:
+def _count(n: float) -> str:
+    """``n`` parameters, in words: 7.08B parameters."""
+    return f"{n / 1e9:.2f}B parameters" if n >= 1e9 else f"{n / 1e6:.2f}M parameters"
+
+
+def _derive_shape(params: float, layers: int | None, width: int | None, embedded: int) -> tuple[int, int]:
+    """Layers and width (a multiple of 128) of a GPT of ``params`` parameters: ``12 L d^2`` in the blocks and
+    ``embedded x d`` in the embeddings (vocabulary and positions); ``L = d / 128`` (as Llama's 7B and 13B) when neither
+    is given."""
+    if width is None and layers:
+        exact = (-embedded + math.sqrt(embedded**2 + 48 * layers * params)) / (24 * layers)
+        return layers, max(128, round(exact / 128) * 128)
+    if width is None:
+        width = max(128, round((params * 128 / 12) ** (1 / 3) / 128) * 128)
+    return max(1, round((params - embedded * width) / (12 * width * width))), width
+
+
+def _litgpt_model(name: str) -> Model:
     try:
         import torch
         from litgpt import GPT, Config
     except ImportError:
-        raise SystemExit("plan: `--litgpt` needs litgpt installed (pip install litgpt).") from None
+        raise InputError(f"--litgpt {name} needs litgpt installed (pip install litgpt), or describe the model with"
+                         " --params / --n-layer and --n-embd") from None  # fmt: skip
     from .costs import units_of
 
-    config = Config.from_name(name)
+    try:
+        config = Config.from_name(name)
+    except ValueError:  # litgpt's message lists every name it knows: too long for one line
+        raise InputError(f"--litgpt {name}: litgpt has no config of that name (its names: litgpt.config.name_to_config,"
+                         " e.g. pythia-1b, Llama-2-7b-hf)") from None  # fmt: skip
     with torch.device("meta"):
         model = GPT(config)
     units = units_of(model)
-    return units, config.n_embd, f"litgpt {name} ({parameters(units) / 1e9:.2f}B parameters)"
+    count = _count(parameters(units))
+    described = (f"litgpt {name}, {config.n_layer} layers x {config.n_embd} wide, vocabulary"
+                 f" {config.padded_vocab_size}, {config.block_size} positions ({count})")  # fmt: skip
+    return Model(units, config.n_embd, described, "litgpt", config.padded_vocab_size, config.block_size, config.n_layer)
 
 
 # ------------------------------------------------------------------------------------------------ output
@@ -314,8 +494,10 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def plot(units: list[Unit], cluster: Cluster, workload: Workload, path: Path, title: str) -> None:
-    """Step time against inter-node bandwidth for every configuration (log-log)."""
+def plot(
+    units: list[Unit], cluster: Cluster, workload: Workload, path: Path, title: str, configs: dict | None = None
+) -> None:
+    """Step time against inter-node bandwidth for every configuration (default :data:`CONFIGS`; log-log)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -325,7 +507,7 @@ def plot(units: list[Unit], cluster: Cluster, workload: Workload, path: Path, ti
     series: dict[str, list[float]] = {}
     for bw in bandwidths:
         at = Cluster(**{**asdict(cluster), "inter_gbps": bw})
-        for row in plan(units, at, workload):
+        for row in plan(units, at, workload, configs):
             series.setdefault(row.config, []).append(row.step_s)
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for name, times in series.items():
@@ -339,57 +521,207 @@ def plot(units: list[Unit], cluster: Cluster, workload: Workload, path: Path, ti
     plt.close(fig)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m lightning_zeropp.plan", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    m = p.add_argument_group("model (default: the example GPT's demo size)")
-    m.add_argument("--params", type=float, default=None, help="parameter count of a GPT (e.g. 7e9)")
-    m.add_argument("--n-layer", type=int, default=None, help="layers (units); with --params: else derived")
-    m.add_argument("--n-embd", type=int, default=None, help="width; with --params: else derived")
-    m.add_argument("--vocab", type=int, default=256, help="vocabulary (default: 256, the example's bytes)")
-    m.add_argument("--block-size", type=int, default=128, help="positions (default: 128)")
-    m.add_argument("--litgpt", default=None, help="a litgpt config name (needs litgpt), e.g. pythia-1b")
+# ------------------------------------------------------------------------------------------------ arguments
+GPUS: dict[str, dict[str, float]] = {
+    "V100": dict(gpu_memory_gib=32.0, peak_tflops=125.0, hbm_gbps=900.0, intra_gbps=1200.0),
+    "A100": dict(gpu_memory_gib=80.0, peak_tflops=312.0, hbm_gbps=2039.0, intra_gbps=2400.0),
+    "H100": dict(gpu_memory_gib=80.0, peak_tflops=989.0, hbm_gbps=3350.0, intra_gbps=3600.0),
+    "H200": dict(gpu_memory_gib=140.0, peak_tflops=989.0, hbm_gbps=4800.0, intra_gbps=3600.0),
+}
+"""``--gpu``: the SXM parts' datasheet figures. Memory: the datasheet's GB read as GiB, as the parts report it (an "80
+GB" A100 has 80 GiB), H200's 141 GB as 140 GiB; peak: dense fp16/bf16 tensor TFLOP/s, no sparsity (V100: fp16, it has
+no bf16); HBM: GB/s; ``intra_gbps``: NVLink per GPU and direction in Gbit/s (NVLink 2, 3, 4: 150, 300, 450 GB/s)."""
+
+GPU = "H100"
+"""The ``--gpu`` preset when none is given (the figures the planner used before it had presets, NVLink aside)."""
+
+RULES: dict[str, tuple[Any, str]] = {
+    "params": (lambda v: v >= 1, "a parameter count >= 1, e.g. 7e9"),
+    "n_layer": (lambda v: v >= 1, "a number of layers >= 1 (leave it out to derive it from --params)"),
+    "n_embd": (lambda v: v >= 1, "a width >= 1 (leave it out to derive it from --params)"),
+    "vocab": (lambda v: v >= 1, "a vocabulary size >= 1, e.g. 50304"),
+    "block_size": (lambda v: v >= 1, "a number of positions >= 1, e.g. 4096"),
+    "nodes": (lambda v: v >= 1, "a number of nodes >= 1"),
+    "gpus_per_node": (lambda v: v >= 1, "a number of GPUs per node >= 1, e.g. 8"),
+    "inter_gbps": (lambda v: v > 0, "Gbit/s > 0 into each node, e.g. 400 per InfiniBand NDR port"),
+    "intra_gbps": (lambda v: v > 0, "Gbit/s > 0 per GPU inside a node, e.g. 3600 (NVLink 4)"),
+    "inter_latency_us": (lambda v: v >= 0, "microseconds >= 0"),
+    "intra_latency_us": (lambda v: v >= 0, "microseconds >= 0"),
+    "gpu_memory_gib": (lambda v: v > 0, "GiB > 0 per GPU, e.g. 80"),
+    "peak_tflops": (lambda v: v > 0, "dense TFLOP/s > 0 per GPU, e.g. 989"),
+    "hbm_gbps": (lambda v: v > 0, "GB/s > 0 per GPU, e.g. 3350"),
+    "tokens": (lambda v: v >= 1, "tokens per GPU per optimizer step >= 1, e.g. 4096"),
+    "optimizer_states": (lambda v: v >= 0, "fp32 values per parameter >= 0 (Adam: 2, SGD with momentum: 1)"),
+    "efficiency": (lambda v: 0 < v <= 1, "a fraction of peak in (0, 1], e.g. 0.645"),
+    "overlap": (lambda v: 0 <= v <= 1, "a fraction in [0, 1]"),
+    "margin": (lambda v: v >= 0, "a fraction >= 0, e.g. 0.1 for 10%"),
+}
+"""Each numeric argument's valid values and what to pass instead, checked before anything is planned."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """Errors in one line on stderr, exit code 2: the usage above them would bury the line that matters."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The module docstring as written, and each argument's default after its help unless it has none."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m lightning_zeropp.plan", description=__doc__, formatter_class=_HelpFormatter)
+    m = p.add_argument_group("model (none given: the example's 3.26M demo GPT, which is not your model)")
+    m.add_argument("--params", type=float, help="parameter count of a GPT, e.g. 7e9; its shape is derived (layers"
+                   " = width / 128) unless given; beside --n-layer and --n-embd, a check: they must make it within"
+                   " 10%%")  # fmt: skip
+    m.add_argument("--n-layer", type=int, help="layers (units); with --n-embd, the shape; with --params, the width is"
+                   " derived")  # fmt: skip
+    m.add_argument("--n-embd", type=int, help="width; with --n-layer, the shape; with --params, the layers are derived")
+    m.add_argument("--vocab", type=int, help=f"vocabulary (default: {LLM_VOCAB} for --params or a shape; the demo's"
+                   f" {DEMO['vocab']} bytes without)")  # fmt: skip
+    m.add_argument("--block-size", type=int, help=f"positions (default: {LLM_BLOCK} for --params or a shape; the"
+                   f" demo's {DEMO['block_size']} without)")  # fmt: skip
+    m.add_argument("--litgpt", help="a litgpt config name, e.g. pythia-1b (needs litgpt); alone: it is the shape")
     c = p.add_argument_group("cluster")
-    c.add_argument("--nodes", type=int, default=2)
-    c.add_argument("--gpus-per-node", type=int, default=8)
-    c.add_argument("--inter-gbps", type=float, default=100.0, help="inter-node bandwidth per node, Gbit/s")
-    c.add_argument("--intra-gbps", type=float, default=2400.0, help="intra-node bandwidth per GPU, Gbit/s")
-    c.add_argument("--inter-latency-us", type=float, default=5.0)
-    c.add_argument("--intra-latency-us", type=float, default=2.0)
-    c.add_argument("--gpu-memory-gib", type=float, default=80.0)
-    c.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak per GPU (H100: 989)")
-    c.add_argument("--hbm-gbps", type=float, default=3350.0, help="device memory bandwidth per GPU, GB/s (H100: 3350)")
+    c.add_argument("--nodes", type=int, default=2, help="nodes (machines) in the job")
+    c.add_argument("--gpus-per-node", type=int, default=8, help="GPUs (ranks) per node")
+    c.add_argument("--gpu", choices=sorted(GPUS), default=GPU, help="memory, peak, HBM and NVLink presets: "
+                   + "; ".join(f"{k}: {v['gpu_memory_gib']:g} GiB, {v['peak_tflops']:g} TFLOP/s, {v['hbm_gbps']:g}"
+                               f" GB/s, {v['intra_gbps']:g} Gbit/s" for k, v in GPUS.items())
+                   + "; the four flags below override it")  # fmt: skip
+    c.add_argument("--gpu-memory-gib", type=float, help="memory per GPU, GiB (default: --gpu's)")
+    c.add_argument("--peak-tflops", type=float, help="dense bf16/fp16 peak per GPU, TFLOP/s (default: --gpu's)")
+    c.add_argument("--hbm-gbps", type=float, help="device memory bandwidth per GPU, GB/s (default: --gpu's)")
+    c.add_argument("--intra-gbps", type=float, help="intra-node bandwidth per GPU and direction, Gbit/s (default:"
+                   " --gpu's NVLink)")  # fmt: skip
+    c.add_argument("--inter-gbps", type=float, default=100.0, help="inter-node bandwidth per node (all its NICs),"
+                   " Gbit/s; 8 x 400G InfiniBand: 3200")  # fmt: skip
+    c.add_argument("--inter-latency-us", type=float, default=5.0, help="per message between nodes, microseconds")
+    c.add_argument("--intra-latency-us", type=float, default=2.0, help="per message inside a node, microseconds")
     w = p.add_argument_group("workload")
     w.add_argument("--tokens", type=int, default=4096, help="tokens per GPU per optimizer step")
-    w.add_argument("--precision", default="bf16-mixed", choices=sorted(ELEMENT_BYTES))
+    w.add_argument("--precision", default="bf16-mixed", choices=sorted(ELEMENT_BYTES), help="Lightning's precision")
     w.add_argument("--optimizer-states", type=int, default=2, help="fp32 values per parameter (Adam: 2, SGD: 1)")
-    w.add_argument("--no-activation-checkpointing", action="store_true")
-    w.add_argument("--efficiency", type=float, default=EFFICIENCY, help="compute's fraction of peak (fitted)")
-    w.add_argument("--overlap", type=float, default=OVERLAP, help="share of the shorter of compute/comm hidden")
-    p.add_argument("--json", type=Path, default=None)
-    p.add_argument("--plot", type=Path, default=None, help="a PNG of step time against inter-node bandwidth")
-    return p.parse_args(argv)
+    w.add_argument("--no-activation-checkpointing", action="store_true", help="plan without it (default: with)")
+    w.add_argument("--efficiency", type=float, default=EFFICIENCY, help="compute's fraction of peak (fitted on the"
+                   " paper's V100 table: measure yours)")  # fmt: skip
+    w.add_argument("--overlap", type=float, default=OVERLAP, help="share of the shorter of compute/comm hidden"
+                   " (fitted as above)")  # fmt: skip
+    p.add_argument("--margin", type=float, default=MARGIN, help="a configuration is recommended over a simpler one"
+                   " only when its step is more than this fraction shorter")  # fmt: skip
+    p.add_argument("--json", type=Path, help="write the plan and the verdict to this file")
+    p.add_argument("--plot", type=Path, help="a PNG of step time against inter-node bandwidth (needs matplotlib)")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The arguments, checked (:data:`RULES`, the output files' folders, the plot's matplotlib), the ``--gpu``
+    preset filled in where no flag overrides it; ``args.defaults`` names those the command line left out."""
+    p = parser()
+    args = p.parse_args(argv)
+    unset = object()  # argparse fills in a default only where the namespace lacks the attribute
+    given = p.parse_args(argv, argparse.Namespace(**{k: unset for k in vars(args)}))
+    args.defaults = {k for k, v in vars(given).items() if v is unset}
+    for name, value in GPUS[args.gpu].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+            if "gpu" not in args.defaults:  # the preset the user chose, not a default
+                args.defaults.discard(name)
+    for name, (valid, fix) in RULES.items():
+        value = getattr(args, name)
+        if value is not None and not (math.isfinite(value) and valid(value)):
+            p.error(f"--{name.replace('_', '-')}={_sci(value)}: must be {fix}")
+    for flag in ("json", "plot"):
+        path = getattr(args, flag)
+        if path is not None and not path.parent.is_dir():
+            p.error(f"--{flag} {path}: the folder {path.parent} does not exist: create it or write elsewhere")
+    if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
+        p.error(f"--plot {args.plot} needs matplotlib (pip install matplotlib): install it or drop --plot")
+    return args
+
+
+def header(args: argparse.Namespace, model: Model, cluster: Cluster, workload: Workload) -> str:
+    """Every assumption the plan rests on, a ``*`` after each one left at its default."""
+    c, w = cluster, workload
+    shown = {
+        "nodes": f"{c.nodes} node" + "s" * (c.nodes > 1), "gpus_per_node": f"{c.gpus_per_node} GPUs", "gpu": args.gpu,
+        "gpu_memory_gib": f"{c.gpu_memory_gib:g} GiB", "peak_tflops": f"{c.peak_tflops:g} TFLOP/s",
+        "hbm_gbps": f"{c.hbm_gbps:g} GB/s", "inter_gbps": f"{c.inter_gbps:g} Gbit/s",
+        "intra_gbps": f"{c.intra_gbps:g} Gbit/s", "inter_latency_us": f"{c.inter_latency_us:g} us",
+        "intra_latency_us": f"{c.intra_latency_us:g} us", "tokens": f"{w.tokens_per_gpu} tokens",
+        "precision": w.precision, "optimizer_states": f"{w.optimizer_states} fp32 optimizer values",
+        "no_activation_checkpointing": "activation checkpointing" + ("" if w.activation_checkpointing else " off"),
+        "efficiency": f"efficiency {w.efficiency:g}", "overlap": f"overlap {w.overlap:g}",
+        "margin": f"verdict margin {args.margin:.0%}",
+        "vocab": f"vocabulary {model.vocab}", "block_size": f"{model.block_size} positions",
+    }  # fmt: skip
+    v = {k: text + ("*" if k in args.defaults or getattr(args, k) is None else "") for k, text in shown.items()}
+    lines = []
+    if model.source == "demo":
+        lines.append(f"NOTE: no model given, so this plans the example's demo model, {_count(parameters(model.units))}:"
+                     " pass --params or --litgpt for yours")  # fmt: skip
+    described = model.description
+    if model.source in ("params", "shape"):
+        asked = f", --params {_sci(args.params)}" if model.source == "params" else ""
+        described = (f"GPT, {model.layers} layers x {model.width} wide, {v['vocab']}, {v['block_size']}"
+                     f" ({_count(parameters(model.units))}{asked})")  # fmt: skip
+    lines += [
+        f"model:    {described}",
+        f"cluster:  {v['nodes']} x {v['gpus_per_node']} = {c.world} GPUs, {v['gpu']}: {v['gpu_memory_gib']},"
+        f" {v['peak_tflops']} dense, {v['hbm_gbps']} HBM per GPU",
+        f"links:    {v['inter_gbps']} into each node ({v['inter_latency_us']}), {v['intra_gbps']} per GPU inside a"
+        f" node ({v['intra_latency_us']})",
+        f"workload: {v['tokens']} per GPU per step, {v['precision']}, {v['optimizer_states']} per parameter,"
+        f" {v['no_activation_checkpointing']}",
+        f"time:     {v['efficiency']} of peak, {v['overlap']} (fitted on the paper's V100 table: measure yours);"
+        f" {v['margin']}",
+        "          * = a default: check it against your job",
+    ]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> list[Row]:
     args = parse_args(argv)
-    units, width, described = model_units(args)
-    cluster = Cluster(args.nodes, args.gpus_per_node, args.inter_gbps, args.intra_gbps, args.inter_latency_us,
-                      args.intra_latency_us, args.gpu_memory_gib, args.peak_tflops, hbm_gbps=args.hbm_gbps)  # fmt: skip
-    workload = Workload(args.tokens, args.precision, args.optimizer_states, not args.no_activation_checkpointing,
-                        args.efficiency, args.overlap)  # fmt: skip
-    rows = plan(units, cluster, workload, n_embd=width)
-    title = (f"{described} on {cluster.nodes} x {cluster.gpus_per_node} GPUs, {cluster.inter_gbps:g} Gbit/s between"
-             f" nodes, {workload.tokens_per_gpu} tokens per GPU")  # fmt: skip
-    print(title + "\n")
+    try:
+        model = model_of(args)
+        cluster = Cluster(args.nodes, args.gpus_per_node, args.inter_gbps, args.intra_gbps, args.inter_latency_us,
+                          args.intra_latency_us, args.gpu_memory_gib, args.peak_tflops,
+                          hbm_gbps=args.hbm_gbps)  # fmt: skip
+        workload = Workload(args.tokens, args.precision, args.optimizer_states, not args.no_activation_checkpointing,
+                            args.efficiency, args.overlap)  # fmt: skip
+        configs, unplanned = {}, []
+        for name, kwargs in CONFIGS.items():  # weight deltas need hpZ, which needs 2 or more GPUs per node
+            try:
+                ZeroPPConfig(**kwargs).resolve(cluster.world, cluster.gpus_per_node)
+                configs[name] = kwargs
+            except ValueError as e:
+                unplanned.append(f"{name}: {e}")
+        rows = plan(model.units, cluster, workload, configs, n_embd=model.width)
+        choice = verdict(rows, cluster, args.margin)
+    except ValueError as e:  # InputError, or a check deeper down (ZeroPPConfig, costs): one line, no traceback
+        parser().error(str(e).replace("\n", " "))
+    print(header(args, model, cluster, workload) + "\n")
     print(table(rows))
-    print(f"\nrecommended: {recommend(rows)}")
+    for line in unplanned:
+        print(f"not planned: {line}")
+    print("\n" + verdict_text(choice))
     if args.json:
-        args.json.write_text(json.dumps({"model": described, "cluster": asdict(cluster), "workload": asdict(workload),
-                                         "rows": [asdict(r) for r in rows]}, indent=2))  # fmt: skip
+        args.json.write_text(json.dumps({"model": model.description, "cluster": asdict(cluster),
+                                         "workload": asdict(workload), "margin": args.margin,
+                                         "rows": [asdict(r) for r in rows], "recommendation": asdict(choice),
+                                         "not_planned": unplanned}, indent=2))  # fmt: skip
         print(f"wrote {args.json}")
     if args.plot:
-        plot(units, cluster, workload, args.plot, title)
+        title = (f"{model.description} on {cluster.nodes} x {cluster.gpus_per_node} GPUs, {cluster.inter_gbps:g}"
+                 f" Gbit/s between nodes, {workload.tokens_per_gpu} tokens per GPU")  # fmt: skip
+        plot(model.units, cluster, workload, args.plot, title, configs)
         print(f"wrote {args.plot}")
     return rows
 

@@ -21,10 +21,11 @@ def test_cli_prints_every_configuration_and_writes_json(tmp_path, capsys):
     text = capsys.readouterr().out
     for name in CONFIGS:
         assert f"| {name} |" in text
-    assert "recommended:" in text
+    assert "verdict: " in text
     saved = json.loads(out.read_text())
     assert [r["config"] for r in saved["rows"]] == list(CONFIGS) == [r.config for r in rows]
     assert saved["cluster"]["nodes"] == 2 and saved["workload"]["tokens_per_gpu"] == 4096
+    assert saved["recommendation"]["config"] in CONFIGS and saved["recommendation"]["python"] in text
 
 
 def test_plot(tmp_path):

@@ -1,0 +1,248 @@
+"""``python -m lightning_zeropp.plan`` as a new user meets it: bad input refused in one line, every assumption shown
+and presets for the usual GPUs, and a verdict that can say "stay on ZeRO-3", says why a faster configuration lost,
+and prints the code that selects its choice."""
+
+import json
+import sys
+import types
+
+import pytest
+import yaml
+
+from lightning_zeropp import plan as plan_module
+from lightning_zeropp.config import ZeroPPConfig
+from lightning_zeropp.plan import CONFIGS, GPUS, Cluster, Row, main, verdict
+
+
+def _refused(capsys, argv: list[str]) -> str:
+    """The one line ``argv`` is refused with (exit code 2, nothing else on stderr, nothing on stdout)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    out, err = capsys.readouterr()
+    assert exit_info.value.code == 2, (exit_info.value.code, err)
+    assert out == "" and err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+def _plan_json(tmp_path, capsys, argv: list[str]) -> tuple[dict, str]:
+    path = tmp_path / "plan.json"
+    main([*argv, "--json", str(path)])
+    return json.loads(path.read_text()), capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--params=-7e9"], "--params=-7e9"),  # was: TypeError, type complex doesn't define __round__
+        (["--params", "0"], "--params=0"),
+        (["--params", "inf"], "--params=inf"),
+        (["--n-layer", "0"], "--n-layer=0"),  # was: 0 silently meant "derive"
+        (["--n-embd", "0", "--n-layer", "4"], "--n-embd=0"),
+        (["--vocab", "0"], "--vocab=0"),
+        (["--block-size", "0"], "--block-size=0"),
+        (["--tokens", "0"], "--tokens=0"),
+        (["--efficiency", "2"], "--efficiency=2"),
+        (["--efficiency", "0"], "--efficiency=0"),
+        (["--overlap", "1.5"], "--overlap=1.5"),
+        (["--optimizer-states", "-1"], "--optimizer-states=-1"),
+        (["--nodes", "0"], "--nodes=0"),  # was: ValueError from Cluster, under a traceback
+        (["--gpus-per-node", "0"], "--gpus-per-node=0"),
+        (["--inter-gbps", "0"], "--inter-gbps=0"),
+        (["--intra-gbps=-100"], "--intra-gbps=-100"),
+        (["--inter-latency-us=-1"], "--inter-latency-us=-1"),
+        (["--gpu-memory-gib", "0"], "--gpu-memory-gib=0"),
+        (["--peak-tflops", "0"], "--peak-tflops=0"),
+        (["--hbm-gbps", "nan"], "--hbm-gbps=nan"),
+        (["--margin=-0.1"], "--margin=-0.1"),
+        (["--gpu", "H300"], "--gpu"),
+        (["--params", "7e9", "--n-layer", "32", "--n-embd", "8192"], "26.22B parameters"),  # was: --params ignored
+        (["--n-layer", "32"], "add --n-embd"),  # was: silently 32 layers of the demo's width
+        (["--params", "1000"], "7.16M parameters"),  # was: a 3.3M model planned for "1000"
+        (["--litgpt", "pythia-1b", "--params", "1e9"], "drop --params"),
+        (["--json", "/nonexistent-folder/plan.json"], "/nonexistent-folder does not exist"),
+    ],
+)
+def test_bad_input_is_refused_in_one_line(capsys, argv, named):
+    assert named in _refused(capsys, argv)
+
+
+def test_params_beside_a_shape_that_makes_it_is_a_check(tmp_path, capsys):
+    """``--params`` with ``--n-layer`` and ``--n-embd`` (the README's commands): the shape decides, within 10%."""
+    saved, _ = _plan_json(tmp_path, capsys, ["--params", "7e9", "--n-layer", "32", "--n-embd", "4096"])
+    assert saved["model"].startswith("GPT, 32 layers x 4096 wide, vocabulary 50304, 4096 positions (6.67B")
+
+
+def test_litgpt_missing_or_unknown_is_one_line(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "litgpt", None)  # not installed
+    assert "pip install litgpt" in _refused(capsys, ["--litgpt", "pythia-1b"])
+
+    def from_name(name):
+        raise ValueError(f"{name!r} is not a supported config name")
+
+    fake = types.ModuleType("litgpt")
+    fake.Config, fake.GPT = types.SimpleNamespace(from_name=from_name), None
+    monkeypatch.setitem(sys.modules, "litgpt", fake)  # installed, the name unknown: was a traceback
+    assert "--litgpt pythya-1b: litgpt has no config of that name" in _refused(capsys, ["--litgpt", "pythya-1b"])
+
+
+def test_plot_without_matplotlib_is_one_line_before_planning(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert "needs matplotlib" in _refused(capsys, ["--plot", str(tmp_path / "plan.png")])
+
+
+def test_an_error_from_deeper_down_is_one_line(capsys, monkeypatch):
+    """A check in ZeroPPConfig or the cost model that the CLI's own checks did not foresee: its message, one line."""
+
+    def plan(*args, **kwargs):
+        raise ValueError("costs: `something=3` must divide 8;\nuse 1, 2, 4 or 8.")
+
+    monkeypatch.setattr(plan_module, "plan", plan)
+    assert "`something=3` must divide 8; use 1, 2, 4 or 8." in _refused(capsys, ["--params", "1e9"])
+
+
+def test_one_gpu_per_node_plans_what_can_run(tmp_path, capsys):
+    """Weight deltas need hpZ, which needs 2 or more GPUs per node: that row is left out and said so (it used to
+    end the plan with ZeroPPConfig's ValueError)."""
+    saved, out = _plan_json(tmp_path, capsys, ["--params", "1e9", "--nodes", "4", "--gpus-per-node", "1"])
+    assert [r["config"] for r in saved["rows"]] == [c for c in CONFIGS if c != "zeropp+deltas"]
+    assert "not planned: zeropp+deltas: ZeroPPStrategy: `weight_deltas=True` needs hpZ" in out
+    assert saved["not_planned"][0].startswith("zeropp+deltas:")
+
+
+# ------------------------------------------------------------------------------------------------ assumptions
+def test_help_shows_every_default(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert exit_info.value.code == 0
+    for shown in ("--nodes NODES nodes (machines) in the job (default: 2)", "(default: H100)", "(default: 100.0)",
+                  "(default: 4096)", "(default: bf16-mixed)", "(default: 0.645)", "(default: 0.1)",
+                  "memory per GPU, GiB (default: --gpu's)", "default: 50304 for --params or a shape"):  # fmt: skip
+        assert shown in text, shown
+
+
+@pytest.mark.parametrize("gpu", sorted(GPUS))
+def test_gpu_presets_and_flags_over_them(tmp_path, capsys, gpu):
+    saved, _ = _plan_json(tmp_path, capsys, ["--params", "1e9", "--gpu", gpu])
+    for name, value in GPUS[gpu].items():
+        assert saved["cluster"][name] == value
+    saved, out = _plan_json(tmp_path, capsys, ["--params", "1e9", "--gpu", gpu, "--gpu-memory-gib", "24"])
+    assert saved["cluster"]["gpu_memory_gib"] == 24.0 and saved["cluster"]["peak_tflops"] == GPUS[gpu]["peak_tflops"]
+    assert f"{gpu}: 24 GiB, {GPUS[gpu]['peak_tflops']:g} TFLOP/s dense" in out  # chosen, so no * on either
+
+
+def test_header_states_every_assumption_and_marks_defaults(capsys):
+    main(["--params", "7e9", "--nodes", "4", "--inter-gbps", "3200"])
+    head = capsys.readouterr().out.split("\n\n")[0]
+    for shown in ("GPT, 32 layers x 4224 wide, vocabulary 50304*, 4096 positions* (7.08B parameters, --params 7e9)",
+                  "4 nodes x 8 GPUs* = 32 GPUs, H100*: 80 GiB*, 989 TFLOP/s* dense, 3350 GB/s* HBM per GPU",
+                  "3200 Gbit/s into each node (5 us*), 3600 Gbit/s* per GPU inside a node (2 us*)",
+                  "4096 tokens* per GPU per step, bf16-mixed*, 2 fp32 optimizer values* per parameter,"
+                  " activation checkpointing*", "efficiency 0.645* of peak, overlap 0*", "verdict margin 10%*",
+                  "* = a default"):  # fmt: skip
+        assert shown in head, shown
+    assert "NOTE" not in head
+
+
+def test_without_a_model_the_demo_is_announced(capsys):
+    main([])
+    head = capsys.readouterr().out.split("\n\n")[0]
+    assert head.startswith("NOTE: no model given, so this plans the example's demo model, 3.26M parameters: pass")
+    assert "vocabulary 256, 128 positions" in head
+
+
+# ------------------------------------------------------------------------------------------------ verdict
+def _row(config: str, step_s: float, fits: bool = True) -> Row:
+    return Row(config, {"total": 10.0}, fits, 0.0, 0.0, {}, 0.3, step_s - 0.3, step_s)
+
+
+def _rows(steps: dict[str, float], unfit: tuple[str, ...] = ()) -> list[Row]:
+    rows = [_row(name, steps[name], name not in unfit) for name in CONFIGS]
+    for r in rows:
+        r.speedup = rows[0].step_s / r.step_s
+    return rows
+
+
+def test_one_node_stays_on_zero3_whatever_the_rows_say():
+    """On one node nothing crosses nodes: a lossy configuration is not chosen even if the rows have it faster (as
+    they did before the strategy turned qwZ off on one node); HSDP, exact, would be."""
+    steps = {"zero3": 1.0, "hsdp": 1.0, "zeropp": 0.6, "zeropp+ef": 0.6, "zeropp+deltas": 0.5}
+    v = verdict(_rows(steps), Cluster(1, 8, 100.0, 3600.0))
+    assert v.config == "zero3" and "one node" in v.reason
+    assert any(p.startswith("zeropp+deltas is 100% faster, but lossy, and on one node") for p in v.passed_over)
+    assert verdict(_rows(steps), Cluster(2, 8, 100.0, 3600.0)).config == "zeropp+deltas"
+
+
+def test_each_step_up_must_beat_the_choice_by_the_margin():
+    steps = {"zero3": 1.0, "hsdp": 0.95, "zeropp": 0.92, "zeropp+ef": 0.92, "zeropp+deltas": 0.85}
+    cluster = Cluster(4, 8, 3200.0, 3600.0)
+    v = verdict(_rows(steps), cluster, margin=0.10)
+    assert v.config == "zeropp+deltas"  # 18% faster than zero3: the ones in between do not block it
+    v = verdict(_rows({**steps, "zeropp+deltas": 0.93}), cluster, margin=0.10)
+    assert v.config == "zero3" and "nothing else that fits is more than 10% faster" in v.reason
+    assert "zeropp is 9% faster, within the 10% margin, and lossy" in v.passed_over
+    assert "hsdp is 5% faster, within the 10% margin" in v.passed_over
+    assert verdict(_rows({**steps, "zeropp+deltas": 0.93}), cluster, margin=0.05).config == "hsdp"  # 5.3% > 5%
+    v = verdict(_rows(steps, unfit=("zeropp+deltas",)), cluster, margin=0.0)
+    assert v.config == "zeropp" and "zeropp+deltas is 8% faster, but needs 10.0 GiB per GPU of 80" in v.passed_over
+    v = verdict(_rows(steps, unfit=tuple(CONFIGS)), cluster)
+    assert v.config is None and "nothing fits" in v.label and v.python == ""
+
+
+@pytest.mark.parametrize(
+    ("argv", "config", "speedup"),
+    [
+        (["--params", "7e9", "--nodes", "1", "--gpus-per-node", "8"], "zero3", 1.0),  # was: zeropp (1.06x)
+        (["--params", "7e9", "--nodes", "4", "--inter-gbps", "3200"], "zero3", 1.0),  # was: zeropp (1.01x)
+        (["--params", "7e9", "--nodes", "4", "--inter-gbps", "100"], "zeropp+deltas", 4.13),
+        (["--params", "70e9", "--nodes", "32", "--gpu-memory-gib", "50"], "zeropp", 2.92),
+        (["--params", "7e9", "--nodes", "4", "--inter-gbps", "3200", "--margin", "0.05"], "zeropp", 1.07),
+    ],
+)
+def test_cli_verdict_and_its_json(tmp_path, capsys, argv, config, speedup):
+    saved, out = _plan_json(tmp_path, capsys, argv)
+    rec = saved["recommendation"]
+    assert rec["config"] == config and rec["speedup"] == pytest.approx(speedup, abs=0.005)
+    verb = "stay on" if config == "zero3" else "use"
+    assert f"verdict: {verb} {rec['label']} [{config}]" in out and rec["python"] in out
+    assert rec["margin"] == saved["margin"] == float(argv[argv.index("--margin") + 1] if "--margin" in argv else 0.1)
+    if "--gpu-memory-gib" in argv:  # weight deltas is faster still but holds more than 50 GiB per GPU
+        assert any(p.startswith("zeropp+deltas is 27% faster, but needs 52.8 GiB") for p in rec["passed_over"])
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_the_printed_code_selects_the_planned_configuration(name):
+    """The Python line, the registered name and the YAML each give the configuration the row was planned with."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    v = verdict(_rows({c: 1.0 if c != name else 0.5 for c in CONFIGS}), Cluster(4, 8, 100.0, 3600.0))
+    assert v.config == name
+    trainer = eval(v.python, {"Trainer": dict, "ZeroPPStrategy": ZeroPPConfig})  # the configuration it builds
+    assert trainer["strategy"] == ZeroPPConfig(**CONFIGS[name]) and (trainer["num_nodes"], trainer["devices"]) == (4, 8)
+    if v.alias is not None:
+        assert StrategyRegistry[v.alias]["init_params"] == CONFIGS[name]
+    assert (v.alias is not None) == (name in ("zero3", "hsdp", "zeropp"))
+    parsed = yaml.safe_load(v.yaml)["trainer"]
+    assert parsed["strategy"]["class_path"] == "lightning_zeropp.ZeroPPStrategy"
+    assert parsed["strategy"].get("init_args", {}) == CONFIGS[name] and parsed["num_nodes"] == 4
+
+
+@pytest.mark.slow
+def test_the_printed_yaml_parses_in_lightning_cli(tmp_path):
+    """The YAML block through the example's LightningCLI: a ZeroPPStrategy with the planned arguments."""
+    from lightning_zeropp import ZeroPPStrategy
+    from lightning_zeropp.testing.scripts import load_script
+
+    root = plan_module.Path(__file__).resolve().parents[1] / "examples" / "gpt"
+    train = load_script(root / "train.py", "gpt_example_train_plan")
+    v = verdict(_rows({c: 1.0 if c != "hsdp" else 0.5 for c in CONFIGS}), Cluster(2, 2, 100.0, 3600.0))
+    config = tmp_path / "strategy.yaml"
+    config.write_text(v.yaml)
+    base = root / "configs" / "cpu_demo.yaml"
+    cli = train.GPTCLI(train.GPTModule, train.ByteCorpusDataModule, run=False,
+                       args=["--config", str(base), "--config", str(config)])  # fmt: skip
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, ZeroPPStrategy)
+    assert strategy.zeropp_config.sharding_strategy == "HYBRID_SHARD"
+    assert strategy.zeropp_config.quantize_weights is False and strategy.zeropp_config.quantize_gradients is False
