@@ -249,6 +249,21 @@ class WholeDraws(TorchFunctionMode):
     def __init__(self) -> None:
         super().__init__()
         self.where = "materialization"  # which reset_parameters() is running, for the errors
+        # One buffer per dtype and device that every whole draw views: a fresh tensor per draw (a few MB each, freed
+        # at once) left the allocator holding freed blocks, and the setup peak grew by several parameters' worth.
+        self._scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        self._scratch.clear()
+
+    def _whole(self, tensor: DTensor, local: torch.Tensor) -> torch.Tensor:
+        """An uninitialized contiguous tensor of ``tensor``'s global shape, a view of the scratch buffer."""
+        key, numel = (tensor.dtype, local.device), tensor.numel()
+        if key not in self._scratch or self._scratch[key].numel() < numel:
+            self._scratch.pop(key, None)  # freed before the larger one exists
+            self._scratch[key] = torch.empty(numel, dtype=tensor.dtype, device=local.device)
+        return self._scratch[key][:numel].view(tensor.shape)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
@@ -278,7 +293,7 @@ class WholeDraws(TorchFunctionMode):
         if tuple(local.shape) == tuple(tensor.shape):  # nothing sharded: the local draw is the whole one
             func(local, *rest, **kwargs)
             return tensor
-        whole = torch.empty(tensor.shape, dtype=tensor.dtype, device=local.device)
+        whole = self._whole(tensor, local)
         func(whole, *rest, **kwargs)
         local.copy_(whole[region])
         return tensor
@@ -286,7 +301,7 @@ class WholeDraws(TorchFunctionMode):
     def _like(self, func: Callable, tensor: DTensor, rest: tuple, kwargs: dict[str, Any]) -> DTensor:
         local = tensor.to_local()
         region = _local_region(tensor, self.where)
-        whole = func(torch.empty(tensor.shape, dtype=tensor.dtype, device=local.device), *rest, **kwargs)
+        whole = func(self._whole(tensor, local), *rest, **kwargs)
         return DTensor.from_local(whole[region].clone(), tensor.device_mesh, tensor.placements, run_check=False,
                                   shape=tensor.shape, stride=whole.stride())  # fmt: skip
 
