@@ -300,7 +300,8 @@ def verdict(rows: list[Row], cluster: Cluster, margin: float = MARGIN) -> Verdic
         elif one_node and lossy(row.config):
             why = "but lossy, and on one node there is no cross-node traffic for it to cut"
         else:
-            why = f"within the {margin:.0%} margin" + (", and lossy" if lossy(row.config) else "")
+            lossier = lossy(row.config) and not lossy(choice.config)
+            why = f"within the {margin:.0%} margin" + (", and lossy" if lossier else "")
         passed_over.append(f"{faster} {why}")
     bound = "communication" if choice.comm_s > choice.compute_s else "compute"
     if choice is rows[0]:

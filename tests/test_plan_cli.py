@@ -184,6 +184,8 @@ def test_each_step_up_must_beat_the_choice_by_the_margin():
     assert "zeropp is 9% faster, within the 10% margin, and lossy" in v.passed_over
     assert "hsdp is 5% faster, within the 10% margin" in v.passed_over
     assert verdict(_rows({**steps, "zeropp+deltas": 0.93}), cluster, margin=0.05).config == "hsdp"  # 5.3% > 5%
+    v = verdict(_rows({**steps, "zeropp": 0.8, "zeropp+ef": 0.8, "zeropp+deltas": 0.75}), cluster, margin=0.10)
+    assert v.config == "zeropp" and "zeropp+deltas is 7% faster, within the 10% margin" in v.passed_over  # no "lossy"
     v = verdict(_rows(steps, unfit=("zeropp+deltas",)), cluster, margin=0.0)
     assert v.config == "zeropp" and "zeropp+deltas is 8% faster, but needs 10.0 GiB per GPU of 80" in v.passed_over
     v = verdict(_rows(steps, unfit=tuple(CONFIGS)), cluster)
