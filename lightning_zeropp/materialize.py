@@ -80,9 +80,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def materialize_meta_tensors(model: nn.Module, device: torch.device) -> list[str]:
     """Allocates every meta parameter and buffer of the (sharded) ``model`` on ``device`` and initializes it with
-    ``reset_parameters()`` of every module whose subtree holds a meta tensor, children before parents (``model``
-    itself last). Returns the names of the tensors it materialized. Raises ``ValueError`` naming the tensors no
-    ``reset_parameters`` initialized. Collective when the default process group exists (every rank must call it)."""
+    ``reset_parameters()`` (``_reset_parameters()`` for ``nn.MultiheadAttention`` and ``nn.Transformer``) of every
+    module whose subtree holds a meta tensor, each module after its children (``model`` itself last), random numbers
+    drawn whole (:class:`WholeDraws`). Returns the names of the tensors it materialized. Raises ``ValueError`` naming
+    the tensors no ``reset_parameters`` initialized. Collective when the default process group exists (every rank must
+    call it)."""
     owners: dict[str, nn.Module] = {}  # tensor name -> the module that holds it directly
     for prefix, module in model.named_modules():
         for name, t in _direct_tensors(module):
