@@ -54,7 +54,7 @@ def _worker(rank: int, world: int, per_node: int, params: int, reps: int) -> dic
         """qgZ (2 stages) with error feedback at residual width ``bits``, as ``comm.py`` calls it."""
         config = ZeroPPConfig(gradient_error_feedback=True, error_feedback_bits=bits)
         feedback = ErrorFeedback(config.error_feedback_decay, 0, bits)
-        plan = qgz.Plan.of(topo, config, chunk, avg, None)
+        plan = qgz.Reduction.of(topo, config, chunk, avg, None)
         pieces = [(stage.size, stage.block_count(config.gradient_block_size)) for stage in plan.stages]
 
         def call():
@@ -67,12 +67,16 @@ def _worker(rank: int, world: int, per_node: int, params: int, reps: int) -> dic
     cases = {
         "reduce-scatter exact": lambda: exact_reduce_scatter(out, grads.clone(), avg, None, groups, ledger),
         "reduce-scatter qgZ (2 stages)": lambda: qgz.quantized_reduce_scatter(
-            out, grads.clone(), qgz.Plan.of(topo, ZeroPPConfig(), chunk, avg, None), groups, ledger
+            out, grads.clone(), qgz.Reduction.of(topo, ZeroPPConfig(), chunk, avg, None), groups, ledger
         ),
         "reduce-scatter qgZ (2 stages) + error feedback, INT8 residual": qgz_with_feedback(8),
         "reduce-scatter qgZ (2 stages) + error feedback, fp32 residual": qgz_with_feedback(32),
         "reduce-scatter qgZ (1 stage)": lambda: qgz.quantized_reduce_scatter(
-            out, grads.clone(), qgz.Plan.of(topo, ZeroPPConfig(gradient_pieces=1), chunk, avg, None), groups, ledger
+            out,
+            grads.clone(),
+            qgz.Reduction.of(topo, ZeroPPConfig(gradient_pieces=1), chunk, avg, None),
+            groups,
+            ledger,
         ),
         "all-gather exact": lambda: all_gather_flat(gathered, shard, groups.world),
         "all-gather qwZ INT8": lambda: qwz.quantized_all_gather(

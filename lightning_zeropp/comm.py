@@ -31,6 +31,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from . import hpz, qgz, qwz
 from .blocks import UnitBlocks
 from .collectives import all_gather_flat, reduce_scatter_flat, split_reduce_op
+from .commplan import CommPlan, resolve
 from .compat.torch import in_backward
 from .config import ZeroPPConfig
 from .deltas import WeightDeltas
@@ -46,73 +47,35 @@ class ZeroPPComms:
     weight deltas' node copies, whether the raw-bytes warning was given. :meth:`state_dict` / :meth:`load_state_dict`
     are what a checkpoint keeps of it."""
 
-    def __init__(self, config: ZeroPPConfig, groups: ProcessGroups, ledger: CommLedger) -> None:
+    def __init__(
+        self, config: ZeroPPConfig, groups: ProcessGroups, ledger: CommLedger, plan: CommPlan | None = None
+    ) -> None:
         self.config = config
         self._groups: ProcessGroups | None = groups
         self._group_timeout = groups.timeout
         self.ledger = ledger
         self.topology = groups.topology
-        self.use_qwz = config.quantizes_weights(self.topology.num_nodes)
-        self.use_qgz = config.quantize_gradients and self.topology.num_nodes > 1
+        self.plan = plan if plan is not None else resolve(config, self.topology)
+        self.use_qwz = self.plan.forward.kind == "quantized"
+        self.use_qgz = self.plan.gradients.kind == "two_hop"
         self.gradient_calls = 0
         self.steps = 0  # optimizer steps taken
-        self.feedback = (
-            ErrorFeedback(config.error_feedback_decay, config.error_feedback_reset, config.error_feedback_bits)
-            if config.gradient_error_feedback and self.use_qgz
-            else None
-        )
-        R, W = self.topology.hpz_partition_size, self.topology.world_size
-        self.deltas = WeightDeltas(config, self.topology, ledger) if config.weight_deltas and 1 < R < W else None
+        fb = self.plan.gradients.feedback
+        self.feedback = ErrorFeedback(fb.decay, fb.reset, fb.bits) if fb is not None else None
+        self.deltas = WeightDeltas(config, self.topology, ledger) if self.plan.forward.kind == "node_copy" else None
         rank_zero_info(self.describe())
         self.units: list[UnitBlocks] = []  # the model's sharded units (:meth:`use_units`)
         self._warned_raw_bytes = False
 
     def describe(self) -> str:
         """One line: what each collective runs in this job, and why where a switch the user left on does nothing."""
-        c, t = self.config, self.topology
-        K, N, R, W = t.num_nodes, t.ranks_per_node, t.hpz_partition_size, t.world_size
-        shape = f"{K} node{'s' if K > 1 else ''} x {N} rank{'s' if N > 1 else ''}"
-        if c.hybrid:
-            parts = ["HSDP: weights gathered and gradients reduce-scattered inside each node"]
-            parts.append(
-                "gradients all-reduced exactly across nodes" if K > 1 else "one node: no cross-node all-reduce"
-            )
-            return f"ZeroPPStrategy: {shape}; " + "; ".join(parts) + "."
-        parts = []
-        if self.deltas is not None:
-            parts.append(f"weight deltas INT{c.weight_delta_bits} (forward gather from the node's copy)")
-        elif self.use_qwz:
-            where = (
-                f"across {K} nodes" if K > 1 else "(quantize_weights=True on one node: lossy, no cross-node byte saved)"
-            )
-            parts.append(f"qwZ INT{c.weight_bits} weights {where}")
-        elif c.quantize_weights == "auto":
-            parts.append("weights gathered exactly (qwZ off: one node, nothing crosses nodes)")
-        else:
-            parts.append("weights gathered exactly (quantize_weights=False)")
-        if c.weight_deltas and self.deltas is None:
-            parts.append(f"weight_deltas off (one hpZ group of {R} ranks: every rank already gathers in its node)")
-        if 1 < R < W:
-            parts.append(f"hpZ backward gather inside {R} ranks")
-        if self.use_qgz:
-            steps = f" for the first {c.quantize_gradients_steps} steps" if c.quantize_gradients_steps else ""
-            feedback = ", error feedback" if self.feedback is not None else ""
-            feedback += ", Hadamard-rotated blocks" if c.gradient_rotation == "hadamard" else ""
-            parts.append(
-                f"qgZ INT{c.intra_node_gradient_bits} -> INT{c.gradient_bits} gradients{steps}"
-                f" ({c.gradient_pieces} pieces, {c.gradient_rounding} rounding{feedback})"
-            )
-        elif c.quantize_gradients:
-            parts.append("gradients reduce-scattered exactly (qgZ off: one node, nothing crosses nodes)")
-        else:
-            parts.append("gradients reduce-scattered exactly (quantize_gradients=False)")
-        return f"ZeroPPStrategy: {shape}; " + "; ".join(parts) + "."
+        return self.plan.describe()
 
     def ensure_groups(self) -> ProcessGroups:
         """The job's groups, built again if :meth:`release_groups` destroyed them (collective, as every call needing
         them is: a sharded model used after ``Trainer.fit`` returned, or the next run of the same strategy)."""
         if self._groups is None:
-            self._groups = ProcessGroups.build(self.topology, self._group_timeout, self.config.hybrid)
+            self._groups = ProcessGroups.build(self.topology, self._group_timeout, self.plan.hybrid)
         return self._groups
 
     def use_units(self, units: list[UnitBlocks]) -> None:
@@ -179,7 +142,7 @@ class ZeroPPComms:
     ) -> None:
         groups = self.ensure_groups()
         role = groups.role_of(fsdp_group)
-        expected = "node" if self.config.hybrid and self.topology.num_nodes > 1 else "world"
+        expected = self.plan.shard_group
         if role != expected:  # FSDP reduces over its shard group (all ranks; HSDP: the node); else a sharding error
             raise RuntimeError(
                 f"ZeroPPStrategy: FSDP asked to reduce gradients over the {role} group {groups.ranks(role)}"
@@ -190,14 +153,16 @@ class ZeroPPComms:
             call, self.gradient_calls = self.gradient_calls, self.gradient_calls + 1
             chunk = output.numel()
             blocks = unit.gradients(chunk) if unit is not None else None
-            plan = qgz.Plan.of(self.topology, self.config, chunk, base_op, premul, call=call, blocks=blocks)
+            gradients = self.plan.gradients
+            reduction = qgz.Reduction.of(self.topology, self.config, chunk, base_op, premul, call=call, blocks=blocks,
+                                         gradients=gradients)  # fmt: skip
             residuals = None
             if self.feedback is not None:
-                pieces = [(stage.size, stage.block_count(self.config.gradient_block_size)) for stage in plan.stages]
+                pieces = [(stage.size, stage.block_count(gradients.block_size)) for stage in reduction.stages]
                 name = unit.name if unit is not None else "<unit>"
                 stages = self.feedback.pieces(name, self.topology.num_nodes, pieces, input.device, self.steps)
                 residuals = [stage.arguments(self.feedback.decay) for stage in stages]
-            qgz.quantized_reduce_scatter(output, input, plan, groups, self.ledger, residuals)
+            qgz.quantized_reduce_scatter(output, input, reduction, groups, self.ledger, residuals)
             return
         exact_reduce_scatter(output, input, base_op, premul, groups, self.ledger, role)
 
@@ -211,10 +176,8 @@ class ZeroPPComms:
         self.ledger.record_to_peers("gradient_all_reduce", ranks, [p + mine for p in pieces])
 
     def quantizes_gradients(self) -> bool:
-        """Whether this step's gradients take qgZ: on with more than one node, for the first
-        ``quantize_gradients_steps`` optimizer steps (0: throughout); the exact reduce-scatter afterwards."""
-        limit = self.config.quantize_gradients_steps
-        return self.use_qgz and (limit == 0 or self.steps < limit)
+        """Whether this step's gradients take qgZ (the plan's two-hop reduction, until its step, if any)."""
+        return self.plan.quantizes_gradients_at(self.steps)
 
     # ----------------------------------------------------------------- state
     def begin_forward(self, device: torch.device) -> None:

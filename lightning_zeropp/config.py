@@ -546,12 +546,6 @@ class ZeroPPConfig:
                     " `cpu_offload=True` exists to avoid; turn one of them off."
                 )
 
-    def quantizes_weights(self, num_nodes: int) -> bool:
-        """Whether qwZ runs in a job of ``num_nodes`` nodes: ``"auto"`` with more than one node, or ``True``."""
-        if self.hybrid:
-            return False
-        return self.quantize_weights is True or (self.quantize_weights == "auto" and num_nodes > 1)
-
     @property
     def hybrid(self) -> bool:
         """Whether the model is sharded HSDP-style (``sharding_strategy="HYBRID_SHARD"``)."""

@@ -24,10 +24,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 
-from . import arguments, fsdp_hooks, hpz
+from . import arguments, fsdp_hooks
 from . import checkpoint as ckpt
 from . import kernels as tk
 from .comm import ZeroPPComms
+from .commplan import CommPlan, check_kernels, resolve
 from .compat.torch import ForwardHooks
 from .config import CpuOffload, ModuleSelection, StateDictType, ZeroPPConfig, offloads
 from .ledger import CommLedger
@@ -134,12 +135,7 @@ class ZeroPPCore:
                 f"ZeroPPStrategy does not support `precision={precision!r}`; use one of {SUPPORTED_PRECISIONS}."
             )
         tk.check_backend(self.config.kernel_backend, device)
-        if self.config.gradient_rotation != "none" and device.type == "cuda" and self.config.kernel_backend != "torch":
-            raise ValueError(
-                f"ZeroPPStrategy: `gradient_rotation={self.config.gradient_rotation!r}` runs on the torch kernels only"
-                f" so far, and `kernel_backend={self.config.kernel_backend!r}` picks Triton on {device}; set"
-                " kernel_backend='torch' (slower quantization kernels) or gradient_rotation='none'."
-            )
+        check_kernels(self.config, device.type)
 
     def connect(self, world_size: int, local_world_size: int, rank: int, device_type: str) -> DeviceMesh:
         """Topology, mesh, ledger, process groups and collectives for a job of ``world_size`` ranks launched
@@ -153,23 +149,24 @@ class ZeroPPCore:
                     " so some hpZ groups span two nodes and their backward all-gather crosses nodes. Use a divisor of"
                     f" {ranks_per_node} to keep it inside a node."
                 )
-            self.mesh = self._build_mesh(topology, device_type)
+            plan = resolve(self.config, topology)
+            self.mesh = self._build_mesh(topology, plan, device_type)
             self._topology = topology
             self.release()
             self._ledger = CommLedger(topology)
-            groups = ProcessGroups.build(topology, self.config.timeout, self.config.hybrid)
-            self._comms = ZeroPPComms(self.config, groups, self._ledger)
+            groups = ProcessGroups.build(topology, self.config.timeout, plan.hybrid)
+            self._comms = ZeroPPComms(self.config, groups, self._ledger, plan)
         assert self._comms is not None and self.mesh is not None
         self._comms.ensure_groups()  # built again if the last run's teardown released them
         return self.mesh
 
-    def _build_mesh(self, topology: Topology, device_type: str) -> DeviceMesh:
+    def _build_mesh(self, topology: Topology, plan: CommPlan, device_type: str) -> DeviceMesh:
         """The mesh every ``fully_shard`` call gets: all ranks (ZeRO-3), or (HSDP) nodes x ranks per node,
         ``("replicate", "shard")``: sharded inside each node, FSDP's all-reduce on the rails. The HSDP groups are
         FSDP's, made here with the strategy's ``timeout`` and kept for the job (the strategy's own groups are
         released at every teardown, and a model keeps its mesh)."""
-        if not self.config.hybrid:
-            return init_device_mesh(device_type, (topology.world_size,), mesh_dim_names=("data_parallel",))
+        if not plan.hybrid:
+            return init_device_mesh(device_type, plan.mesh_shape, mesh_dim_names=("data_parallel",))
         K, N, rank, timeout = topology.num_nodes, topology.ranks_per_node, topology.rank, self.config.timeout
         replicate = own_group([topology.rail_ranks(local) for local in range(N)], rank, timeout)
         shard = own_group([topology.intra_node_ranks(node) for node in range(K)], rank, timeout)
@@ -207,12 +204,19 @@ class ZeroPPCore:
     @property
     def reshard_after_forward(self) -> bool | int:
         """What every ``fully_shard`` call of this strategy passes: an int (the hpZ partition size) when hpZ is on."""
-        return hpz.reshard_after_forward(self.topology.hpz_partition_size, self.topology.world_size)
+        return self.plan.reshard_after_forward
+
+    @property
+    def plan(self) -> CommPlan:
+        """What each collective runs (built when the job's topology is known)."""
+        if self._comms is None:
+            raise RuntimeError("ZeroPPStrategy: the communication plan exists once the processes are connected.")
+        return self._comms.plan
 
     def layout(self, precision: str, front_door: str) -> Layout:
         """What the sharding of a model depends on; a model sharded differently cannot be adopted."""
         return Layout(front_door, self.topology.world_size, self.reshard_after_forward, precision,
-                      offloads(self.config.cpu_offload), self.config.sharding_strategy)  # fmt: skip
+                      offloads(self.config.cpu_offload), self.plan.sharding)  # fmt: skip
 
     def shard(
         self,

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from torch import nn
 
 from . import kernels as tk
+from .commplan import CommPlan, resolve
 from .config import ZeroPPConfig
-from .hpz import reshard_after_forward
 from .ledger import CommLedger
 from .qgz import stages
 from .sharding import default_wrap_targets
@@ -80,6 +80,12 @@ def parameters(units: Iterable[Unit]) -> int:
     return sum(u.numel for u in units)
 
 
+def _plan(config: ZeroPPConfig, world: int, ranks_per_node: int) -> CommPlan:
+    """The job's plan (the same for every rank: rank 0's)."""
+    ranks_per_node, hpz = config.resolve(world, ranks_per_node)
+    return resolve(config, Topology(world, ranks_per_node, 0, hpz))
+
+
 # ------------------------------------------------------------------------------------------------ bytes
 @functools.lru_cache(maxsize=4096)
 def _wire(segments: tuple[int, ...], bits: int, block_size: int, aligned: bool) -> int:
@@ -94,34 +100,33 @@ def _qgz_rows(segments: tuple[int, ...], config: _GradientFormat) -> tuple[tuple
     """Per qgZ pipeline piece of a unit's chunk: its elements, blocks, and one row's bytes on the intra-node and on
     the inter-node hop."""
     c = config
-    blocks = tk.Blocks.of_segments(segments, c.gradient_block_size) if c.block_alignment == "parameter" else None
+    blocks = tk.Blocks.of_segments(segments, c.block_size) if c.aligned else None
     rows = []
-    for _, size, piece in stages(sum(segments), c, blocks):
+    for _, size, piece in stages(sum(segments), c.pieces, c.block_size, blocks):
         if piece is not None:
-            rows.append(
-                (size, piece.count, piece.wire_size(c.intra_node_gradient_bits), piece.wire_size(c.gradient_bits))
-            )
+            rows.append((size, piece.count, piece.wire_size(c.intra_bits), piece.wire_size(c.inter_bits)))
         else:
-            bs = c.gradient_block_size
-            rows.append((size, -(-size // bs), tk.wire_size(size, c.intra_node_gradient_bits, bs),
-                         tk.wire_size(size, c.gradient_bits, bs)))  # fmt: skip
+            bs = c.block_size
+            rows.append(
+                (size, -(-size // bs), tk.wire_size(size, c.intra_bits, bs), tk.wire_size(size, c.inter_bits, bs))
+            )
     return tuple(rows)
 
 
 @dataclass(frozen=True)
 class _GradientFormat:
-    """What qgZ's pieces and rows depend on (hashable, unlike a config holding policies)."""
+    """What qgZ's pieces and rows depend on (hashable, and nothing else, so equal formats share the cache)."""
 
-    gradient_pieces: int
-    gradient_block_size: int
-    intra_node_gradient_bits: int
-    gradient_bits: int
-    block_alignment: str
+    pieces: int
+    block_size: int
+    intra_bits: int
+    inter_bits: int
+    aligned: bool
 
     @classmethod
-    def of(cls, config: ZeroPPConfig) -> _GradientFormat:
-        return cls(config.gradient_pieces, config.gradient_block_size, config.intra_node_gradient_bits,
-                   config.gradient_bits, config.block_alignment)  # fmt: skip
+    def of(cls, plan: CommPlan) -> _GradientFormat:
+        g = plan.gradients
+        return cls(g.pieces, g.block_size, g.intra_bits, g.inter_bits, plan.aligned)
 
 
 def step_bytes(
@@ -132,15 +137,16 @@ def step_bytes(
     _, e, er = ELEMENT_BYTES[precision]
     ranks_per_node, hpz = config.resolve(world, ranks_per_node)
     topo = Topology(world, ranks_per_node, rank, hpz)
+    plan = resolve(config, topo)
     ledger = CommLedger(topo)
     K, N, W, R = topo.num_nodes, ranks_per_node, world, hpz
-    hybrid = config.hybrid and K > 1
+    hybrid = plan.shard_group == "node"
     shard_group = topo.intra_node_ranks() if hybrid else list(range(W))
     S = len(shard_group)
     world_ranks = list(range(W))
-    aligned = config.block_alignment == "parameter"
-    deltas = config.weight_deltas and 1 < R < W
-    quantized_gradients = config.quantize_gradients and K > 1
+    aligned, forward = plan.aligned, plan.forward
+    deltas = forward.kind == "node_copy"
+    quantized_gradients = plan.gradients.kind == "two_hop"
     if deltas:  # one byte per unit per forward: every rank agrees which node copies to update
         ledger.record_all_gather("weight_delta_agreement", world_ranks, len(units))
     for unit in units:
@@ -150,27 +156,27 @@ def step_bytes(
         if deltas:
             G = W // R
             holders = [g * R + rank // G for g in range(G)]
-            wire = _wire(tuple(segments), config.weight_delta_bits, config.weight_block_size, aligned)
+            wire = _wire(tuple(segments), forward.bits, forward.block_size, aligned)
             ledger.record_to_peers(
                 "weight_delta_all_to_all", world_ranks, [wire if r in holders else 0 for r in world_ranks]
             )
             ledger.record_all_gather("weight_all_gather_node_copy", topo.hpz_ranks(), G * C * e)
-        elif config.quantizes_weights(K):
-            wire = _wire(tuple(segments), config.weight_bits, config.weight_block_size, aligned)
+        elif forward.kind == "quantized":
+            wire = _wire(tuple(segments), forward.bits, forward.block_size, aligned)
             ledger.record_all_gather("weight_all_gather", world_ranks, wire)
         else:
             ledger.record_all_gather("weight_all_gather", shard_group, C * e)
         # backward all-gather
-        if reshard_after_forward(R, W) is not True:
+        if plan.backward.kind == "secondary":
             ledger.record_all_gather("weight_all_gather_secondary", topo.hpz_ranks(), C * (W // R) * e)
-        elif config.quantizes_weights(K):
-            wire = _wire(tuple(segments), config.weight_bits, config.weight_block_size, aligned)
+        elif forward.kind == "quantized":
+            wire = _wire(tuple(segments), forward.bits, forward.block_size, aligned)
             ledger.record_all_gather("weight_all_gather_backward", world_ranks, wire)
         else:
             ledger.record_all_gather("weight_all_gather_backward", shard_group, C * e)
         # gradient reduction
         if quantized_gradients:
-            for size, _, row_in, row_out in _qgz_rows(tuple(segments), _GradientFormat.of(config)):
+            for size, _, row_in, row_out in _qgz_rows(tuple(segments), _GradientFormat.of(plan)):
                 if not size:
                     continue
                 if N > 1:
@@ -196,30 +202,29 @@ def kernel_bytes(
     weight deltas' quantize (the weights and their tracked copy read) and the holders' dequantize-add. Exact
     collectives (ZeRO-3, HSDP) move no bytes through kernels of ours: 0."""
     _, e, er = ELEMENT_BYTES[precision]
-    ranks_per_node, R = config.resolve(world, ranks_per_node)
-    K, N, W = world // ranks_per_node, ranks_per_node, world
-    aligned = config.block_alignment == "parameter"
-    deltas = config.weight_deltas and 1 < R < W
+    plan = _plan(config, world, ranks_per_node)
+    K, N, W, R = plan.num_nodes, plan.ranks_per_node, world, plan.hpz_partition_size
+    aligned, forward, feedback = plan.aligned, plan.forward, plan.gradients.feedback
     total = 0
     for unit in units:
         segments = tuple(unit.shards(W))
         C = sum(segments)
-        if deltas:
-            wire = _wire(segments, config.weight_delta_bits, config.weight_block_size, aligned)
+        if forward.kind == "node_copy":
+            wire = _wire(segments, forward.bits, forward.block_size, aligned)
             G = W // R
             total += 2 * C * e + wire + G * (wire + 2 * C * e)  # quantize w - tracked; holders add G deltas in place
-        elif config.quantizes_weights(K):
-            wire = _wire(segments, config.weight_bits, config.weight_block_size, aligned)
-            gathers = 1 if 1 < R < W else 2  # the backward re-gathers (and dequantizes) without hpZ
+        elif forward.kind == "quantized":
+            wire = _wire(segments, forward.bits, forward.block_size, aligned)
+            gathers = 1 if plan.backward.kind == "secondary" else 2  # the backward re-gathers (and dequantizes)
             total += gathers * (C * e + wire + W * (wire + C * e))
-        if config.quantize_gradients and K > 1:
-            rows = _qgz_rows(segments, _GradientFormat.of(config))
+        if plan.gradients.kind == "two_hop":
+            rows = _qgz_rows(segments, _GradientFormat.of(plan))
             row_in, row_out = sum(r[2] for r in rows), sum(r[3] for r in rows)
             total += W * C * er + W * row_in  # swizzle-quantize: the whole input in, W rows out
             total += N * K * row_in + K * row_out  # in the node: N copies of K rows in, K rows out
             total += K * row_out + C * er  # across nodes: K rows in, this rank's chunk out
-            if config.gradient_error_feedback:
-                total += 2 * K * C * config.error_feedback_bits // 8
+            if feedback is not None:
+                total += 2 * K * C * feedback.bits // 8
     return total
 
 
@@ -228,21 +233,21 @@ def collective_buffers(units: list[Unit], config: ZeroPPConfig, world: int, rank
     gathered rows (forward); weight deltas' packed delta, sent and received rows; qgZ's intra-node rows sent and
     received and its rail rows (backward: the two never overlap for one unit). Exact collectives use FSDP's own
     buffers (the unsharded units): 0."""
-    ranks_per_node, R = config.resolve(world, ranks_per_node)
-    K, W = world // ranks_per_node, world
-    aligned = config.block_alignment == "parameter"
+    plan = _plan(config, world, ranks_per_node)
+    K, W, R = plan.num_nodes, world, plan.hpz_partition_size
+    aligned, gather = plan.aligned, plan.forward
     peak = 0
     for unit in units:
         segments = tuple(unit.shards(W))
         forward = backward = 0
-        if config.weight_deltas and 1 < R < W:
-            wire = _wire(segments, config.weight_delta_bits, config.weight_block_size, aligned)
+        if gather.kind == "node_copy":
+            wire = _wire(segments, gather.bits, gather.block_size, aligned)
             forward = wire + 2 * (W // R) * wire
-        elif config.quantizes_weights(K):
-            wire = _wire(segments, config.weight_bits, config.weight_block_size, aligned)
+        elif gather.kind == "quantized":
+            wire = _wire(segments, gather.bits, gather.block_size, aligned)
             forward = wire + W * wire
-        if config.quantize_gradients and K > 1:
-            rows = _qgz_rows(segments, _GradientFormat.of(config))
+        if plan.gradients.kind == "two_hop":
+            rows = _qgz_rows(segments, _GradientFormat.of(plan))
             backward = 2 * W * sum(r[2] for r in rows) + 2 * K * sum(r[3] for r in rows)
         peak = max(peak, forward, backward)
     return peak
@@ -255,20 +260,21 @@ def persistent_memory(
     """What ``strategy.persistent_memory`` reports on every rank after a step: the error feedback residuals and the
     weight deltas' node copy and tracked copy, in bytes."""
     _, e, _ = ELEMENT_BYTES[precision]
-    ranks_per_node, hpz = config.resolve(world, ranks_per_node)
-    K, W, R = world // ranks_per_node, world, hpz
+    plan = _plan(config, world, ranks_per_node)
+    K, W, R = plan.num_nodes, world, plan.hpz_partition_size
+    feedback = plan.gradients.feedback
     out = {"error_feedback": 0, "weight_deltas_node_copy": 0, "weight_deltas_tracked_copy": 0}
     for unit in units:
         segments = unit.shards(W)
         C = sum(segments)
-        if config.gradient_error_feedback and config.quantize_gradients and K > 1:
-            bits = config.error_feedback_bits
-            pieces = _qgz_rows(tuple(segments), _GradientFormat.of(config))
+        if feedback is not None:
+            bits = feedback.bits
+            pieces = _qgz_rows(tuple(segments), _GradientFormat.of(plan))
             if bits == 8:  # INT8 codes, each piece's rows padded to 16 bytes, and one fp32 scale per block
                 out["error_feedback"] += K * sum(-(-size // 16) * 16 + 4 * count for size, count, _, _ in pieces)
             else:
                 out["error_feedback"] += K * sum(size for size, _, _, _ in pieces) * bits // 8
-        if config.weight_deltas and 1 < R < W:
+        if plan.forward.kind == "node_copy":
             out["weight_deltas_node_copy"] += (W // R) * C * e
             out["weight_deltas_tracked_copy"] += C * e
     return out

@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
+from .commplan import resolve
 from .config import ZeroPPConfig
 from .core import HSDP_ARGUMENTS
 from .costs import (
@@ -44,6 +45,7 @@ from .costs import (
     persistent_memory,
     step_bytes,
 )
+from .topology import Topology
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "zero3": dict(quantize_weights=False, hpz_partition_size=1, quantize_gradients=False),
@@ -180,7 +182,8 @@ def memory_parts(
     stored, e, _ = ELEMENT_BYTES[workload.precision]
     W, N = cluster.world, cluster.gpus_per_node
     _, R = config.resolve(W, N)
-    S = N if config.hybrid else W
+    plan = resolve(config, Topology(W, N, 0, R))
+    S = N if plan.hybrid else W
     shard = sum(sum(u.shards(S)) for u in units)
     layers = max(len(units) - 1, 1)
     T = workload.tokens_per_gpu
@@ -267,9 +270,12 @@ class Verdict:
 
 
 def lossy(name: str) -> bool:
-    """Whether a configuration of :data:`CONFIGS` sends anything quantized (qwZ, qgZ or weight deltas)."""
+    """Whether a configuration of :data:`CONFIGS` sends anything quantized (qwZ, qgZ or weight deltas) where its
+    techniques are on: its plan on two nodes of two ranks."""
     config = ZeroPPConfig(**CONFIGS[name])
-    return bool(config.quantize_weights) or config.quantize_gradients or config.weight_deltas
+    ranks_per_node, hpz = config.resolve(4, 2)
+    plan = resolve(config, Topology(4, ranks_per_node, 0, hpz))
+    return plan.forward.kind != "exact" or plan.gradients.kind == "two_hop"
 
 
 def verdict(rows: list[Row], cluster: Cluster, margin: float = MARGIN) -> Verdict:

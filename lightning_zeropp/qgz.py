@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from . import kernels as tk
+from .commplan import GradientReduction, two_hop
 from .config import ZeroPPConfig
 from .ledger import CommLedger
 from .topology import ProcessGroups, Topology
@@ -65,9 +66,9 @@ class _Hop(NamedTuple):
 
 
 @dataclass(frozen=True)
-class Plan:
-    """One reduction's shapes, computed once from the topology, the chunk length and the config: what every hop of
-    every stage sends and how it rounds; :func:`quantized_reduce_scatter` runs it.
+class Reduction:
+    """One reduction's shapes, computed once from the topology, the chunk length and the job's two-hop reduction:
+    what every hop of every stage sends and how it rounds; :func:`quantized_reduce_scatter` runs it.
 
     Args:
         topology: the job's ranks (N per node, K nodes).
@@ -77,7 +78,9 @@ class Plan:
         multiplier: what the fp32 sum is scaled by at the end (AVG's 1 / W, PREMUL_SUM's factor).
         call: the reduction's number in the job, for stochastic rounding's and rotation's seeds; None: the kernels
             draw fresh rounding seeds (and blocks are not rotated).
-        config: the bits, block size, rounding, error feedback decay and kernel backend.
+        gradients: the bits per hop, block size, pieces, rounding and rotation (the job's
+            :class:`~lightning_zeropp.commplan.GradientReduction`).
+        backend: the kernels' backend.
     """
 
     topology: Topology
@@ -86,21 +89,26 @@ class Plan:
     blocks: tk.Blocks | None
     multiplier: float
     call: int | None
-    config: ZeroPPConfig
+    gradients: GradientReduction
+    backend: str
 
     @classmethod
     def of(cls, topology: Topology, config: ZeroPPConfig, chunk: int, base_op, premul: float | None, *,
-           call: int | None = None, blocks: tk.Blocks | None = None) -> Plan:  # fmt: skip
-        """The plan of reducing W chunks of ``chunk`` elements with FSDP's ``base_op`` (AVG or SUM) and ``premul``
+           call: int | None = None, blocks: tk.Blocks | None = None,
+           gradients: GradientReduction | None = None) -> Reduction:  # fmt: skip
+        """The reduction of W chunks of ``chunk`` elements with FSDP's ``base_op`` (AVG or SUM) and ``premul``
         (PREMUL_SUM's factor, or None). ``call`` numbers the reductions of a job (see
-        :func:`quantized_reduce_scatter`); ``blocks``: the chunk's parameter-aligned blocks (None: flat blocks)."""
+        :func:`quantized_reduce_scatter`); ``blocks``: the chunk's parameter-aligned blocks (None: flat blocks);
+        ``gradients``: the job plan's two-hop reduction (None: ``config``'s,
+        :func:`~lightning_zeropp.commplan.two_hop`)."""
+        g = gradients if gradients is not None else two_hop(config)
         multiplier = premul if premul is not None else 1.0
         if base_op == dist.ReduceOp.AVG:
             multiplier /= topology.world_size
-        pieces = tuple(Stage(s, *piece) for s, piece in enumerate(stages(chunk, config, blocks)))
-        if config.gradient_rounding != "stochastic" and config.gradient_rotation == "none":
+        pieces = tuple(Stage(s, *piece) for s, piece in enumerate(stages(chunk, g.pieces, g.block_size, blocks)))
+        if not g.stochastic and g.rotation == "none":
             call = None
-        return cls(topology, chunk, pieces, blocks, multiplier, call, config)
+        return cls(topology, chunk, pieces, blocks, multiplier, call, g, config.kernel_backend)
 
     @property
     def busy(self) -> tuple[Stage, ...]:
@@ -109,7 +117,7 @@ class Plan:
 
     @property
     def stochastic(self) -> bool:
-        return self.config.gradient_rounding == "stochastic"
+        return self.gradients.stochastic
 
     def seed(self, hop: int, stage: Stage) -> int | None:
         """The seed of hop ``hop``'s quantization (0: intra-node, 1: inter-node) in ``stage``: one per (call, rank,
@@ -124,7 +132,7 @@ class Plan:
         """The seed of the inter-node hop's block rotation in ``stage`` (``gradient_rotation="hadamard"``), or None:
         one per (call, stage), the same on every rank (the K pieces summed on a rail must share their rotation), and
         new at every reduction, so no block keeps an unlucky rotation."""
-        if self.call is None or self.config.gradient_rotation == "none":
+        if self.call is None or self.gradients.rotation == "none":
             return None
         return hash((self.call, stage.index, 3)) & 0x7FFFFFFF
 
@@ -132,7 +140,7 @@ class Plan:
 def quantized_reduce_scatter(
     output: torch.Tensor,
     input: torch.Tensor,
-    plan: Plan,
+    plan: Reduction,
     groups: ProcessGroups,
     ledger: CommLedger,
     residuals: list[dict[str, Any]] | None = None,
@@ -168,43 +176,43 @@ def quantized_reduce_scatter(
         _finish(plan, *in_flight, out)
 
 
-def _start_intra(plan: Plan, stage: Stage, input: torch.Tensor, groups: ProcessGroups, ledger: CommLedger) -> _Hop:
+def _start_intra(plan: Reduction, stage: Stage, input: torch.Tensor, groups: ProcessGroups, ledger: CommLedger) -> _Hop:
     """Steps 1 and 2: swizzle and quantize the stage's pieces, start the all-to-all inside the node."""
-    topo, c = plan.topology, plan.config
+    topo, g = plan.topology, plan.gradients
     N, K = topo.ranks_per_node, topo.num_nodes
     if N == 1:
         return _Hop(None, None)
     send = tk.swizzle_quantize(
-        input, N, K, c.gradient_pieces, stage.index, c.intra_node_gradient_bits, c.gradient_block_size,
-        blocks=plan.blocks, backend=c.kernel_backend, stochastic=plan.stochastic, seed=plan.seed(0, stage),
+        input, N, K, g.pieces, stage.index, g.intra_bits, g.block_size,
+        blocks=plan.blocks, backend=plan.backend, stochastic=plan.stochastic, seed=plan.seed(0, stage),
     )  # fmt: skip
     recv = torch.empty_like(send)
     ledger.record_to_peers("gradient_all_to_all_intra", topo.intra_node_ranks(), K * send.shape[1])
     return _Hop(dist.all_to_all_single(recv, send, group=groups.intra_node, async_op=True), recv)
 
 
-def _reduce_in_node(plan: Plan, stage: Stage, input: torch.Tensor, intra: _Hop, feedback: dict[str, Any] | None,
+def _reduce_in_node(plan: Reduction, stage: Stage, input: torch.Tensor, intra: _Hop, feedback: dict[str, Any] | None,
                     out: torch.Tensor) -> torch.Tensor | None:  # fmt: skip
     """Steps 3 (K > 1: returns the buffer for the rail) or 3 + 5 (K == 1: writes the output)."""
-    topo, c = plan.topology, plan.config
+    topo, g = plan.topology, plan.gradients
     N, K = topo.ranks_per_node, topo.num_nodes
-    start, size, backend = stage.start, stage.size, c.kernel_backend
+    start, size, backend = stage.start, stage.size, plan.backend
     if intra.work is not None:
         intra.work.wait()
     if K == 1:
         tk.dequantize_reduce(
-            intra.recv, size, c.intra_node_gradient_bits, c.gradient_block_size, multiplier=plan.multiplier,
+            intra.recv, size, g.intra_bits, g.block_size, multiplier=plan.multiplier,
             out=out[start : start + size], blocks=stage.blocks, backend=backend,
         )  # fmt: skip
         return None
     feedback = feedback or {}
     if N == 1:  # nothing arrived from local peers: this rank's own K pieces go straight to the rail
         own = input.view(topo.world_size, plan.chunk)[:, start : start + size]
-        return tk.quantize(own, c.gradient_bits, c.gradient_block_size, blocks=stage.blocks, backend=backend,
+        return tk.quantize(own, g.inter_bits, g.block_size, blocks=stage.blocks, backend=backend,
                            stochastic=plan.stochastic, seed=plan.seed(1, stage),
                            rotation_seed=plan.rotation_seed(stage), **feedback)  # fmt: skip
     return tk.dequantize_reduce_quantize(
-        intra.recv.view(N, K, -1), size, c.intra_node_gradient_bits, c.gradient_bits, c.gradient_block_size,
+        intra.recv.view(N, K, -1), size, g.intra_bits, g.inter_bits, g.block_size,
         blocks=stage.blocks, backend=backend, stochastic=plan.stochastic, seed=plan.seed(1, stage),
         rotation_seed=plan.rotation_seed(stage), **feedback,
     )  # fmt: skip
@@ -217,21 +225,22 @@ def _start_inter(send: torch.Tensor, groups: ProcessGroups, ledger: CommLedger) 
     return _Hop(dist.all_to_all_single(recv, send, group=groups.inter_node, async_op=True), recv)
 
 
-def _finish(plan: Plan, stage: Stage, inter: _Hop, out: torch.Tensor) -> None:
+def _finish(plan: Reduction, stage: Stage, inter: _Hop, out: torch.Tensor) -> None:
     """Step 5: sum the K pieces from the rail into the output."""
-    c = plan.config
+    g = plan.gradients
     inter.work.wait()
     tk.dequantize_reduce(
-        inter.recv, stage.size, c.gradient_bits, c.gradient_block_size, multiplier=plan.multiplier,
-        out=out[stage.start : stage.start + stage.size], blocks=stage.blocks, backend=c.kernel_backend,
+        inter.recv, stage.size, g.inter_bits, g.block_size, multiplier=plan.multiplier,
+        out=out[stage.start : stage.start + stage.size], blocks=stage.blocks, backend=plan.backend,
         rotation_seed=plan.rotation_seed(stage),
     )  # fmt: skip
 
 
-def stages(chunk: int, config: ZeroPPConfig, blocks: tk.Blocks | None) -> list[tuple[int, int, tk.Blocks | None]]:
-    """``(start, size, piece blocks)`` of each pipeline stage's piece of a chunk (sizes may be 0)."""
+def stages(
+    chunk: int, pieces: int, block_size: int, blocks: tk.Blocks | None
+) -> list[tuple[int, int, tk.Blocks | None]]:
+    """``(start, size, piece blocks)`` of each of the ``pieces`` pipeline stages' piece of a chunk (sizes may be 0)."""
     if blocks is None:
-        bounds = (tk.stage_bounds(chunk, config.gradient_pieces, s, config.gradient_block_size)
-                  for s in range(config.gradient_pieces))  # fmt: skip
+        bounds = (tk.stage_bounds(chunk, pieces, s, block_size) for s in range(pieces))
         return [(start, size, None) for start, size in bounds]
-    return [(start, piece.numel, piece) for start, piece in blocks.stages(config.gradient_pieces)]
+    return [(start, piece.numel, piece) for start, piece in blocks.stages(pieces)]

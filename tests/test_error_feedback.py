@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from lightning_zeropp import ZeroPPStrategy
+from lightning_zeropp.config import ZeroPPConfig
 from lightning_zeropp.testing.distributed import lightning_trainer, spawn
 from lightning_zeropp.testing.models import TinyLM
 from lightning_zeropp.testing.workers import reference_training, relative_error, save_inputs, train_worker
@@ -19,9 +20,10 @@ QGZ_ONLY = dict(quantize_weights=False, hpz_partition_size=1, ranks_per_node=2)
 
 
 @pytest.mark.multiprocess
-def test_error_feedback_halves_the_accumulated_update_error(tmp_path, capsys):
+def test_error_feedback_cuts_the_accumulated_update_error(tmp_path, capsys):
     """20 SGD steps, 4 ranks as 2 x 2, qgZ only (the weights exact, so only the gradient path differs), with the
-    residual in each width; and what each width keeps per element (``persistent_memory``)."""
+    residual in each width at the default decay (1.0); and what each width keeps per element
+    (``persistent_memory``)."""
     init_path, data_path, x, y = save_inputs(tmp_path, 4 * BATCH * STEPS)
     ref, _ = reference_training(init_path, x, y, 4 * BATCH, STEPS)
     init = {f"net.{k}": v for k, v in torch.load(init_path).items()}
@@ -45,15 +47,16 @@ def test_error_feedback_halves_the_accumulated_update_error(tmp_path, capsys):
               + ", ".join(f"{errors[b]:.3f} at {b} bits (ratio {errors[b] / without:.2f})" for b in errors)
               + "; residual bytes per element: "
               + ", ".join(f"{max(bytes_per_element[b]):.3f} at {b} bits" for b in bytes_per_element))  # fmt: skip
-    # measured: 0.176 without; with error feedback 0.076 at 8 bits (ratio 0.43), 0.120 at 16 (0.69), 0.087 at 32
-    # (0.50). The spread between widths is this short run's sensitivity, not the widths' precision: 20 synthetic
-    # gradients quantized with feedback by the kernels alone accumulate the same error at all three widths
+    # measured (decay 1.0): 0.176 without; with error feedback 0.126 at 8 bits (ratio 0.72), 0.074 at 16 (0.42),
+    # 0.073 at 32 (0.42); at decay 0.8 it was 0.076, 0.120, 0.087. The spread between widths and decays is this short
+    # run's sensitivity, not the widths' precision: 20 synthetic gradients quantized with feedback by the kernels alone
+    # accumulate the same error at all three widths, and less at decay 1 than at 0.8
     # (test_every_residual_width_carries_the_error_alike). Absolute bounds at 1.3x the measurements, so a regression
     # of qgZ itself (a worse error without feedback) cannot pass by keeping the ratio
     assert without < 0.23, without  # 1.3x 0.176
-    assert errors[8] < 0.099 and errors[8] < 0.5 * without, errors  # 1.3x 0.076, the default width: at most half
-    assert errors[16] < 0.156, errors  # 1.3x 0.120
-    assert errors[32] < 0.115, errors  # 1.3x 0.088
+    assert errors[8] < 0.164 and errors[8] < 0.8 * without, errors  # 1.3x 0.126, the default width
+    assert errors[16] < 0.097 and errors[16] < 0.5 * without, errors  # 1.3x 0.074
+    assert errors[32] < 0.095 and errors[32] < 0.5 * without, errors  # 1.3x 0.073
     # 8 bits: 1 byte of code per element, one fp32 scale per block (128 elements, fewer at a parameter's tail), rows
     # padded to 16 bytes; in this tiny model (pieces of a few hundred elements) the padding and the short tail blocks
     # of its many small parameters add a few percent (measured 1.062): test_int8_residual_bytes_at_scale has a real
@@ -64,8 +67,9 @@ def test_error_feedback_halves_the_accumulated_update_error(tmp_path, capsys):
 
 def test_every_residual_width_carries_the_error_alike():
     """The kernels alone (torch twins): 20 gradients of two rows of 4096 (ten decades of magnitude) quantized to INT4
-    with error feedback; the sum of what was sent against the sum of the gradients. Measured: 0.112 without, 0.0332 at
-    32 and 16 bits, 0.0335 at 8."""
+    with error feedback; the sum of what was sent against the sum of the gradients. Measured at decay 1.0 (the
+    default): 0.112 without, 0.0253 at 32, 16 and 8 bits; at decay 0.8, 0.0332, 0.0332, 0.0335 (after 200 steps:
+    0.0076 at decay 1 against 0.0231 at 0.8)."""
     from lightning_zeropp import kernels as tk
 
     K, n, block = 2, 4096, 128
@@ -73,10 +77,10 @@ def test_every_residual_width_carries_the_error_alike():
     def accumulated_error(bits: int | None) -> float:
         g = torch.Generator().manual_seed(1)
         residual = {32: torch.zeros(K, n), 16: torch.zeros(K, n, dtype=torch.bfloat16)}.get(bits)
-        feedback = {} if bits is None else {"residual": residual, "decay": 0.8}
+        feedback = {} if bits is None else {"residual": residual, "decay": ZeroPPConfig().error_feedback_decay}
         if bits == 8:
             feedback = {"residual": torch.zeros(K, n, dtype=torch.int8), "residual_scales": torch.zeros(K, n // block)}
-            feedback["decay"] = 0.8
+            feedback["decay"] = ZeroPPConfig().error_feedback_decay
         sent, total = torch.zeros(K, n), torch.zeros(K, n)
         for _ in range(STEPS):
             x = torch.randn(K, n, generator=g) * torch.logspace(-3, 0, n) + 0.01
@@ -86,7 +90,7 @@ def test_every_residual_width_carries_the_error_alike():
 
     without = accumulated_error(None)
     errors = {bits: accumulated_error(bits) for bits in (32, 16, 8)}
-    assert without > 0.1 and all(e < 0.035 for e in errors.values()), (without, errors)
+    assert without > 0.1 and all(e < 0.028 for e in errors.values()), (without, errors)
     assert errors[8] < 1.02 * errors[32] and errors[16] < 1.02 * errors[32], errors
 
 

@@ -81,7 +81,7 @@ def _qgz_worker(rank, world, ranks_per_node, backends=("torch",)):
     from lightning_zeropp.comm import exact_reduce_scatter
     from lightning_zeropp.config import ZeroPPConfig
     from lightning_zeropp.ledger import CommLedger
-    from lightning_zeropp.qgz import Plan, quantized_reduce_scatter
+    from lightning_zeropp.qgz import Reduction, quantized_reduce_scatter
     from lightning_zeropp.topology import ProcessGroups, Topology
 
     dist.init_process_group("gloo")
@@ -101,7 +101,7 @@ def _qgz_worker(rank, world, ranks_per_node, backends=("torch",)):
             )  # fmt: skip
             ledger = CommLedger(topo)
             outs.append(torch.empty(chunk, dtype=dtype))
-            plan = Plan.of(topo, config, chunk, base, premul)
+            plan = Reduction.of(topo, config, chunk, base, premul)
             quantized_reduce_scatter(outs[-1], mine.clone(), plan, groups, ledger)
         out = outs[0]
         # each other backend against the first, bit for bit (NaN compares equal to NaN)

@@ -61,7 +61,7 @@ def _reduce(x, groups, rounding, call):
 
     from lightning_zeropp.config import ZeroPPConfig
     from lightning_zeropp.ledger import CommLedger
-    from lightning_zeropp.qgz import Plan, quantized_reduce_scatter
+    from lightning_zeropp.qgz import Reduction, quantized_reduce_scatter
 
     config = ZeroPPConfig(
         gradient_rounding=rounding, gradient_pieces=STAGES, gradient_block_size=BLOCK,
@@ -69,7 +69,7 @@ def _reduce(x, groups, rounding, call):
     )  # fmt: skip
     out = torch.empty(x.numel() // groups.topology.world_size)
     ledger = CommLedger(groups.topology)
-    plan = Plan.of(groups.topology, config, out.numel(), dist.ReduceOp.AVG, None, call=call)
+    plan = Reduction.of(groups.topology, config, out.numel(), dist.ReduceOp.AVG, None, call=call)
     quantized_reduce_scatter(out, x.clone(), plan, groups, ledger)
     return out
 

@@ -128,7 +128,7 @@ def _rotation_worker(rank, world, ranks_per_node):
 
     from lightning_zeropp.config import ZeroPPConfig
     from lightning_zeropp.ledger import CommLedger
-    from lightning_zeropp.qgz import Plan, quantized_reduce_scatter
+    from lightning_zeropp.qgz import Reduction, quantized_reduce_scatter
     from lightning_zeropp.topology import ProcessGroups, Topology
 
     dist.init_process_group("gloo")
@@ -143,7 +143,7 @@ def _rotation_worker(rank, world, ranks_per_node):
         name = "aligned" if blocks is not None else "uniform"
         for rotation in ("none", "hadamard"):
             config = ZeroPPConfig(gradient_pieces=2, gradient_rotation=rotation, gradient_block_size=128)
-            plan = Plan.of(topo, config, chunk, dist.ReduceOp.AVG, None, call=5, blocks=blocks)
+            plan = Reduction.of(topo, config, chunk, dist.ReduceOp.AVG, None, call=5, blocks=blocks)
             out = torch.empty(chunk)
             ledger = CommLedger(topo)
             quantized_reduce_scatter(out, every[rank].clone(), plan, groups, ledger)

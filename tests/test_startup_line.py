@@ -30,7 +30,7 @@ def _line(world: int, per_node: int, **kwargs) -> tuple[str, ZeroPPComms]:
         (8, 4, dict(quantize_weights=False), ["weights gathered exactly (quantize_weights=False)"], 0, 1),
         (8, 4, dict(gradient_error_feedback=True, quantize_gradients_steps=50, gradient_bits=8),
          ["qgZ INT8 -> INT8 gradients for the first 50 steps", "error feedback"], 1, 1),
-        (8, 4, dict(weight_deltas=True), ["weight deltas INT4", "hpZ backward gather inside 4 ranks"], 1, 1),
+        (8, 4, dict(weight_deltas=True), ["weight deltas INT4", "hpZ backward gather inside 4 ranks"], 0, 1),
         (4, 4, dict(weight_deltas=True), ["weight_deltas off (one hpZ group of 4 ranks"], 0, 0),
         (8, 4, dict(sharding_strategy="HYBRID_SHARD", quantize_gradients=False),
          ["2 nodes x 4 ranks", "HSDP", "all-reduced exactly across nodes"], 0, 0),
@@ -42,15 +42,24 @@ def test_startup_line_names_what_runs_and_why(world, per_node, kwargs, says, qwz
     assert line.startswith("ZeroPPStrategy: ") and "\n" not in line
     for part in says:
         assert part in line, f"{part!r} not in {line!r}"
-    # the line and the switches the collectives read agree (weight deltas build the forward gather instead of qwZ)
+    # the line and what the collectives run agree (weight deltas build the forward gather instead of qwZ)
     assert (comms.use_qwz, comms.use_qgz) == (bool(qwz), bool(qgz))
-    assert ("qwZ INT" in line) == (comms.use_qwz and comms.deltas is None) and ("qgZ INT" in line) == comms.use_qgz
+    assert ("qwZ INT" in line) == comms.use_qwz and ("qgZ INT" in line) == comms.use_qgz
+
+
+@pytest.mark.parametrize(
+    ("quantize_weights", "nodes", "quantized"),
+    [("auto", 2, True), ("auto", 1, False), (True, 1, True), (False, 4, False)],
+)
+def test_quantize_weights_resolves_by_node_count(quantize_weights, nodes, quantized):
+    from lightning_zeropp.commplan import resolve
+
+    config = ZeroPPConfig(quantize_weights=quantize_weights)
+    kind = resolve(config, Topology(2 * nodes, 2, 0, 2)).forward.kind
+    assert kind == ("quantized" if quantized else "exact")
 
 
 def test_quantize_weights_accepts_auto_and_bools_only():
     assert ZeroPPConfig().quantize_weights == "auto"
-    assert ZeroPPConfig().quantizes_weights(2) and not ZeroPPConfig().quantizes_weights(1)
-    assert ZeroPPConfig(quantize_weights=True).quantizes_weights(1)
-    assert not ZeroPPConfig(quantize_weights=False).quantizes_weights(4)
     with pytest.raises(TypeError, match="`quantize_weights` must be True or False"):
         ZeroPPConfig(quantize_weights="on")

@@ -1,0 +1,236 @@
+"""What each collective of a job runs, decided once: :func:`resolve` turns the arguments and the job's shape into a
+frozen :class:`CommPlan`, and everything that acts on a technique reads the plan, never the switches again.
+
+The runtime (:class:`~lightning_zeropp.comm.ZeroPPComms`, the process groups, the FSDP hooks), the cost model
+(:mod:`lightning_zeropp.costs`, the planner) and the startup line all interpret the same plan, so a combination of
+arguments and topology that nobody tested (70B on 32 nodes in the planner) cannot be decided one way by the runtime
+and another by the cost model. ``tests/test_architecture.py`` fails on a read of a technique switch outside
+:mod:`~lightning_zeropp.config` and this module.
+
+Per collective::
+
+    forward gather    exact (world; HSDP: the node) | quantized (bits, block) | node copy (weight deltas, bits)
+    backward gather   secondary (hpZ: inside R ranks; HSDP: the node, exact) | again as the forward
+    gradients         exact reduce-scatter (world) | two-hop (qgZ: intra bits, inter bits, pieces, rounding, feedback,
+                      rotation, until a step) | HSDP rail (exact in the node, all-reduced across nodes)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from .config import ZeroPPConfig
+from .hpz import reshard_after_forward
+from .topology import Topology
+
+ForwardKind = Literal["exact", "quantized", "node_copy"]
+BackwardKind = Literal["secondary", "same"]
+GradientKind = Literal["exact", "two_hop", "hsdp_rail"]
+Group = Literal["world", "node"]
+
+
+@dataclass(frozen=True)
+class ForwardGather:
+    """The forward all-gather: ``exact`` over ``group``; ``quantized`` (qwZ: ``bits``, ``block_size``) over the
+    world; or ``node_copy`` (weight deltas: ``bits`` per delta element, the node's copy rebuilt exactly every
+    ``refresh`` optimizer steps)."""
+
+    kind: ForwardKind
+    group: Group
+    bits: int | None = None
+    block_size: int | None = None
+    refresh: int | None = None
+
+
+@dataclass(frozen=True)
+class BackwardGather:
+    """The backward all-gather: ``secondary`` (from the copy kept after forward, inside ``group_size`` ranks, exact)
+    or ``same`` (again as the forward gathers, from every rank of its group)."""
+
+    kind: BackwardKind
+    group_size: int
+
+
+@dataclass(frozen=True)
+class Feedback:
+    """Error feedback on the inter-node hop: the residual's width, carry-over factor and reset period."""
+
+    bits: int
+    decay: float
+    reset: int
+
+
+@dataclass(frozen=True)
+class GradientReduction:
+    """The gradient reduction: ``exact`` (FSDP's reduce-scatter over ``group``), ``two_hop`` (qgZ) or ``hsdp_rail``
+    (reduce-scatter in the node, all-reduce across nodes, both exact). For ``two_hop``: the bits per hop, the block
+    size, the pipeline pieces, the rounding, the feedback (None: off), the rotation, and ``until_step`` (0: throughout;
+    else qgZ for the first that many optimizer steps, the exact reduce-scatter after)."""
+
+    kind: GradientKind
+    group: Group
+    intra_bits: int | None = None
+    inter_bits: int | None = None
+    block_size: int | None = None
+    pieces: int | None = None
+    rounding: str | None = None
+    feedback: Feedback | None = None
+    rotation: str = "none"
+    until_step: int = 0
+
+    @property
+    def stochastic(self) -> bool:
+        return self.rounding == "stochastic"
+
+
+@dataclass(frozen=True)
+class CommPlan:
+    """One job's collectives (see the module docstring), the sharding they imply, and why each collective runs as it
+    does where a switch would say otherwise (``notes``: ``(collective, why)`` pairs: "forward", "deltas",
+    "gradients")."""
+
+    world_size: int
+    ranks_per_node: int
+    num_nodes: int
+    hpz_partition_size: int
+    sharding: Literal["FULL_SHARD", "HYBRID_SHARD"]
+    forward: ForwardGather
+    backward: BackwardGather
+    gradients: GradientReduction
+    reshard_after_forward: bool | int
+    mesh_shape: tuple[int, ...]
+    block_alignment: str
+    notes: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def hybrid(self) -> bool:
+        """HSDP: sharded inside each node (a 2-D mesh), replicated across nodes."""
+        return self.sharding == "HYBRID_SHARD"
+
+    @property
+    def shard_group(self) -> Group:
+        """The group FSDP's collectives run on: all ranks (ZeRO-3, ZeRO++), or (HSDP, several nodes) the node's."""
+        return "node" if self.hybrid and self.num_nodes > 1 else "world"
+
+    @property
+    def aligned(self) -> bool:
+        """Quantization blocks follow parameters (no block holds two)."""
+        return self.block_alignment == "parameter"
+
+    def quantizes_gradients_at(self, step: int) -> bool:
+        """Whether the reduction after ``step`` optimizer steps runs qgZ."""
+        g = self.gradients
+        return g.kind == "two_hop" and (g.until_step == 0 or step < g.until_step)
+
+    def note(self, collective: str) -> str:
+        """Why ``collective`` runs as it does, where a switch would say otherwise ("": nothing to say)."""
+        return next((why for key, why in self.notes if key == collective), "")
+
+    def _why(self, collective: str) -> str:
+        return f" ({self.note(collective)})" if self.note(collective) else ""
+
+    def describe(self) -> str:
+        """One line: what each collective runs, and why a switch the user left on does nothing here."""
+        K, N, R = self.num_nodes, self.ranks_per_node, self.hpz_partition_size
+        shape = f"{K} node{'s' if K > 1 else ''} x {N} rank{'s' if N > 1 else ''}"
+        f, g = self.forward, self.gradients
+        if self.hybrid:
+            rail = "gradients all-reduced exactly across nodes" if K > 1 else "one node: no cross-node all-reduce"
+            parts = ["HSDP: weights gathered and gradients reduce-scattered inside each node", rail]
+            return f"ZeroPPStrategy: {shape}; " + "; ".join(parts) + "."
+        parts = []
+        if f.kind == "node_copy":
+            parts.append(f"weight deltas INT{f.bits} (forward gather from the node's copy)")
+        elif f.kind == "quantized":
+            where = (
+                f"across {K} nodes" if K > 1 else "(quantize_weights=True on one node: lossy, no cross-node byte saved)"
+            )
+            parts.append(f"qwZ INT{f.bits} weights {where}")
+        else:
+            parts.append("weights gathered exactly" + self._why("forward"))
+        if self.note("deltas"):
+            parts.append(self.note("deltas"))
+        if self.backward.kind == "secondary":
+            parts.append(f"hpZ backward gather inside {R} ranks")
+        if g.kind == "two_hop":
+            steps = f" for the first {g.until_step} steps" if g.until_step else ""
+            extras = ", error feedback" if g.feedback is not None else ""
+            extras += ", Hadamard-rotated blocks" if g.rotation == "hadamard" else ""
+            parts.append(
+                f"qgZ INT{g.intra_bits} -> INT{g.inter_bits} gradients{steps} ({g.pieces} pieces, {g.rounding}"
+                f" rounding{extras})"
+            )
+        else:
+            parts.append("gradients reduce-scattered exactly" + self._why("gradients"))
+        return f"ZeroPPStrategy: {shape}; " + "; ".join(parts) + "."
+
+
+def resolve(config: ZeroPPConfig, topology: Topology) -> CommPlan:
+    """The plan of ``config`` on ``topology`` (whose ``hpz_partition_size`` is ``config.resolve``'s)."""
+    c, K, N, W, R = (
+        config,
+        topology.num_nodes,
+        topology.ranks_per_node,
+        topology.world_size,
+        topology.hpz_partition_size,
+    )
+    notes: list[tuple[str, str]] = []
+    hybrid = c.sharding_strategy == "HYBRID_SHARD"
+    shard: Group = "node" if hybrid and K > 1 else "world"
+    # forward
+    if c.weight_deltas and 1 < R < W:
+        forward = ForwardGather("node_copy", "world", c.weight_delta_bits, c.weight_block_size, c.weight_delta_refresh)
+    elif not hybrid and (c.quantize_weights is True or (c.quantize_weights == "auto" and K > 1)):
+        forward = ForwardGather("quantized", "world", c.weight_bits, c.weight_block_size)
+    else:
+        forward = ForwardGather("exact", shard)
+        if c.quantize_weights == "auto" and not hybrid:
+            notes.append(("forward", "qwZ off: one node, nothing crosses nodes"))
+        elif c.quantize_weights is False:
+            notes.append(("forward", "quantize_weights=False"))
+    if c.weight_deltas and forward.kind != "node_copy":
+        notes.append(
+            ("deltas", f"weight_deltas off (one hpZ group of {R} ranks: every rank already gathers in its node)")
+        )
+    # backward (HSDP's R is 1: FSDP re-gathers inside the node)
+    reshard = reshard_after_forward(R, W)
+    backward = BackwardGather("secondary", R) if reshard is not True else BackwardGather("same", N if hybrid else W)
+    # gradients
+    if hybrid and K > 1:
+        gradients = GradientReduction("hsdp_rail", "node")
+    elif c.quantize_gradients and not hybrid and K > 1:
+        gradients = two_hop(c)
+    else:
+        gradients = GradientReduction("exact", shard)
+        if c.quantize_gradients and not hybrid:
+            notes.append(("gradients", "qgZ off: one node, nothing crosses nodes"))
+        elif not c.quantize_gradients and not hybrid:
+            notes.append(("gradients", "quantize_gradients=False"))
+    mesh = (K, N) if hybrid else (W,)
+    return CommPlan(W, N, K, R, c.sharding_strategy, forward, backward, gradients, reshard, mesh, c.block_alignment,
+                    tuple(notes))  # fmt: skip
+
+
+def two_hop(config: ZeroPPConfig) -> GradientReduction:
+    """qgZ's reduction as ``config`` sets it, whatever the topology (with one node its inter-node hop is empty)."""
+    c = config
+    feedback = (
+        Feedback(c.error_feedback_bits, c.error_feedback_decay, c.error_feedback_reset)
+        if c.gradient_error_feedback
+        else None
+    )
+    return GradientReduction(
+        "two_hop", "world", c.intra_node_gradient_bits, c.gradient_bits, c.gradient_block_size, c.gradient_pieces,
+        c.gradient_rounding, feedback, c.gradient_rotation, c.quantize_gradients_steps,
+    )  # fmt: skip
+
+
+def check_kernels(config: ZeroPPConfig, device_type: str) -> None:
+    """Raises where the plan's techniques have no kernels on ``device_type`` (rotated blocks: torch kernels only)."""
+    if config.gradient_rotation != "none" and device_type == "cuda" and config.kernel_backend != "torch":
+        raise ValueError(
+            f"ZeroPPStrategy: `gradient_rotation={config.gradient_rotation!r}` runs on the torch kernels only so far,"
+            f" and `kernel_backend={config.kernel_backend!r}` picks Triton on {device_type}; set kernel_backend='torch'"
+            " (slower quantization kernels) or gradient_rotation='none'."
+        )
