@@ -10,7 +10,8 @@ What each test pins down:
   seen until ``refresh_weight_copies()``;
 - the ledger: one refresh per unit at the first step and every ``weight_delta_refresh`` steps, otherwise per step one
   delta exchange per unit, whose cross-node bytes are exactly one INT4 buffer per other node, and no weight
-  all-gather leaves the node;
+  all-gather leaves the node; those bytes come from the wire format alone (``_closed_form_wire``), which is checked,
+  with the quantizer's sizes, offsets and bytes, against numbers computed by hand (``BY_HAND``);
 - bad combinations are refused with the argument named.
 """
 
@@ -118,21 +119,6 @@ def _check_parity(state, init, ref_state, label, bits):
     assert 0 < whole <= whole_tol, f"{label}: the model's update differs by {whole:.4f}"
 
 
-def _delta_bytes(world: int, bits: int = 4, block: int = 256) -> list[int]:
-    """Per unit of TinyLM (blocks, then the root): the bytes of one rank's delta buffer (parameter-aligned blocks)."""
-    model = TinyLM()
-    model.configure_model()
-    blocks = list(model.net.blocks)
-    in_blocks = {id(p) for b in blocks for p in b.parameters()}
-    units = [list(b.parameters()) for b in blocks] + [[p for p in model.parameters() if id(p) not in in_blocks]]
-    sizes = []
-    for params in units:
-        segments = [padded_shard_numel(p.shape, world) for p in params]
-        layout = tk.Blocks.of_segments(segments, block)
-        sizes.append(tk.quantize(torch.zeros(sum(segments)), bits, block, blocks=layout).numel())
-    return sizes
-
-
 def _closed_form_wire(segments: list[int], bits: int, block: int = 256) -> int:
     """The wire size of one quantized buffer from the format alone (README, "Kernels"): per parameter segment whole
     blocks from its start and a shorter tail; INT4 codes two per byte; with a block size that is a multiple of 32,
@@ -157,6 +143,67 @@ def _unit_segments(world: int) -> list[list[int]]:
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
     units = [list(b.parameters()) for b in blocks] + [[p for p in model.parameters() if id(p) not in in_blocks]]
     return [[padded_shard_numel(p.shape, world) for p in params] for params in units]
+
+
+def _delta_bytes(world: int, bits: int = 4, block: int = 256) -> list[int]:
+    """Per unit of TinyLM (blocks, then the root): the bytes of one rank's delta buffer, from the wire format alone."""
+    return [_closed_form_wire(segments, bits, block) for segments in _unit_segments(world)]
+
+
+# Hand-computed from the format (README "Kernels", docs/kernels.md), for segments of 300 and 5 elements:
+# block 256: blocks [256 | 44] [5], 3 scales
+#   INT8: payload 256 + 44 -> 48 + 5 -> 16 = 320 bytes; scales 320..332; 332 -> 336
+#   INT4: payload 128 + 22 -> 32 + 3 -> 16 = 176 bytes; scales 176..188; 188 -> 192
+# block 128: blocks [128 | 128 | 44] [5], 4 scales (payload + scales on a 16-byte boundary: one scale more shows)
+#   INT8: payload 128 + 128 + 48 + 16 = 320; scales 320..336; 336
+#   INT4: payload 64 + 64 + 32 + 16 = 176; scales 176..192; 192
+# block 100 (not a multiple of 32: blocks start on a byte, no tail padding), segments 250 and 5: [100|100|50] [5]
+#   INT8: payload 100 + 100 + 50 + 5 = 255 -> 256; scales 256..272; 272
+#   INT4: payload 50 + 50 + 25 + 3 = 128; scales 128..144; 144
+# one block of 256, and one element: 256 + 4 -> 272 (INT8), 128 + 4 -> 144 (INT4); 16 + 4 -> 32 (either)
+# (segments, block, bits): (payload blocks' byte ranges, scale offset, wire bytes)
+BY_HAND = {
+    ((300, 5), 256, 8): ([(0, 256), (256, 300), (304, 309)], 320, 336),
+    ((300, 5), 256, 4): ([(0, 128), (128, 150), (160, 163)], 176, 192),
+    ((300, 5), 128, 8): ([(0, 128), (128, 256), (256, 300), (304, 309)], 320, 336),
+    ((300, 5), 128, 4): ([(0, 64), (64, 128), (128, 150), (160, 163)], 176, 192),
+    ((250, 5), 100, 8): ([(0, 100), (100, 200), (200, 250), (250, 255)], 256, 272),
+    ((250, 5), 100, 4): ([(0, 50), (50, 100), (100, 125), (125, 128)], 128, 144),
+    ((256,), 256, 8): ([(0, 256)], 256, 272),
+    ((256,), 256, 4): ([(0, 128)], 128, 144),
+    ((1,), 256, 8): ([(0, 1)], 16, 32),
+    ((1,), 256, 4): ([(0, 1)], 16, 32),
+}
+
+
+@pytest.mark.parametrize("key", list(BY_HAND), ids=lambda k: f"{'+'.join(map(str, k[0]))}-b{k[1]}-int{k[2]}")
+def test_wire_size_and_layout_match_the_format_by_hand(key):
+    """The sizes the ledger tests expect (:func:`_closed_form_wire`) and what the quantizer writes, against sizes and
+    offsets computed by hand from the format: every block of ``c_b`` (a power of two, exact in fp32) codes as
+    ``qmax`` at its byte range, zeros in the padding, scale ``c_b / qmax`` (the reciprocal rounded to fp32 once) at
+    the scale offset, zeros after the scales."""
+    segments, block, bits = key
+    ranges, scale_at, wire = BY_HAND[key]
+    assert _closed_form_wire(list(segments), bits, block) == wire
+    layout = tk.Blocks.of_segments(list(segments), block)
+    assert layout.count == len(ranges) and layout.wire_size(bits) == wire
+    starts = layout.starts
+    values = [2.0 ** (b % 5 - 2) for b in range(layout.count)]
+    x = torch.cat([torch.full((starts[b + 1] - starts[b],), v) for b, v in enumerate(values)])
+    q = tk.quantize(x, bits, block, blocks=layout, backend="torch")
+    assert q.dtype == torch.uint8 and q.shape == (wire,), f"{q.shape[0]} bytes on the wire, {wire} by hand"
+    qmax = 127 if bits == 8 else 7
+    expected = torch.zeros(wire, dtype=torch.uint8)
+    for (a, b), n in zip(ranges, (starts[k + 1] - starts[k] for k in range(layout.count))):
+        if bits == 8:
+            expected[a:b] = qmax
+        else:  # two codes per byte, element 2i in the low nibble; an odd count leaves the last high nibble 0
+            expected[a:b] = qmax | qmax << 4
+            if n % 2:
+                expected[b - 1] = qmax
+    scales = torch.tensor(values) * torch.tensor(1 / qmax, dtype=torch.float32)
+    expected[scale_at : scale_at + 4 * layout.count] = scales.view(torch.uint8)
+    assert torch.equal(q, expected), f"bytes differ at {torch.nonzero(q != expected).flatten().tolist()[:16]}"
 
 
 def _wire_to_other_nodes(result: dict, rank: int, per_node: int) -> int:
