@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import Literal
 
 from .config import ZeroPPConfig
-from .hpz import reshard_after_forward
 from .topology import Topology
 
 ForwardKind = Literal["exact", "quantized", "node_copy"]
@@ -164,6 +163,17 @@ class CommPlan:
         else:
             parts.append("gradients reduce-scattered exactly" + self._why("gradients"))
         return f"ZeroPPStrategy: {shape}; " + "; ".join(parts) + "."
+
+
+def reshard_after_forward(hpz_partition_size: int, world_size: int) -> bool | int:
+    """FSDP2's ``reshard_after_forward`` for an hpZ partition size.
+
+    ``1`` (hpZ off) and ``world_size`` both mean plain ZeRO-3: reshard fully, gather again from everyone in
+    backward. (FSDP2 reads the int 1 as "do not reshard", which would keep whole weights alive: not ZeRO-3.)
+    """
+    if hpz_partition_size in (1, world_size):
+        return True
+    return hpz_partition_size
 
 
 def resolve(config: ZeroPPConfig, topology: Topology) -> CommPlan:

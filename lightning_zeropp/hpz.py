@@ -20,17 +20,6 @@ from .collectives import all_gather_flat
 from .ledger import CommLedger
 
 
-def reshard_after_forward(hpz_partition_size: int, world_size: int) -> bool | int:
-    """FSDP2's ``reshard_after_forward`` for an hpZ partition size.
-
-    ``1`` (hpZ off) and ``world_size`` both mean plain ZeRO-3: reshard fully, gather again from everyone in
-    backward. (FSDP2 reads the int 1 as "do not reshard", which would keep whole weights alive: not ZeRO-3.)
-    """
-    if hpz_partition_size in (1, world_size):
-        return True
-    return hpz_partition_size
-
-
 def secondary_all_gather(
     output: torch.Tensor,
     input: torch.Tensor,

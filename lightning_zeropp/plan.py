@@ -573,18 +573,27 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """The module docstring as written, and each argument's default after its help unless it has none."""
+class _ShowDefaults:
+    """Adds arguments to a parser or group (``target``), each one's default after its help unless it has none."""
 
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None or action.default is False:
-            return action.help
-        return super()._get_help_string(action)
+    def __init__(self, target: Any) -> None:
+        self.target = target
+
+    def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
+        action = self.target.add_argument(*args, **kwargs)
+        if action.help and action.default is not None and action.default is not False:
+            action.help += " (default: %(default)s)"
+        return action
 
 
 def parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m lightning_zeropp.plan", description=__doc__, formatter_class=_HelpFormatter)
-    m = p.add_argument_group("model (none given: the example's 3.26M demo GPT, which is not your model)")
+    p = _Parser(
+        prog="python -m lightning_zeropp.plan",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    shown = _ShowDefaults(p)
+    m = _ShowDefaults(p.add_argument_group("model (none given: the example's 3.26M demo GPT, which is not your model)"))
     m.add_argument("--params", type=float, help="parameter count of a GPT, e.g. 7e9; its shape is derived (layers"
                    " = width / 128) unless given; beside --n-layer and --n-embd, a check: they must make it within"
                    " 10%%")  # fmt: skip
@@ -596,7 +605,7 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--block-size", type=int, help=f"positions (default: {LLM_BLOCK} for --params or a shape; the"
                    f" demo's {DEMO['block_size']} without)")  # fmt: skip
     m.add_argument("--litgpt", help="a litgpt config name, e.g. pythia-1b (needs litgpt); alone: it is the shape")
-    c = p.add_argument_group("cluster")
+    c = _ShowDefaults(p.add_argument_group("cluster"))
     c.add_argument("--nodes", type=int, default=2, help="nodes (machines) in the job")
     c.add_argument("--gpus-per-node", type=int, default=8, help="GPUs (ranks) per node")
     c.add_argument("--gpu", choices=sorted(GPUS), default=GPU, help="memory, peak, HBM and NVLink presets: "
@@ -612,7 +621,7 @@ def parser() -> argparse.ArgumentParser:
                    " Gbit/s; 8 x 400G InfiniBand: 3200")  # fmt: skip
     c.add_argument("--inter-latency-us", type=float, default=5.0, help="per message between nodes, microseconds")
     c.add_argument("--intra-latency-us", type=float, default=2.0, help="per message inside a node, microseconds")
-    w = p.add_argument_group("workload")
+    w = _ShowDefaults(p.add_argument_group("workload"))
     w.add_argument("--tokens", type=int, default=4096, help="tokens per GPU per optimizer step")
     w.add_argument("--precision", default="bf16-mixed", choices=sorted(ELEMENT_BYTES), help="Lightning's precision")
     w.add_argument("--optimizer-states", type=int, default=2, help="fp32 values per parameter (Adam: 2, SGD: 1)")
@@ -621,10 +630,10 @@ def parser() -> argparse.ArgumentParser:
                    " paper's V100 table: measure yours)")  # fmt: skip
     w.add_argument("--overlap", type=float, default=OVERLAP, help="share of the shorter of compute/comm hidden"
                    " (fitted as above)")  # fmt: skip
-    p.add_argument("--margin", type=float, default=MARGIN, help="a configuration is recommended over a simpler one"
+    shown.add_argument("--margin", type=float, default=MARGIN, help="a configuration is recommended over a simpler one"
                    " only when its step is more than this fraction shorter")  # fmt: skip
-    p.add_argument("--json", type=Path, help="write the plan and the verdict to this file")
-    p.add_argument("--plot", type=Path, help="a PNG of step time against inter-node bandwidth (needs matplotlib)")
+    shown.add_argument("--json", type=Path, help="write the plan and the verdict to this file")
+    shown.add_argument("--plot", type=Path, help="a PNG of step time against inter-node bandwidth (needs matplotlib)")
     return p
 
 

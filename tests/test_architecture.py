@@ -44,6 +44,7 @@ LAYERS = {
     "qwz": 2,
     "hpz": 2,
     "blocks": 1,
+    "commplan": 1,
     "collectives": 1,
     "ledger": 1,
     "spawn": 1,

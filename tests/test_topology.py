@@ -3,7 +3,7 @@
 import pytest
 
 from lightning_zeropp import CommLedger
-from lightning_zeropp.hpz import reshard_after_forward
+from lightning_zeropp.commplan import reshard_after_forward
 from lightning_zeropp.topology import Topology
 
 
