@@ -43,6 +43,17 @@ def _is_finite_real(value: object) -> bool:
     return not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value)
 
 
+def _check_seed(op: str, name: str, seed: object, none_means: str) -> None:
+    """``seed``: None (``none_means``) or an int in [0, 2**63)."""
+    if seed is None:
+        return
+    allowed = f"use None ({none_means}) or an int in [0, 2**63)"
+    if not _is_int(seed):
+        raise TypeError(f"{op}: `{name}={seed!r}` is not an int; {allowed}.")
+    if not 0 <= seed < _SEED_LIMIT:
+        raise ValueError(f"{op}: `{name}={seed!r}` is not allowed; {allowed}.")
+
+
 def _check_tensor(op: str, name: str, t: object) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{op}: `{name}` must be a torch.Tensor, got {type(t).__name__}.")
@@ -166,14 +177,7 @@ class _Rounding:
     def _check_rounding(self, op: str) -> None:
         if not isinstance(self.stochastic, bool):
             raise TypeError(f"{op}: `stochastic={self.stochastic!r}` is not allowed; use True or False.")
-        seed = self.seed
-        if seed is None:
-            return
-        allowed = "use None (a fresh seed) or an int in [0, 2**63)"
-        if not _is_int(seed):
-            raise TypeError(f"{op}: `seed={seed!r}` is not an int; {allowed}.")
-        if not 0 <= seed < _SEED_LIMIT:
-            raise ValueError(f"{op}: `seed={seed!r}` is not allowed; {allowed}.")
+        _check_seed(op, "seed", self.seed, "a fresh seed")
 
 
 @dataclass(**_FROZEN, kw_only=True)
@@ -188,14 +192,7 @@ class _Rotation:
     rotation_seed: int | None = None
 
     def _check_rotation(self, op: str) -> None:
-        seed = self.rotation_seed
-        if seed is None:
-            return
-        allowed = "use None (no rotation) or an int in [0, 2**63)"
-        if not _is_int(seed):
-            raise TypeError(f"{op}: `rotation_seed={seed!r}` is not an int; {allowed}.")
-        if not 0 <= seed < _SEED_LIMIT:
-            raise ValueError(f"{op}: `rotation_seed={seed!r}` is not allowed; {allowed}.")
+        _check_seed(op, "rotation_seed", self.rotation_seed, "no rotation")
 
 
 @dataclass(**_FROZEN, kw_only=True)
