@@ -17,6 +17,9 @@ gradient reduce-scatter        whole group                 qgZ 2-hop all-to-all,
 HSDP (HYBRID_SHARD): every     the node's ranks            exact, on our node group; FSDP then
 all-gather and reduce-scatter                             all-reduces the gradients across nodes on
                                                           its own rail group (its hook records it)
+quantized HSDP: reduce-scatter the node's ranks (FSDP's     exact in the node, then on our rail group
+                               mesh is the node alone)     the INT4 reduce-scatter and INT8 / bf16
+                                                          all-gather of :mod:`rail`
 ============================  ==========================  ===========================================
 """
 
@@ -28,7 +31,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from . import hpz, qgz, qwz
+from . import hpz, qgz, qwz, rail
 from .blocks import UnitBlocks
 from .collectives import all_gather_flat, reduce_scatter_flat, split_reduce_op
 from .commplan import CommPlan, resolve
@@ -149,6 +152,10 @@ class ZeroPPComms:
                 f" instead of {groups.ranks(expected)}; the model was sharded with a mesh other than the strategy's."
             )
         base_op, premul = split_reduce_op(op)
+        if self.plan.gradients.kind == "hsdp_rail":  # quantized HSDP (FSDP all-reduces itself otherwise)
+            exact_reduce_scatter(output, input, base_op, premul, groups, self.ledger, role)
+            self._reduce_on_rail(output, base_op, unit, groups)
+            return
         if self.quantizes_gradients():
             call, self.gradient_calls = self.gradient_calls, self.gradient_calls + 1
             chunk = output.numel()
@@ -166,14 +173,30 @@ class ZeroPPComms:
             return
         exact_reduce_scatter(output, input, base_op, premul, groups, self.ledger, role)
 
+    def _reduce_on_rail(self, output: torch.Tensor, base_op, unit: UnitBlocks | None, groups: ProcessGroups) -> None:
+        """Quantized HSDP: the node-reduced shard all-reduced across nodes on this rank's rail (the K nodes' mean
+        for AVG), quantized until the plan's step, exactly after."""
+        multiplier = 1.0 / self.topology.num_nodes if base_op == dist.ReduceOp.AVG else 1.0
+        if not self.quantizes_gradients():
+            rail.exact_all_reduce(output, multiplier, groups.inter_node, self.topology, self.ledger)
+            return
+        call, self.gradient_calls = self.gradient_calls, self.gradient_calls + 1
+        shard = output.numel()
+        blocks = unit.gradients(shard) if unit is not None else None
+        reduction = rail.RailReduction.of(self.topology, self.plan.gradients, shard, blocks, multiplier, call,
+                                          self.config.kernel_backend)  # fmt: skip
+        residuals = None
+        if self.feedback is not None:
+            name = unit.name if unit is not None else "<unit>"
+            rows = self.feedback.pieces(name, 1, reduction.feedback_shape(), output.device, self.steps)
+            residuals = [row.arguments(self.feedback.decay) for row in rows]
+        rail.all_reduce(output, reduction, groups.inter_node, self.ledger, residuals)
+
     def all_reduced(self, reduced: torch.Tensor) -> None:
         """HSDP: FSDP all-reduced one unit's reduce-scattered gradients across nodes (on the rail of ranks with this
         local rank), called by FSDP's all-reduce hook. Recorded as a reduce-scatter of the buffer in one piece per
         rail rank followed by an all-gather of this rank's piece (what any all-reduce algorithm must move)."""
-        ranks = self.topology.rail_ranks()
-        pieces = _pieces(reduced.numel(), len(ranks), reduced.element_size())
-        mine = pieces[ranks.index(self.topology.rank)]
-        self.ledger.record_to_peers("gradient_all_reduce", ranks, [p + mine for p in pieces])
+        rail.record_exact(reduced, self.topology, self.ledger)
 
     def quantizes_gradients(self) -> bool:
         """Whether this step's gradients take qgZ (the plan's two-hop reduction, until its step, if any)."""
@@ -263,11 +286,6 @@ class ZeroPPComms:
             "block_alignment": c.block_alignment,
             "error_feedback_bits": c.error_feedback_bits,
         }
-
-
-def _pieces(numel: int, parts: int, element_size: int) -> list[int]:
-    """Bytes of ``parts`` consecutive pieces of ``numel`` elements, as even as whole elements allow."""
-    return [(numel * (i + 1) // parts - numel * i // parts) * element_size for i in range(parts)]
 
 
 def _ranks(layout: dict[str, Any]) -> int:

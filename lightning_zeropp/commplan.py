@@ -12,7 +12,9 @@ Per collective::
     forward gather    exact (world; HSDP: the node) | quantized (bits, block) | node copy (weight deltas, bits)
     backward gather   secondary (hpZ: inside R ranks; HSDP: the node, exact) | again as the forward
     gradients         exact reduce-scatter (world) | two-hop (qgZ: intra bits, inter bits, pieces, rounding, feedback,
-                      rotation, until a step) | HSDP rail (exact in the node, all-reduced across nodes)
+                      rotation, until a step) | HSDP rail (reduce-scatter in the node, exact; then across nodes an
+                      all-reduce: FSDP's exact one, or quantized HSDP's INT4 reduce-scatter and INT8 / bf16 all-gather
+                      with the same rounding, feedback, rotation and until-step as qgZ, :mod:`~lightning_zeropp.rail`)
 """
 
 from __future__ import annotations
@@ -63,9 +65,11 @@ class Feedback:
 @dataclass(frozen=True)
 class GradientReduction:
     """The gradient reduction: ``exact`` (FSDP's reduce-scatter over ``group``), ``two_hop`` (qgZ) or ``hsdp_rail``
-    (reduce-scatter in the node, all-reduce across nodes, both exact). For ``two_hop``: the bits per hop, the block
-    size, the pipeline pieces, the rounding, the feedback (None: off), the rotation, and ``until_step`` (0: throughout;
-    else qgZ for the first that many optimizer steps, the exact reduce-scatter after)."""
+    (reduce-scatter in the node, exact, then all-reduce across nodes: exact, or quantized where ``inter_bits`` is
+    set). For ``two_hop``: the bits per hop, the block size, the pipeline pieces, the rounding, the feedback (None:
+    off), the rotation, and ``until_step`` (0: throughout; else quantized for the first that many optimizer steps, exact
+    after). A quantized rail has the same fields but ``intra_bits`` and ``pieces`` (its pieces are the K rail ranks'),
+    and ``gather_bits``: the reduced pieces' width on the rail's all-gather (8: INT8 blocks, 16: bf16)."""
 
     kind: GradientKind
     group: Group
@@ -77,10 +81,16 @@ class GradientReduction:
     feedback: Feedback | None = None
     rotation: str = "none"
     until_step: int = 0
+    gather_bits: int | None = None
 
     @property
     def stochastic(self) -> bool:
         return self.rounding == "stochastic"
+
+    @property
+    def quantized_rail(self) -> bool:
+        """Quantized HSDP: the rail's all-reduce runs as ours (INT4 reduce-scatter, INT8 / bf16 all-gather)."""
+        return self.kind == "hsdp_rail" and self.inter_bits is not None
 
 
 @dataclass(frozen=True)
@@ -113,6 +123,12 @@ class CommPlan:
         return "node" if self.hybrid and self.num_nodes > 1 else "world"
 
     @property
+    def native_all_reduce(self) -> bool:
+        """HSDP whose cross-node all-reduce FSDP runs itself, exactly, on a 2-D mesh; quantized HSDP gives FSDP the
+        node's ranks alone (a 1-D mesh) and runs the rail's all-reduce inside its reduce-scatter hook."""
+        return self.hybrid and not self.gradients.quantized_rail
+
+    @property
     def aligned(self) -> bool:
         """Quantization blocks follow parameters (no block holds two)."""
         return self.block_alignment == "parameter"
@@ -120,7 +136,8 @@ class CommPlan:
     def quantizes_gradients_at(self, step: int) -> bool:
         """Whether the reduction after ``step`` optimizer steps runs qgZ."""
         g = self.gradients
-        return g.kind == "two_hop" and (g.until_step == 0 or step < g.until_step)
+        quantized = g.kind == "two_hop" or g.quantized_rail
+        return quantized and (g.until_step == 0 or step < g.until_step)
 
     def note(self, collective: str) -> str:
         """Why ``collective`` runs as it does, where a switch would say otherwise ("": nothing to say)."""
@@ -135,7 +152,18 @@ class CommPlan:
         shape = f"{K} node{'s' if K > 1 else ''} x {N} rank{'s' if N > 1 else ''}"
         f, g = self.forward, self.gradients
         if self.hybrid:
-            rail = "gradients all-reduced exactly across nodes" if K > 1 else "one node: no cross-node all-reduce"
+            if g.quantized_rail:
+                steps = f" for the first {g.until_step} steps" if g.until_step else ""
+                extras = ", error feedback" if g.feedback is not None else ""
+                extras += ", Hadamard-rotated blocks" if g.rotation == "hadamard" else ""
+                gather = "bf16" if g.gather_bits == 16 else f"INT{g.gather_bits}"
+                rail = (
+                    f"quantized HSDP across nodes{steps}: INT{g.inter_bits} reduce-scatter, {gather} all-gather"
+                    f" ({g.rounding} rounding{extras})"
+                )
+            else:
+                rail = "gradients all-reduced exactly across nodes" if K > 1 else "one node: no cross-node all-reduce"
+                rail += self._why("gradients")
             parts = ["HSDP: weights gathered and gradients reduce-scattered inside each node", rail]
             return f"ZeroPPStrategy: {shape}; " + "; ".join(parts) + "."
         parts = []
@@ -207,17 +235,20 @@ def resolve(config: ZeroPPConfig, topology: Topology) -> CommPlan:
     reshard = reshard_after_forward(R, W)
     backward = BackwardGather("secondary", R) if reshard is not True else BackwardGather("same", N if hybrid else W)
     # gradients
-    if hybrid and K > 1:
+    if hybrid and K > 1 and c.quantize_gradients:
+        gradients = quantized_rail(c)
+    elif hybrid and K > 1:
         gradients = GradientReduction("hsdp_rail", "node")
+        notes.append(("gradients", "quantize_gradients=False"))
     elif c.quantize_gradients and not hybrid and K > 1:
         gradients = two_hop(c)
     else:
         gradients = GradientReduction("exact", shard)
-        if c.quantize_gradients and not hybrid:
+        if c.quantize_gradients:
             notes.append(("gradients", "qgZ off: one node, nothing crosses nodes"))
         elif not c.quantize_gradients and not hybrid:
             notes.append(("gradients", "quantize_gradients=False"))
-    mesh = (K, N) if hybrid else (W,)
+    mesh = ((N,) if gradients.quantized_rail else (K, N)) if hybrid else (W,)
     return CommPlan(W, N, K, R, c.sharding_strategy, forward, backward, gradients, reshard, mesh, c.block_alignment,
                     tuple(notes))  # fmt: skip
 
@@ -233,6 +264,16 @@ def two_hop(config: ZeroPPConfig) -> GradientReduction:
     return GradientReduction(
         "two_hop", "world", c.intra_node_gradient_bits, c.gradient_bits, c.gradient_block_size, c.gradient_pieces,
         c.gradient_rounding, feedback, c.gradient_rotation, c.quantize_gradients_steps,
+    )  # fmt: skip
+
+
+def quantized_rail(config: ZeroPPConfig) -> GradientReduction:
+    """Quantized HSDP's cross-node reduction as ``config`` sets it (its bits, blocks, rounding, feedback, rotation
+    and until-step are qgZ's arguments; the all-gather's width is ``hsdp_gather_bits``)."""
+    q = two_hop(config)
+    return GradientReduction(
+        "hsdp_rail", "node", None, q.inter_bits, q.block_size, None, q.rounding, q.feedback, q.rotation, q.until_step,
+        config.hsdp_gather_bits,
     )  # fmt: skip
 
 

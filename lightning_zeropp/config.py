@@ -493,12 +493,20 @@ class ZeroPPConfig:
         "FULL_SHARD",
         '"FULL_SHARD": ZeRO-3, every parameter sharded over all ranks (ZeRO++ builds on it); "HYBRID_SHARD": HSDP,'
         " sharded over the ranks of each node and replicated across nodes (weights are gathered inside the node,"
-        " gradients reduce-scattered inside it, then all-reduced across nodes; exact). HYBRID_SHARD needs"
-        ' quantize_weights=False and quantize_gradients=False (strategy="hsdp" sets them): ZeRO++\'s techniques'
-        " cut cross-node weight and gradient traffic HSDP does not have.",
+        " gradients reduce-scattered inside it, then all-reduced across nodes). With quantize_gradients=False"
+        ' (strategy="hsdp") that all-reduce is exact; with quantize_gradients=True (strategy="qhsdp") it runs as'
+        " an INT4 reduce-scatter and an INT8 all-gather (hsdp_gather_bits) with qgZ's rounding, error feedback and"
+        " rotation. HYBRID_SHARD needs quantize_weights off (weights never leave the node).",
         check=_one_of(_SHARDING_STRATEGIES),
-        when='"HYBRID_SHARD" (strategy="hsdp") when the model\'s state fits sharded over one node: only gradients'
-        " cross nodes.",
+        when='"HYBRID_SHARD" when the model\'s state fits sharded over one node: only gradients cross nodes;'
+        ' strategy="qhsdp" where the link between nodes is slow.',
+    )
+    hsdp_gather_bits: Literal[8, 16] = argument(
+        8,
+        "Quantized HSDP: the width of the reduced gradient pieces all-gathered across nodes: 8 (INT8 blocks of"
+        " gradient_block_size) or 16 (bf16).",
+        check=_bits(8, 16),
+        when="16 when quantized HSDP costs too much accuracy (1.6x its cross-node bytes).",
     )
 
     def __post_init__(self) -> None:
@@ -553,12 +561,10 @@ class ZeroPPConfig:
 
     def _check_hybrid(self) -> None:
         """HYBRID_SHARD gathers weights and reduce-scatters gradients inside each node and replicates across nodes:
-        the ZeRO++ techniques, which shrink the cross-node all-gathers and reduce-scatter of FULL_SHARD, do not
-        apply (quantizing HSDP's cross-node all-reduce is not built)."""
+        the weight techniques, which shrink FULL_SHARD's cross-node all-gathers, do not apply; quantize_gradients
+        quantizes the cross-node all-reduce (quantized HSDP)."""
         reasons = {
             "quantize_weights": "qwZ quantizes the cross-node weight all-gather; HSDP gathers weights inside the node",
-            "quantize_gradients": "qgZ's 2-hop all-to-all replaces the world-wide reduce-scatter; HSDP reduce-scatters"
-            " inside the node and all-reduces across nodes exactly",
             "weight_deltas": "weight deltas keep hpZ's node copy; HSDP's weights never leave the node",
         }
         wrong = [name for name in reasons if getattr(self, name) is True]  # "auto" resolves to off under HSDP
@@ -566,8 +572,8 @@ class ZeroPPConfig:
             raise ValueError(
                 "ZeroPPStrategy: `sharding_strategy='HYBRID_SHARD'` (HSDP) does not combine with "
                 + "; ".join(f"`{name}=True` ({reasons[name]})" for name in wrong)
-                + f'. Set {", ".join(f"{name}=False" for name in wrong)} (strategy="hsdp" does), or use'
-                " sharding_strategy='FULL_SHARD' for ZeRO++."
+                + f'. Set {", ".join(f"{name}=False" for name in wrong)} (strategy="hsdp" and "qhsdp" do), or'
+                " use sharding_strategy='FULL_SHARD' for ZeRO++."
             )
         if self.hpz_partition_size not in ("auto", 1):
             raise _fail(

@@ -162,7 +162,8 @@ class ZeroPPCore:
 
     def _build_mesh(self, topology: Topology, plan: CommPlan, device_type: str) -> DeviceMesh:
         """The mesh every ``fully_shard`` call gets: all ranks (ZeRO-3), or (HSDP) nodes x ranks per node,
-        ``("replicate", "shard")``: sharded inside each node, FSDP's all-reduce on the rails. The HSDP groups are
+        ``("replicate", "shard")``: sharded inside each node, FSDP's all-reduce on the rails; or (quantized HSDP)
+        the node's ranks, ``("shard",)``, the rails' all-reduce run by our reduce-scatter hook. The HSDP groups are
         FSDP's, made here with the strategy's ``timeout`` and kept for the job (the strategy's own groups are
         released at every teardown, and a model keeps its mesh)."""
         if not plan.hybrid:
@@ -170,6 +171,9 @@ class ZeroPPCore:
         K, N, rank, timeout = topology.num_nodes, topology.ranks_per_node, topology.rank, self.config.timeout
         replicate = own_group([topology.rail_ranks(local) for local in range(N)], rank, timeout)
         shard = own_group([topology.intra_node_ranks(node) for node in range(K)], rank, timeout)
+        if not plan.native_all_reduce:  # quantized HSDP: FSDP shards over the node alone; the rail is ours
+            node = torch.tensor(topology.intra_node_ranks())
+            return DeviceMesh.from_group(shard, device_type, node, mesh_dim_names=("shard",))
         ranks = torch.arange(topology.world_size).view(K, N)
         return DeviceMesh.from_group([replicate, shard], device_type, ranks, mesh_dim_names=("replicate", "shard"))
 
@@ -493,11 +497,13 @@ class FrontDoor:
 
 HSDP_ARGUMENTS = dict(sharding_strategy="HYBRID_SHARD", quantize_weights=False, quantize_gradients=False)
 """What ``"hsdp"`` sets: HSDP (shard inside each node, replicate across nodes) with exact collectives."""
+QUANTIZED_HSDP_ARGUMENTS = dict(sharding_strategy="HYBRID_SHARD", quantize_weights=False, quantize_gradients=True)
+"""What ``"qhsdp"`` sets: HSDP whose cross-node all-reduce is an INT4 reduce-scatter and an INT8 all-gather."""
 
 
 def register_names(registry: Any, strategy_class: type) -> None:
-    """Registers ``"zeropp"`` (the defaults), ``"zero3"`` (qwZ, hpZ and qgZ off) and ``"hsdp"`` (HYBRID_SHARD) in a
-    Trainer or Fabric registry."""
+    """Registers ``"zeropp"`` (the defaults), ``"zero3"`` (qwZ, hpZ and qgZ off), ``"hsdp"`` (HYBRID_SHARD) and
+    ``"qhsdp"`` (HYBRID_SHARD, the cross-node all-reduce quantized) in a Trainer or Fabric registry."""
     registry.register(
         "zeropp",
         strategy_class,
@@ -520,6 +526,14 @@ def register_names(registry: Any, strategy_class: type) -> None:
         " replicated across nodes; the baseline beside ZeRO-3 and ZeRO++",
         override=True,
         **HSDP_ARGUMENTS,
+    )
+    registry.register(
+        "qhsdp",
+        strategy_class,
+        description="Quantized HSDP (ZeroPPStrategy with sharding_strategy='HYBRID_SHARD', quantize_gradients=True):"
+        " HSDP whose cross-node gradient all-reduce is an INT4 reduce-scatter and an INT8 all-gather",
+        override=True,
+        **QUANTIZED_HSDP_ARGUMENTS,
     )
 
 

@@ -62,6 +62,6 @@ def install(model: torch.nn.Module, comms: ZeroPPComms) -> list[UnitBlocks]:
             units.append(unit)
             module.set_custom_all_gather(ZeroPPAllGather(comms, unit))
             module.set_custom_reduce_scatter(ZeroPPReduceScatter(comms, unit))
-            if comms.plan.hybrid:  # FSDP all-reduces across nodes itself; the hook runs after it, to record it
+            if comms.plan.native_all_reduce:  # FSDP all-reduces across nodes itself; the hook, run after, records it
                 module.set_all_reduce_hook(comms.all_reduced)
     return units

@@ -240,7 +240,4 @@ def stages(
     chunk: int, pieces: int, block_size: int, blocks: tk.Blocks | None
 ) -> list[tuple[int, int, tk.Blocks | None]]:
     """``(start, size, piece blocks)`` of each of the ``pieces`` pipeline stages' piece of a chunk (sizes may be 0)."""
-    if blocks is None:
-        bounds = (tk.stage_bounds(chunk, pieces, s, block_size) for s in range(pieces))
-        return [(start, size, None) for start, size in bounds]
-    return [(start, piece.numel, piece) for start, piece in blocks.stages(pieces)]
+    return tk.cut_pieces(chunk, pieces, block_size, blocks)

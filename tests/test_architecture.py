@@ -41,6 +41,7 @@ LAYERS = {
     "deltas": 2,
     "feedback": 2,
     "qgz": 2,
+    "rail": 2,
     "qwz": 2,
     "hpz": 2,
     "blocks": 1,

@@ -38,7 +38,6 @@ def test_hsdp_alias_and_argument():
 @pytest.mark.parametrize(
     ("given", "named"),
     [
-        (dict(sharding_strategy="HYBRID_SHARD"), ["quantize_gradients=True"]),
         (
             dict(sharding_strategy="HYBRID_SHARD", quantize_gradients=False, quantize_weights=True),
             ["quantize_weights=True"],
@@ -47,7 +46,7 @@ def test_hsdp_alias_and_argument():
         (dict(HSDP, hpz_partition_size=2), ["hpz_partition_size=2", "HYBRID_SHARD"]),
         (dict(sharding_strategy="hybrid"), ["sharding_strategy='hybrid'", "FULL_SHARD"]),
     ],
-    ids=["defaults", "qwz", "deltas", "hpz", "spelling"],
+    ids=["qwz", "deltas", "hpz", "spelling"],
 )
 def test_refused_combinations_name_argument_and_fix(given, named):
     with pytest.raises(ValueError) as err:

@@ -21,7 +21,17 @@ from typing import Literal
 import torch
 
 from . import reference
-from .layout import QMAX, RECIPROCAL_QMAX, Blocks, payload_bytes, scale_offset, stage_bounds, swizzle_order, wire_size
+from .layout import (
+    QMAX,
+    RECIPROCAL_QMAX,
+    Blocks,
+    cut_pieces,
+    payload_bytes,
+    scale_offset,
+    stage_bounds,
+    swizzle_order,
+    wire_size,
+)
 from .specs import (
     DequantizeReduceQuantizeSpec,
     DequantizeReduceSpec,
@@ -212,6 +222,7 @@ __all__ = [
     "Backend",
     "Blocks",
     "check_backend",
+    "cut_pieces",
     "dequantize",
     "dequantize_reduce",
     "dequantize_reduce_quantize",

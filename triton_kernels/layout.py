@@ -93,6 +93,16 @@ def stage_bounds(chunk_numel: int, stages: int, stage: int, block_size: int) -> 
     return start, min(piece, chunk_numel - start)
 
 
+def cut_pieces(numel: int, pieces: int, block_size: int, blocks: Blocks | None) -> list[tuple[int, int, Blocks | None]]:
+    """``(start, size, piece blocks)`` of each of ``pieces`` consecutive pieces of a row of ``numel`` elements, cut at
+    block boundaries (sizes may be 0): :meth:`Blocks.stages` for parameter-aligned ``blocks``, else
+    :func:`stage_bounds` (and None). qgZ's pipeline pieces of a chunk, and quantized HSDP's rail pieces of a shard."""
+    if blocks is None:
+        bounds = (stage_bounds(numel, pieces, s, block_size) for s in range(pieces))
+        return [(start, size, None) for start, size in bounds]
+    return [(start, piece.numel, piece) for start, piece in blocks.stages(pieces)]
+
+
 class Blocks:
     """Quantization blocks of one row that never straddle a boundary between segments (parameters).
 
