@@ -107,6 +107,10 @@ RUNS: dict[str, dict[str, Any] | Callable[[int], dict[str, Any]]] = {
     "zeropp+sr": dict(gradient_rounding="stochastic"),
     "zeropp+ef1": dict(gradient_error_feedback=True, error_feedback_decay=1.0),
     "zeropp+rot+ef1": dict(gradient_rotation="hadamard", gradient_error_feedback=True, error_feedback_decay=1.0),
+    "hsdp": dict(sharding_strategy="HYBRID_SHARD", quantize_weights=False, quantize_gradients=False),
+    "qhsdp": dict(sharding_strategy="HYBRID_SHARD", quantize_weights=False, quantize_gradients=True),
+    "qhsdp-bf16": dict(sharding_strategy="HYBRID_SHARD", quantize_weights=False, quantize_gradients=True,
+                       hsdp_gather_bits=16),
 }  # fmt: skip
 DEFAULT_CONFIGS = ["zero3", "zeropp", "zeropp+ef", "zeropp-deltas+ef", "zeropp-qgz-half"]
 BASE = "zero3"
