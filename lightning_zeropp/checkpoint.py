@@ -64,10 +64,10 @@ SCHEDULERS_KEY = "lr_schedulers"  # the Trainer's list of learning-rate schedule
 
 
 @dataclass(frozen=True)
-class Layout:
+class CheckpointKeys:
     """Where a checkpoint keeps the model's state dict and each optimizer's state, by top-level key.
 
-    Three layouts are read: the Trainer's (``state_dict``; in a full file the optimizers as the list
+    Three are read: the Trainer's (``state_dict``; in a full file the optimizers as the list
     ``optimizer_states``, in a sharded folder as ``optimizer_0``, ``optimizer_1``, ...), which this strategy writes
     from both front doors into sharded folders and from the Trainer into full files, and which Lightning's
     consolidation of a sharded folder produces (``state_dict``, ``optimizer_0``, ...); and a Fabric state's own keys
@@ -192,13 +192,13 @@ def _checkpoint_name(name: str) -> str:
 
 def read_checkpoint(
     path: Path,
-    layout: Layout,
+    keys: CheckpointKeys,
     model: torch.nn.Module,
     optimizers: list[torch.optim.Optimizer],
     strict: bool,
     weights_only: bool | None,
 ) -> dict[str, Any]:
-    """Loads ``model`` and ``optimizers`` (in order) from the checkpoint at ``path`` laid out as ``layout``; returns
+    """Loads ``model`` and ``optimizers`` (in order) from the checkpoint at ``path`` laid out as ``keys``; returns
     everything else it holds. Collective. A sharded folder is read with ``torch.distributed.checkpoint`` (each rank its
     own slices); a full file is read by every rank, which keeps its slices (no broadcast). An optimizer state keyed by
     parameter index (a plain optimizer's) is mapped to the model's parameter names first."""
@@ -213,10 +213,10 @@ def read_checkpoint(
     )
 
     if path.is_dir():
-        names = layout.optimizers
-        model_state = {layout.model: get_model_state_dict(model)}
+        names = keys.optimizers
+        model_state = {keys.model: get_model_state_dict(model)}
         dcp_load(model_state, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=not strict))
-        set_model_state_dict(model, model_state[layout.model], options=StateDictOptions(strict=strict))
+        set_model_state_dict(model, model_state[keys.model], options=StateDictOptions(strict=strict))
         for name, optimizer in zip(names, optimizers):
             optimizer_state = {name: get_optimizer_state_dict(model, optimizer)}
             dcp_load(optimizer_state, checkpoint_id=path)
@@ -225,11 +225,11 @@ def read_checkpoint(
         return dict(torch.load(path / METADATA_FILENAME, weights_only=bool(weights_only)))
     checkpoint = reveal_strategy_entries(torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only))
     full = StateDictOptions(full_state_dict=True, strict=strict)  # each rank keeps its slices: nothing is sent
-    set_model_state_dict(model, checkpoint.pop(layout.model), options=full)
-    if layout.optimizers_in_list:
+    set_model_state_dict(model, checkpoint.pop(keys.model), options=full)
+    if keys.optimizers_in_list:
         states = list(checkpoint.get(OPTIMIZER_STATES, []))
     else:
-        states = [checkpoint.pop(name) for name in layout.optimizers]
+        states = [checkpoint.pop(name) for name in keys.optimizers]
     for optimizer, optimizer_state in zip(optimizers, states):
         optimizer_state = name_keyed(optimizer_state, model, optimizer)
         if optimizer_state.get("state"):
@@ -322,22 +322,22 @@ def _top_level_keys(path: Path) -> tuple[set[str], dict[str, Any]]:
     return set(checkpoint), dict(checkpoint.get(FABRIC_KEYS) or {})
 
 
-def read_layout(path: Path, model_key: str | None = None, optimizer_keys: tuple[str, ...] = ()) -> Layout:
-    """The layout of the checkpoint at ``path`` (see :class:`Layout`). ``model_key`` / ``optimizer_keys``: the keys a
-    Fabric state gives the model and its optimizers, tried when the checkpoint is in neither of the Trainer's
-    layouts (a plain ``Fabric``'s full file)."""
+def read_keys(path: Path, model_key: str | None = None, optimizer_keys: tuple[str, ...] = ()) -> CheckpointKeys:
+    """Where the checkpoint at ``path`` keeps what (see :class:`CheckpointKeys`). ``model_key`` / ``optimizer_keys``:
+    the keys a Fabric state gives the model and its optimizers, tried when the checkpoint is in neither of the
+    Trainer's layouts (a plain ``Fabric``'s full file)."""
     keys, fabric_keys = _top_level_keys(path)
     if MODEL_KEY in keys:
         if OPTIMIZER_STATES in keys and not path.is_dir():
-            return Layout(MODEL_KEY, optimizers_in_list=True)
+            return CheckpointKeys(MODEL_KEY, optimizers_in_list=True)
         numbered = sorted((int(k[10:]), k) for k in keys if k.startswith("optimizer_") and k[10:].isdigit())
-        return Layout(MODEL_KEY, tuple(k for _, k in numbered))
+        return CheckpointKeys(MODEL_KEY, tuple(k for _, k in numbered))
     if fabric_keys:
-        return Layout(
+        return CheckpointKeys(
             fabric_keys["model"], tuple(fabric_keys["optimizers"]), schedulers=tuple(fabric_keys["lr_schedulers"])
         )
     if model_key is not None and model_key in keys:
-        return Layout(model_key, tuple(k for k in optimizer_keys if k in keys))
+        return CheckpointKeys(model_key, tuple(k for k in optimizer_keys if k in keys))
     wanted = f"'{MODEL_KEY}'" + (f" or {model_key!r}" if model_key and model_key != MODEL_KEY else "")
     raise CheckpointMismatchError(
         f"ZeroPPStrategy: {path} holds no model state under {wanted} (its keys: {sorted(keys)[:8]}): not a checkpoint"
@@ -374,28 +374,28 @@ def _read_file(path: Path) -> Mapping[str, Any]:
     return reveal_strategy_entries(checkpoint)
 
 
-def _stored(path: Path, layout: Layout) -> tuple[dict[str, tuple[int, ...]], list[set[str]]]:
+def _stored(path: Path, keys: CheckpointKeys) -> tuple[dict[str, tuple[int, ...]], list[set[str]]]:
     """Names and global shapes of the model tensors stored in a checkpoint (sharded folder or full file), and each
     optimizer's state keys (for a full file, by state name only: see :func:`_by_state_name`)."""
     if path.is_dir():
         metadata = _sharded_metadata(path)
-        prefix = f"{layout.model}."
+        prefix = f"{keys.model}."
         shapes = {
             key[len(prefix) :]: tuple(meta.size)
             for key, meta in metadata.state_dict_metadata.items()
             if key.startswith(prefix) and hasattr(meta, "size")
         }
-        optimizers: dict[str, set[str]] = {name: set() for name in layout.optimizers}
+        optimizers: dict[str, set[str]] = {name: set() for name in keys.optimizers}
         for key in metadata.state_dict_metadata:
             head, _, rest = key.partition(".")
             if head in optimizers:
                 optimizers[head].add(rest)
-        return shapes, [optimizers[name] for name in layout.optimizers]
+        return shapes, [optimizers[name] for name in keys.optimizers]
     checkpoint = _read_file(path)
-    model = checkpoint[layout.model]
+    model = checkpoint[keys.model]
     shapes = {k: tuple(v.shape) for k, v in model.items() if isinstance(v, torch.Tensor)}
-    states = checkpoint.get(OPTIMIZER_STATES, []) if layout.optimizers_in_list else [
-        checkpoint[k] for k in layout.optimizers
+    states = checkpoint.get(OPTIMIZER_STATES, []) if keys.optimizers_in_list else [
+        checkpoint[k] for k in keys.optimizers
     ]  # fmt: skip
     return shapes, [_by_state_name(flat_keys(state)) for state in states]
 
@@ -449,12 +449,12 @@ def check_compatible(
     model_shapes: Mapping[str, tuple[int, ...]],
     strict: bool,
     optimizers: list[tuple[str, set[str]]] | None = None,
-    layout: Layout | None = None,
+    keys: CheckpointKeys | None = None,
 ) -> None:
     """Raises :class:`CheckpointMismatchError` listing missing, unexpected and differently shaped tensors; then, for
     ``optimizers`` (name and expected keys of each optimizer this run restores), missing and unexpected state.
-    ``layout``: where the checkpoint keeps them (default: read from it, see :func:`read_layout`)."""
-    stored, stored_optimizers = _stored(path, layout or read_layout(path))
+    ``keys``: where the checkpoint keeps them (default: read from it, see :func:`read_keys`)."""
+    stored, stored_optimizers = _stored(path, keys or read_keys(path))
     missing = sorted(set(model_shapes) - set(stored)) if strict else []
     unexpected = sorted(set(stored) - set(model_shapes)) if strict else []
     reshaped = sorted(
@@ -575,16 +575,16 @@ def load(
     filepath: str | os.PathLike,
     model_shapes: Mapping[str, tuple[int, ...]],
     strict: bool,
-    read: Callable[[Path, Layout], dict[str, Any]],
+    read: Callable[[Path, CheckpointKeys], dict[str, Any]],
     restore: Callable[[Any, Path], None] | None = None,
     optimizers: list[tuple[str, set[str]]] | None = None,
     model_key: str | None = None,
     optimizer_keys: tuple[str, ...] = (),
 ) -> dict[str, Any]:
-    """Repairs an interrupted save at the path (:func:`recover`), reads its :class:`Layout` (``model_key`` and
-    ``optimizer_keys``: a Fabric state's names, see :func:`read_layout`), checks the checkpoint against the model and
+    """Repairs an interrupted save at the path (:func:`recover`), reads its :class:`CheckpointKeys` (``model_key`` and
+    ``optimizer_keys``: a Fabric state's names, see :func:`read_keys`), checks the checkpoint against the model and
     the ``optimizers`` (name and expected state keys of each) on every rank (each reads the files itself: they may
-    not share a filesystem), and only then runs the collective ``read(path, layout)``; restores this rank's random
+    not share a filesystem), and only then runs the collective ``read(path, keys)``; restores this rank's random
     state. Returns what ``read`` returned, without the random states and the collectives' state (handed to
     ``restore(state, path)``)."""
     path = Path(ranks.broadcast(filepath))
@@ -601,15 +601,15 @@ def load(
             recover(path)
         if not path.exists():
             raise FileNotFoundError(f"ZeroPPStrategy: checkpoint {path} does not exist.")
-        layout = read_layout(path, model_key, optimizer_keys)
-        check_compatible(path, model_shapes, strict, optimizers, layout)
+        keys = read_keys(path, model_key, optimizer_keys)
+        check_compatible(path, model_shapes, strict, optimizers, keys)
     except (FileNotFoundError, CheckpointMismatchError) as err:
         problem = err
     agree_or_raise(problem)
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
-        loaded = read(path, layout)
+        loaded = read(path, keys)
     except CheckpointMismatchError:
         raise
     except (Exception, CheckpointException) as err:  # an unreadable shard: the cause first, per rank
@@ -662,10 +662,15 @@ def _unstash(state: Any, tensors: dict[str, torch.Tensor]) -> Any:
 
 def _upgraded(state: dict[str, Any]) -> dict[str, Any]:
     """A collectives' state as earlier versions wrote it (the step count with the residuals, a sharded file's
-    residuals named by unit alone, a layout without the residuals' width) in today's form."""
+    residuals named by unit alone, a layout without the residuals' width or the reduction they belong to) in today's
+    form."""
     layout = state.get("layout")
     if isinstance(layout, dict) and "error_feedback_bits" not in layout:  # residuals were fp32 then
-        state = {**state, "layout": {**layout, "error_feedback_bits": 32}}
+        layout = {**layout, "error_feedback_bits": 32}
+    if isinstance(layout, dict) and "reduction" not in layout:  # qgZ's two hops were the only reduction with residuals
+        layout = {**layout, "reduction": "two_hop"}
+    if layout is not state.get("layout"):
+        state = {**state, "layout": layout}
     feedback = state.get("error_feedback")
     if feedback is None or "steps" not in feedback:
         return state

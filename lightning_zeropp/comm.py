@@ -236,8 +236,13 @@ class ZeroPPComms:
     def state_dict(self, node_copies: bool = True) -> dict[str, Any]:
         """What a resume needs to continue exactly: the counters, this rank's error feedback residuals and (with
         ``node_copies``) its part of the weight deltas' node copies; ``layout`` says which job shape the per-rank
-        tensors belong to. Without the node copies, the first forward after a resume rebuilds them exactly."""
-        state: dict[str, Any] = {"layout": self.layout(), "gradient_calls": self.gradient_calls, "steps": self.steps}
+        tensors belong to (:meth:`state_shape`). Without the node copies, the first forward after a resume rebuilds
+        them exactly."""
+        state: dict[str, Any] = {
+            "layout": self.state_shape(),
+            "gradient_calls": self.gradient_calls,
+            "steps": self.steps,
+        }
         if self.feedback is not None:
             state["error_feedback"] = self.feedback.state_dict()
         if self.deltas is not None and node_copies:
@@ -255,11 +260,12 @@ class ZeroPPComms:
             self.deltas.clear()
         if self.feedback is not None:
             self.feedback.clear()
-        if state["layout"] != self.layout():
+        now = self.state_shape()
+        if state["layout"] != now:
             if self.feedback is not None or self.deltas is not None:
                 rank_zero_warn(
                     f"ZeroPPStrategy: {source} was written by {_ranks(state['layout'])} ranks laid out as"
-                    f" {state['layout']}; this job has {_ranks(self.layout())} ranks laid out as {self.layout()}."
+                    f" {state['layout']}; this job has {_ranks(now)} ranks laid out as {now}."
                     " The error feedback residuals and weight delta copies belong to that layout and are dropped"
                     " (residuals start from zero, copies are rebuilt exactly); everything else resumes as saved."
                 )
@@ -275,10 +281,13 @@ class ZeroPPComms:
         if self.deltas is not None and "weight_deltas" in state:
             self.deltas.load_state_dict(state["weight_deltas"], self.units)
 
-    def layout(self) -> dict[str, Any]:
-        """What the residuals' shapes and meaning depend on: ranks per node and nodes, stages, blocks, width."""
+    def state_shape(self) -> dict[str, Any]:
+        """What the per-rank tensors' shapes and meaning depend on (saved as a checkpoint's ``layout``): ranks per node
+        and nodes, the reduction the residuals belong to (qgZ's two hops, quantized HSDP's rail), stages, blocks,
+        width."""
         c = self.config
         return {
+            "reduction": self.plan.gradients.kind,
             "ranks_per_node": self.topology.ranks_per_node,
             "num_nodes": self.topology.num_nodes,
             "pipeline_stages": c.gradient_pieces,  # the name saved checkpoints hold (renamed argument, same meaning)

@@ -42,8 +42,9 @@ _SHARDED = "_zeropp_sharded"  # the one attribute sharding sets on the user's mo
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
-    """What the sharding of a model depends on; a model sharded otherwise cannot be adopted by a strategy."""
+class Sharding:
+    """What the sharding of a model depends on; a model sharded otherwise cannot be adopted by a strategy.
+    ``mesh_shape``: FSDP's mesh (all ranks; HSDP nodes x ranks per node; quantized HSDP the node's ranks)."""
 
     front_door: str
     world_size: int
@@ -51,8 +52,9 @@ class Layout:
     precision: str
     cpu_offload: bool
     sharding_strategy: str = "FULL_SHARD"
+    mesh_shape: tuple[int, ...] = ()
 
-    def differences(self, now: Layout) -> list[str]:
+    def differences(self, now: Sharding) -> list[str]:
         return [
             f"{f.name}: {getattr(self, f.name)!r} then, {getattr(now, f.name)!r} now"
             for f in dataclasses.fields(self)
@@ -70,7 +72,7 @@ class ShardedModel:
     the Trainer's step redirection runs around a step; ``comms``: the collectives every unit calls.
     """
 
-    layout: Layout
+    sharding: Sharding
     comms: ZeroPPComms
     root_hooks: ForwardHooks
 
@@ -188,11 +190,12 @@ class ZeroPPCore:
 
     def agree_max(self, values: list[int], device: torch.device) -> list[int]:
         """The largest of every rank's ``values``, element by element: one all-reduce (MAX) of int64 on the
-        strategy's world group (its ``timeout`` applies), recorded in the ledger as ``preemption_agreement``."""
+        strategy's world group (its ``timeout`` applies), recorded in the ledger as ``preemption_all_reduce``."""
         if self._comms is None or self.topology.world_size == 1:
             return list(values)
         flags = torch.tensor(values, dtype=torch.int64, device=device)
-        self.ledger.record_all_gather("preemption_agreement", list(range(self.topology.world_size)), 8 * len(values))
+        ranks = list(range(self.topology.world_size))
+        self.ledger.record_small_all_reduce("preemption_all_reduce", ranks, 8 * len(values))
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._comms.ensure_groups().world)
         return [int(v) for v in flags.tolist()]
 
@@ -217,10 +220,10 @@ class ZeroPPCore:
             raise RuntimeError("ZeroPPStrategy: the communication plan exists once the processes are connected.")
         return self._comms.plan
 
-    def layout(self, precision: str, front_door: str) -> Layout:
+    def sharding(self, precision: str, front_door: str) -> Sharding:
         """What the sharding of a model depends on; a model sharded differently cannot be adopted."""
-        return Layout(front_door, self.topology.world_size, self.reshard_after_forward, precision,
-                      offloads(self.config.cpu_offload), self.plan.sharding)  # fmt: skip
+        return Sharding(front_door, self.topology.world_size, self.reshard_after_forward, precision,
+                        offloads(self.config.cpu_offload), self.plan.sharding, self.plan.mesh_shape)  # fmt: skip
 
     def shard(
         self,
@@ -235,14 +238,14 @@ class ZeroPPCore:
 
         ``parallelize_fn(model, mesh)``: the user's own ``fully_shard`` calls instead of the default units; they must
         pass :attr:`reshard_after_forward` (hpZ), and the root is sharded here if they left it. A model sharded
-        earlier by a strategy with the same layout is adopted: its collectives are routed through this core.
+        earlier by a strategy with the same sharding is adopted: its collectives are routed through this core.
         """
         assert self._comms is not None and self.mesh is not None
         refuse_fsdp1(model)
-        layout = self.layout(precision, front_door)
+        sharding = self.sharding(precision, front_door)
         sharded: ShardedModel | None = getattr(model, _SHARDED, None)
         if sharded is not None:
-            self._adopt(model, sharded, layout)
+            self._adopt(model, sharded, sharding)
             return model, sharded
         root_hooks = ForwardHooks(model)  # the hooks added from here on are the root's sharding hooks
         if parallelize_fn is not None:
@@ -252,7 +255,7 @@ class ZeroPPCore:
         apply_zeropp(
             model,
             mesh=self.mesh,
-            reshard_after_forward=layout.reshard_after_forward,
+            reshard_after_forward=sharding.reshard_after_forward,
             precision=precision,
             auto_wrap_policy=self.config.auto_wrap_policy,
             activation_checkpointing_policy=self.config.activation_checkpointing_policy,
@@ -260,7 +263,7 @@ class ZeroPPCore:
             already_sharded=parallelize_fn is not None,
         )
         self._comms.use_units(fsdp_hooks.install(model, self._comms))
-        sharded = ShardedModel(layout, self._comms, root_hooks)
+        sharded = ShardedModel(sharding, self._comms, root_hooks)
         model.register_forward_pre_hook(sharded.begin_forward, prepend=True)  # before FSDP2's root pre-hook
         model.register_forward_pre_hook(sharded.enter_step)  # after it
         root_hooks.keep_added()
@@ -268,10 +271,10 @@ class ZeroPPCore:
         materialize_meta_tensors(model, device)
         return model, sharded
 
-    def _adopt(self, model: nn.Module, sharded: ShardedModel, layout: Layout) -> None:
+    def _adopt(self, model: nn.Module, sharded: ShardedModel, sharding: Sharding) -> None:
         """A model sharded by an earlier strategy (an earlier Trainer): route its collectives through ours."""
         assert self._comms is not None
-        differences = sharded.layout.differences(layout)
+        differences = sharded.sharding.differences(sharding)
         if differences:
             raise ValueError(
                 "ZeroPPStrategy: this model was sharded by an earlier strategy with other settings ("
@@ -304,7 +307,7 @@ class ZeroPPCore:
         optimizer_keys: tuple[str, ...] = (),
     ) -> dict[str, Any]:
         """Checks the checkpoint against ``model`` and ``optimizers`` and loads them from it, in any layout
-        :func:`~lightning_zeropp.checkpoint.read_layout` reads (``model_key`` / ``optimizer_keys``: a Fabric state's
+        :func:`~lightning_zeropp.checkpoint.read_keys` reads (``model_key`` / ``optimizer_keys``: a Fabric state's
         names); restores the random states and the collectives' state, and reshards the model. Returns the rest of
         the checkpoint, with a Fabric file's schedulers as the Trainer's ``lr_schedulers`` list."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
@@ -316,10 +319,10 @@ class ZeroPPCore:
             if self._comms is not None:
                 ckpt.restore_comms(self._comms, states, where, where.is_dir(), ranks.world_size, ranks.global_rank)
 
-        def read(where: Path, layout: ckpt.Layout) -> dict[str, Any]:
-            loaded = ckpt.read_checkpoint(where, layout, model, optimizers, strict, weights_only)
-            if layout.schedulers is not None:
-                loaded[ckpt.SCHEDULERS_KEY] = [loaded.pop(key) for key in layout.schedulers if key in loaded]
+        def read(where: Path, keys: ckpt.CheckpointKeys) -> dict[str, Any]:
+            loaded = ckpt.read_checkpoint(where, keys, model, optimizers, strict, weights_only)
+            if keys.schedulers is not None:
+                loaded[ckpt.SCHEDULERS_KEY] = [loaded.pop(key) for key in keys.schedulers if key in loaded]
             for key in (ckpt.FABRIC_KEYS, ckpt.OPTIMIZER_STATES):
                 loaded.pop(key, None)
             return loaded

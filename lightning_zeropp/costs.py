@@ -5,8 +5,10 @@ A model is described by its FSDP units (:class:`Unit`: the parameters' shapes, i
 nothing else, so a 70B model on 32 nodes is as cheap to cost as the example GPT on two. The arithmetic follows the
 strategy's own: FSDP2 pads each parameter's dim 0 to a multiple of the shard group's size; the quantized buffers are
 the wire format's (:mod:`lightning_zeropp.kernels.layout`: parameter-aligned blocks, scales, padding); qgZ's pieces
-are :func:`lightning_zeropp.qgz.stages`; weight deltas go to one holder per hpZ group. ``tests/test_costs.py`` and
-``benchmarks/plan_check.py`` check every kind against the ledger of real steps, byte for byte.
+are :func:`lightning_zeropp.qgz.stages`, quantized HSDP's rail pieces :func:`lightning_zeropp.rail.pieces` (their
+wire, :meth:`~lightning_zeropp.rail.Piece.wire`); weight deltas go to one holder per hpZ group.
+``tests/test_costs.py`` and ``benchmarks/plan_check.py`` check every kind against the ledger of real steps, byte for
+byte.
 
 Steady state: a step after the first (weight deltas fill the node copies exactly in the first), one forward and one
 backward per optimizer step, every parameter trained.
@@ -26,6 +28,7 @@ from .commplan import CommPlan, resolve
 from .config import ZeroPPConfig
 from .ledger import CommLedger
 from .qgz import stages
+from .rail import GATHER_KIND, REDUCE_KIND, Piece, pieces
 from .sharding import default_wrap_targets
 from .topology import Topology
 
@@ -129,6 +132,14 @@ class _GradientFormat:
         return cls(g.pieces, g.block_size, g.intra_bits, g.inter_bits, plan.aligned)
 
 
+@functools.lru_cache(maxsize=4096)
+def _rail_pieces(segments: tuple[int, ...], nodes: int, block_size: int, aligned: bool) -> tuple[Piece, ...]:
+    """Quantized HSDP: the K rail pieces of a unit's node shard, as :func:`lightning_zeropp.rail.pieces` cuts them
+    (piece k reduced by the rank on node k; the blocks follow the parameters, every one trained, where ``aligned``)."""
+    blocks = tk.Blocks.of_segments(segments, block_size) if aligned else None
+    return pieces(sum(segments), nodes, block_size, blocks)
+
+
 def step_bytes(
     units: list[Unit], config: ZeroPPConfig, world: int, ranks_per_node: int, rank: int, precision: str = "bf16-mixed"
 ) -> dict[str, tuple[int, int, int]]:
@@ -146,9 +157,10 @@ def step_bytes(
     world_ranks = list(range(W))
     aligned, forward = plan.aligned, plan.forward
     deltas = forward.kind == "node_copy"
-    quantized_gradients = plan.gradients.kind == "two_hop"
+    gradients = plan.gradients
+    quantized_gradients = gradients.kind == "two_hop"
     if deltas:  # one byte per unit per forward: every rank agrees which node copies to update
-        ledger.record_all_gather("weight_delta_agreement", world_ranks, len(units))
+        ledger.record_small_all_reduce("weight_delta_all_reduce", world_ranks, len(units))
     for unit in units:
         segments = unit.shards(S)
         C = sum(segments)
@@ -184,7 +196,12 @@ def step_bytes(
                 ledger.record_to_peers("gradient_all_to_all_inter", topo.rail_ranks(), row_out)
         else:
             ledger.record_to_peers("gradient_reduce_scatter", shard_group, C * er)
-            if hybrid:
+            if hybrid and gradients.quantized_rail:  # each piece (INT4) to its owner; the owner's (INT8, bf16) to all
+                cut = _rail_pieces(tuple(segments), K, gradients.block_size, aligned)
+                rail, bs = topo.rail_ranks(), gradients.block_size
+                ledger.record_to_peers(REDUCE_KIND, rail, [p.wire(gradients.inter_bits, bs) for p in cut])
+                ledger.record_to_peers(GATHER_KIND, rail, cut[topo.node].wire(gradients.gather_bits, bs))
+            elif hybrid:
                 rail = topo.rail_ranks()
                 pieces = [(C * (i + 1) // K - C * i // K) * er for i in range(K)]
                 mine = pieces[rail.index(rank)]
@@ -199,8 +216,8 @@ def kernel_bytes(
     once per pass, as the fused kernels move it): qwZ's quantize of the own shard and dequantize of every gathered
     row (twice without hpZ); qgZ's swizzle-quantize of the whole reduce-scatter input, the intra-node
     dequantize-reduce-requantize and the final dequantize-reduce; the error feedback residual, read and written; the
-    weight deltas' quantize (the weights and their tracked copy read) and the holders' dequantize-add. Exact
-    collectives (ZeRO-3, HSDP) move no bytes through kernels of ours: 0."""
+    weight deltas' quantize (the weights and their tracked copy read) and the holders' dequantize-add; quantized
+    HSDP's (:func:`_rail_kernel_bytes`). Exact collectives (ZeRO-3, HSDP) move no bytes through kernels of ours: 0."""
     _, e, er = ELEMENT_BYTES[precision]
     plan = _plan(config, world, ranks_per_node)
     K, N, W, R = plan.num_nodes, plan.ranks_per_node, world, plan.hpz_partition_size
@@ -225,17 +242,40 @@ def kernel_bytes(
             total += K * row_out + C * er  # across nodes: K rows in, this rank's chunk out
             if feedback is not None:
                 total += 2 * K * C * feedback.bits // 8
+        elif plan.gradients.quantized_rail:
+            total += _rail_kernel_bytes(plan, tuple(unit.shards(N)), er)
+    return total
+
+
+def _rail_kernel_bytes(plan: CommPlan, segments: tuple[int, ...], er: int) -> int:
+    """Quantized HSDP's kernels on one unit's node shard of ``C`` elements (``er`` bytes each), on rank 0 (the rail
+    owner of piece 0): every piece quantized to INT4 (the shard in, K rows out); the K received rows of its piece
+    dequantized and summed into fp32; that piece rounded for the all-gather (INT8: quantized; bf16: cast) and the K
+    gathered pieces written into the shard (INT8: dequantized; bf16: cast into the shard's dtype); the error feedback
+    residual (one row per piece: the whole shard) read and written."""
+    g = plan.gradients
+    cut = _rail_pieces(segments, plan.num_nodes, g.block_size, plan.aligned)
+    mine, C, K = cut[0], sum(segments), plan.num_nodes
+    sent = sum(p.wire(g.inter_bits, g.block_size) for p in cut)
+    gathered = sum(p.wire(g.gather_bits, g.block_size) for p in cut)
+    total = C * er + sent  # quantize: the shard in, every piece's INT4 row out
+    total += K * mine.wire(g.inter_bits, g.block_size) + 4 * mine.size  # dequantize-reduce: K rows in, fp32 out
+    total += 4 * mine.size + mine.wire(g.gather_bits, g.block_size)  # the reduced piece rounded (INT8) or cast (bf16)
+    total += gathered + C * er  # the K gathered pieces into the shard
+    if g.feedback is not None:
+        total += 2 * C * g.feedback.bits // 8
     return total
 
 
 def collective_buffers(units: list[Unit], config: ZeroPPConfig, world: int, ranks_per_node: int) -> int:
     """Bytes the quantized collectives hold at their peak, for the unit that needs most: qwZ's packed shard and the
     gathered rows (forward); weight deltas' packed delta, sent and received rows; qgZ's intra-node rows sent and
-    received and its rail rows (backward: the two never overlap for one unit). Exact collectives use FSDP's own
-    buffers (the unsharded units): 0."""
+    received and its rail rows (backward: the two never overlap for one unit); quantized HSDP's INT4 pieces sent and
+    its K copies of one piece received, then that piece sent to every rail rank and every piece received (for the rank
+    whose piece is largest). Exact collectives use FSDP's own buffers (the unsharded units): 0."""
     plan = _plan(config, world, ranks_per_node)
-    K, W, R = plan.num_nodes, world, plan.hpz_partition_size
-    aligned, gather = plan.aligned, plan.forward
+    K, N, W, R = plan.num_nodes, plan.ranks_per_node, world, plan.hpz_partition_size
+    aligned, gather, g = plan.aligned, plan.forward, plan.gradients
     peak = 0
     for unit in units:
         segments = tuple(unit.shards(W))
@@ -249,6 +289,12 @@ def collective_buffers(units: list[Unit], config: ZeroPPConfig, world: int, rank
         if plan.gradients.kind == "two_hop":
             rows = _qgz_rows(segments, _GradientFormat.of(plan))
             backward = 2 * W * sum(r[2] for r in rows) + 2 * K * sum(r[3] for r in rows)
+        elif g.quantized_rail:
+            cut = _rail_pieces(tuple(unit.shards(N)), K, g.block_size, aligned)
+            sent = sum(p.wire(g.inter_bits, g.block_size) for p in cut)
+            gathered = sum(p.wire(g.gather_bits, g.block_size) for p in cut)
+            largest = max(K * (p.wire(g.inter_bits, g.block_size) + p.wire(g.gather_bits, g.block_size)) for p in cut)
+            backward = sent + largest + gathered
         peak = max(peak, forward, backward)
     return peak
 
@@ -261,20 +307,33 @@ def persistent_memory(
     weight deltas' node copy and tracked copy, in bytes."""
     _, e, _ = ELEMENT_BYTES[precision]
     plan = _plan(config, world, ranks_per_node)
-    K, W, R = plan.num_nodes, world, plan.hpz_partition_size
-    feedback = plan.gradients.feedback
+    K, N, W, R = plan.num_nodes, plan.ranks_per_node, world, plan.hpz_partition_size
+    g = plan.gradients
+    feedback = g.feedback
     out = {"error_feedback": 0, "weight_deltas_node_copy": 0, "weight_deltas_tracked_copy": 0}
     for unit in units:
         segments = unit.shards(W)
         C = sum(segments)
         if feedback is not None:
-            bits = feedback.bits
-            pieces = _qgz_rows(tuple(segments), _GradientFormat.of(plan))
-            if bits == 8:  # INT8 codes, each piece's rows padded to 16 bytes, and one fp32 scale per block
-                out["error_feedback"] += K * sum(-(-size // 16) * 16 + 4 * count for size, count, _, _ in pieces)
-            else:
-                out["error_feedback"] += K * sum(size for size, _, _, _ in pieces) * bits // 8
+            if g.quantized_rail:  # one row per rail piece: the node shard once
+                cut = _rail_pieces(tuple(unit.shards(N)), K, g.block_size, plan.aligned)
+                rows, pieces = 1, [(p.size, p.block_count(g.block_size)) for p in cut]
+            else:  # K rows (one per node) of each qgZ pipeline piece
+                rows, pieces = (
+                    K,
+                    [(size, count) for size, count, _, _ in _qgz_rows(tuple(segments), _GradientFormat.of(plan))],
+                )
+            out["error_feedback"] += rows * _residual_bytes(pieces, feedback.bits)
         if plan.forward.kind == "node_copy":
             out["weight_deltas_node_copy"] += (W // R) * C * e
             out["weight_deltas_tracked_copy"] += C * e
     return out
+
+
+def _residual_bytes(pieces: list[tuple[int, int]], bits: int) -> int:
+    """One row of an error feedback residual over ``(size, blocks)`` pieces (:class:`~lightning_zeropp.feedback.
+    ErrorFeedback`): INT8 codes with each piece's row padded to 16 bytes and one fp32 scale per block, or bf16 / fp32
+    values."""
+    if bits == 8:
+        return sum(-(-size // 16) * 16 + 4 * count for size, count in pieces)
+    return sum(size for size, _ in pieces) * bits // 8

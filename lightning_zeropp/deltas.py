@@ -107,7 +107,7 @@ class WeightDeltas:
             return
         codes = torch.tensor([self.local_code(u, step) for u in units], dtype=torch.uint8, device=device)
         ranks = list(range(self.topology.world_size))
-        self.ledger.record_all_gather("weight_delta_agreement", ranks, codes.numel())
+        self.ledger.record_small_all_reduce("weight_delta_all_reduce", ranks, codes.numel())
         dist.all_reduce(codes, op=dist.ReduceOp.MAX, group=group)
         for unit, code in zip(units, codes.tolist(), strict=True):
             self._copy(unit).agreed = int(code)

@@ -31,8 +31,8 @@ KINDS = (
     "weight_delta_all_to_all",  # weight_deltas: INT4 deltas, each shard to the one holder per node
     "weight_delta_refresh",  # weight_deltas: a shard itself, exact, to the same holders (first step, refreshes)
     "weight_all_gather_node_copy",  # weight_deltas: forward, the node copy's slices (inside the hpZ group)
-    "weight_delta_agreement",  # weight_deltas: one byte per unit per forward, so every rank does the same
-    "preemption_agreement",  # SLURM auto-requeue: 24 bytes per step boundary, so every rank saves at the same one
+    "weight_delta_all_reduce",  # weight_deltas: one byte per unit per forward, so every rank does the same
+    "preemption_all_reduce",  # SLURM auto-requeue: 24 bytes per step boundary, so every rank saves at the same one
 )
 
 
@@ -64,6 +64,11 @@ class CommLedger:
     def record_all_gather(self, kind: str, group_ranks: list[int], buffer_bytes: int) -> None:
         intra, inter = self.topology.peers_split(group_ranks)
         self._record(kind, Traffic(intra * buffer_bytes, inter * buffer_bytes, 1))
+
+    def record_small_all_reduce(self, kind: str, group_ranks: list[int], buffer_bytes: int) -> None:
+        """An all-reduce of a few bytes (a flag per unit, three counters): latency-bound whatever the algorithm,
+        recorded as the buffer sent to every peer once (what a one-round exchange moves)."""
+        self.record_all_gather(kind, group_ranks, buffer_bytes)
 
     def record_to_peers(self, kind: str, group_ranks: list[int], chunk_bytes: list[int] | int) -> None:
         """A reduce-scatter or all-to-all: ``chunk_bytes[i]`` is sent to ``group_ranks[i]`` (one int: all equal)."""

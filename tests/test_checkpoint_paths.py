@@ -52,7 +52,7 @@ def _save(path: Path, kind: str, value: float) -> None:
 
 
 def _read(path: Path) -> float:
-    def read(p: Path, layout: ckpt.Layout) -> dict:
+    def read(p: Path, layout: ckpt.CheckpointKeys) -> dict:
         if p.is_dir():
             state = {"state_dict": {"w": torch.empty(6)}}
             dcp.load(state, checkpoint_id=p)

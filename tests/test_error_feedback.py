@@ -244,6 +244,7 @@ def test_collectives_state_moves_its_tensors_and_reads_older_files():
     older = {"layout": {}, "gradient_calls": 5, "error_feedback": {"steps": 7, "shapes": {"b": (4,)}, "periods": {}}}
     upgraded = _upgraded(older)
     assert upgraded["steps"] == 7 and "steps" not in upgraded["error_feedback"]
-    assert upgraded["layout"] == {"error_feedback_bits": 32}  # residuals were fp32 before they had a width
+    # residuals were fp32 before they had a width, and qgZ's two hops were the only reduction that kept them
+    assert upgraded["layout"] == {"error_feedback_bits": 32, "reduction": "two_hop"}
     assert list(_notes(upgraded)) == ["b"]  # where the earlier version wrote it: under the rank, by unit
     assert older["error_feedback"]["steps"] == 7  # the loaded state itself is left as read
