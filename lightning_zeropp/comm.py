@@ -152,7 +152,7 @@ class ZeroPPComms:
                 f" instead of {groups.ranks(expected)}; the model was sharded with a mesh other than the strategy's."
             )
         base_op, premul = split_reduce_op(op)
-        if self.plan.gradients.kind == "hsdp_rail":  # quantized HSDP (FSDP all-reduces itself otherwise)
+        if self.plan.gradients.quantized_rail:  # quantized HSDP (exact HSDP: FSDP all-reduces on its 2-D mesh)
             exact_reduce_scatter(output, input, base_op, premul, groups, self.ledger, role)
             self._reduce_on_rail(output, base_op, unit, groups)
             return
