@@ -1,10 +1,13 @@
-"""Bytes per training step, inside and across nodes, for ZeRO-3, HSDP and each ZeRO++ technique (from the ledger).
+"""Bytes per training step, inside and across nodes, for ZeRO-3, HSDP, quantized HSDP and each ZeRO++ technique (from
+the ledger).
 
 Two optimizer steps of the example GPT (the CPU demo's shape) in bf16-mixed, on gloo ranks emulating
 ``nodes x ranks_per_node``; the figures are the second step's (the steady state: with weight deltas the first step
 fills the node copies exactly; its bytes are reported separately). The ledger's accounting is logical per peer
 (docs/index.md, "How ZeRO++ maps onto FSDP2"), so the figures are exact and repeatable; ``benchmarks/cluster.py``
-measures what a real link carries.
+measures what a real link carries. Each row keeps every rank's bytes by kind and persistent memory (``per_rank``:
+ranks differ where shards or quantized HSDP's rail pieces split unevenly); ``tests/test_costs.py`` checks the planner
+against each.
 
     python benchmarks/comm_volume.py [--topologies 2x2 3x2 4x2] [--json benchmarks/comm_volume.json]
 """
@@ -22,6 +25,13 @@ EXAMPLE = ROOT / "examples" / "gpt"
 CONFIGS = {
     "zero3": dict(quantize_weights=False, hpz_partition_size=1, quantize_gradients=False),
     "hsdp": dict(sharding_strategy="HYBRID_SHARD", quantize_weights=False, quantize_gradients=False),
+    "qhsdp": dict(sharding_strategy="HYBRID_SHARD", quantize_weights=False, quantize_gradients=True),
+    "qhsdp_bf16": dict(
+        sharding_strategy="HYBRID_SHARD", quantize_weights=False, quantize_gradients=True, hsdp_gather_bits=16
+    ),
+    "qhsdp_ef": dict(
+        sharding_strategy="HYBRID_SHARD", quantize_weights=False, quantize_gradients=True, gradient_error_feedback=True
+    ),
     "qwz": dict(quantize_weights=True, hpz_partition_size=1, quantize_gradients=False),
     "hpz": dict(quantize_weights=False, hpz_partition_size="auto", quantize_gradients=False),
     "qgz": dict(quantize_weights=False, hpz_partition_size=1, quantize_gradients=True),
@@ -114,6 +124,9 @@ def measure(topologies: list[tuple[int, int]]) -> list[dict]:
                     + per_kind.get("weight_all_gather_backward", [0, 0])[1],
                     "per_kind": per_kind,
                     "persistent_memory": results[0]["persistent_memory"],
+                    "per_rank": [
+                        {"per_kind": r["per_kind"], "persistent_memory": r["persistent_memory"]} for r in results
+                    ],
                 }
             )
     return rows
@@ -134,6 +147,15 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _row(rows: list[dict], config: str, like: dict) -> dict:
+    """The row of ``config`` at ``like``'s topology."""
+    return next(
+        r
+        for r in rows
+        if (r["config"], r["nodes"], r["ranks_per_node"]) == (config, like["nodes"], like["ranks_per_node"])
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--topologies", nargs="+", default=["2x2", "4x2"], help="NODESxRANKS_PER_NODE")
@@ -151,6 +173,12 @@ def main(argv: list[str] | None = None) -> None:
     deltas = [r for r in rows if r["config"] == "zeropp_deltas"]
     ratios = ", ".join(f"{r['ratio_vs_zero3']:.4f}" for r in deltas)
     print(f"goal zeropp_deltas inter ratio <= 0.12: {all(r['ratio_vs_zero3'] <= 0.12 for r in deltas)} ({ratios})")
+    for name, goal in (("qhsdp", 0.3), ("qhsdp_bf16", None)):
+        vs_hsdp = [r["inter_node_bytes_per_step"] / _row(rows, "hsdp", r)["inter_node_bytes_per_step"]
+                   for r in rows if r["config"] == name]  # fmt: skip
+        ratios = ", ".join(f"{v:.4f}" for v in vs_hsdp)
+        head = f"goal {name} inter ratio vs hsdp <= {goal}: {all(v <= goal for v in vs_hsdp)}" if goal else name
+        print(f"{head} ({ratios} of hsdp's cross-node bytes)")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
         print(f"wrote {args.json}")

@@ -1,4 +1,5 @@
-"""``python -m lightning_zeropp.plan``: what ZeRO-3, HSDP and ZeRO++ would cost on a cluster you cannot rent.
+"""``python -m lightning_zeropp.plan``: what ZeRO-3, HSDP, quantized HSDP and ZeRO++ would cost on a cluster you cannot
+rent.
 
 Given a model (its units' shapes: the example GPT's sizes, a litgpt config name, or a parameter count), a cluster and
 a workload, it prints per configuration the memory per GPU by part, whether it fits, the bytes each GPU sends per step
@@ -12,7 +13,8 @@ The time model, stated:
 - a collective over all ranks (FSDP's all-gathers and reduce-scatter, qwZ's all-gather) runs as a ring: the link
   into each node carries ``(W - 1)`` shards, every GPU's own link ``(W - 1)`` shards, concurrently, so it takes the
   longer of the two, plus one latency per ring step; an all-to-all (qgZ's hops, weight deltas) or an all-reduce on
-  the rails (HSDP) sends what the ledger counts, all of a node's GPUs sharing the node's inter-node link; collectives
+  the rails (HSDP; quantized HSDP's reduce-scatter and all-gather) sends what the ledger counts, all of a node's GPUs
+  sharing the node's inter-node link; collectives
   inside a node (hpZ, HSDP's gathers) use the GPUs' own links;
 - overlap: FSDP2 prefetches the next unit's all-gather and reduces the last unit's gradients while the current unit
   computes, so a step takes ``max(compute, comm) + (1 - overlap) x min(compute, comm)``.
@@ -34,7 +36,7 @@ from typing import Any, NoReturn
 
 from .commplan import resolve
 from .config import ZeroPPConfig
-from .core import HSDP_ARGUMENTS
+from .core import HSDP_ARGUMENTS, QUANTIZED_HSDP_ARGUMENTS
 from .costs import (
     ELEMENT_BYTES,
     Unit,
@@ -50,6 +52,7 @@ from .topology import Topology
 CONFIGS: dict[str, dict[str, Any]] = {
     "zero3": dict(quantize_weights=False, hpz_partition_size=1, quantize_gradients=False),
     "hsdp": dict(HSDP_ARGUMENTS),
+    "qhsdp": dict(QUANTIZED_HSDP_ARGUMENTS),
     "zeropp": {},
     "zeropp+ef": dict(gradient_error_feedback=True),
     "zeropp+deltas": dict(weight_deltas=True),
@@ -240,13 +243,15 @@ def plan(
 MARGIN = 0.10
 """How much shorter a configuration's predicted step must be than the current choice's (a fraction of the step)
 before the verdict moves to it (``--margin``). :data:`CONFIGS` are in the order of what each costs beyond the one
-before: HSDP memory (a node holds the whole state), ZeRO++ accuracy (its weights and gradients cross nodes quantized),
+before: HSDP memory (a node holds the whole state), quantized HSDP accuracy (its gradients cross nodes quantized),
+ZeRO++ accuracy (its weights cross nodes quantized too; sharded over every rank again, it holds less than HSDP),
 error feedback and weight deltas memory (and deltas' forward weights trail the exact ones by their INT4 rounding);
 a predicted gain inside the time model's own error buys nothing for that."""
 
 LABELS = {
     "zero3": "ZeRO-3 (FSDP2 full sharding; exact)",
     "hsdp": "HSDP (sharded inside each node, replicated across nodes; exact)",
+    "qhsdp": "quantized HSDP (HSDP, its gradients all-reduced across nodes as INT4 then INT8; lossy)",
     "zeropp": "ZeRO++ (INT8 weights, hpZ, INT4 gradients across nodes; lossy)",
     "zeropp+ef": "ZeRO++ with gradient error feedback (lossy)",
     "zeropp+deltas": "ZeRO++ with INT4 weight deltas (lossy)",
@@ -270,12 +275,12 @@ class Verdict:
 
 
 def lossy(name: str) -> bool:
-    """Whether a configuration of :data:`CONFIGS` sends anything quantized (qwZ, qgZ or weight deltas) where its
-    techniques are on: its plan on two nodes of two ranks."""
+    """Whether a configuration of :data:`CONFIGS` sends anything quantized (qwZ, qgZ, quantized HSDP or weight
+    deltas) where its techniques are on: its plan on two nodes of two ranks."""
     config = ZeroPPConfig(**CONFIGS[name])
     ranks_per_node, hpz = config.resolve(4, 2)
     plan = resolve(config, Topology(4, ranks_per_node, 0, hpz))
-    return plan.forward.kind != "exact" or plan.gradients.kind == "two_hop"
+    return plan.forward.kind != "exact" or plan.quantizes_gradients_at(0)
 
 
 def verdict(rows: list[Row], cluster: Cluster, margin: float = MARGIN) -> Verdict:

@@ -167,15 +167,16 @@ def _rows(steps: dict[str, float], unfit: tuple[str, ...] = ()) -> list[Row]:
 def test_one_node_stays_on_zero3_whatever_the_rows_say():
     """On one node nothing crosses nodes: a lossy configuration is not chosen even if the rows have it faster (as
     they did before the strategy turned qwZ off on one node); HSDP, exact, would be."""
-    steps = {"zero3": 1.0, "hsdp": 1.0, "zeropp": 0.6, "zeropp+ef": 0.6, "zeropp+deltas": 0.5}
+    steps = {"zero3": 1.0, "hsdp": 1.0, "qhsdp": 0.7, "zeropp": 0.6, "zeropp+ef": 0.6, "zeropp+deltas": 0.5}
     v = verdict(_rows(steps), Cluster(1, 8, 100.0, 3600.0))
     assert v.config == "zero3" and "one node" in v.reason
     assert any(p.startswith("zeropp+deltas is 100% faster, but lossy, and on one node") for p in v.passed_over)
+    assert any(p.startswith("qhsdp is 43% faster, but lossy, and on one node") for p in v.passed_over)
     assert verdict(_rows(steps), Cluster(2, 8, 100.0, 3600.0)).config == "zeropp+deltas"
 
 
 def test_each_step_up_must_beat_the_choice_by_the_margin():
-    steps = {"zero3": 1.0, "hsdp": 0.95, "zeropp": 0.92, "zeropp+ef": 0.92, "zeropp+deltas": 0.85}
+    steps = {"zero3": 1.0, "hsdp": 0.95, "qhsdp": 0.94, "zeropp": 0.92, "zeropp+ef": 0.92, "zeropp+deltas": 0.85}
     cluster = Cluster(4, 8, 3200.0, 3600.0)
     v = verdict(_rows(steps), cluster, margin=0.10)
     assert v.config == "zeropp+deltas"  # 18% faster than zero3: the ones in between do not block it
@@ -183,6 +184,7 @@ def test_each_step_up_must_beat_the_choice_by_the_margin():
     assert v.config == "zero3" and "nothing else that fits is more than 10% faster" in v.reason
     assert "zeropp is 9% faster, within the 10% margin, and lossy" in v.passed_over
     assert "hsdp is 5% faster, within the 10% margin" in v.passed_over
+    assert "qhsdp is 6% faster, within the 10% margin, and lossy" in v.passed_over
     assert verdict(_rows({**steps, "zeropp+deltas": 0.93}), cluster, margin=0.05).config == "hsdp"  # 5.3% > 5%
     v = verdict(_rows({**steps, "zeropp": 0.8, "zeropp+ef": 0.8, "zeropp+deltas": 0.75}), cluster, margin=0.10)
     assert v.config == "zeropp" and "zeropp+deltas is 7% faster, within the 10% margin" in v.passed_over  # no "lossy"
@@ -190,6 +192,17 @@ def test_each_step_up_must_beat_the_choice_by_the_margin():
     assert v.config == "zeropp" and "zeropp+deltas is 8% faster, but needs 10.0 GiB per GPU of 80" in v.passed_over
     v = verdict(_rows(steps, unfit=tuple(CONFIGS)), cluster)
     assert v.config is None and "nothing fits" in v.label and v.python == ""
+
+
+def test_quantized_hsdp_is_lossy_where_its_gradients_cross_nodes():
+    """qhsdp quantizes what crosses nodes: chosen over HSDP only by the margin, named lossy, compared with the
+    fastest exact configuration; a ZeRO++ row must beat it by the margin too."""
+    steps = {"zero3": 1.0, "hsdp": 0.8, "qhsdp": 0.6, "zeropp": 0.56, "zeropp+ef": 0.56, "zeropp+deltas": 0.56}
+    v = verdict(_rows(steps), Cluster(4, 8, 100.0, 3600.0))
+    assert v.config == "qhsdp" and "quantized HSDP" in v.label and "lossy" in v.label
+    assert "(1.33x hsdp's, the fastest exact one)" in v.reason and "lossy: compare its loss curve" in v.reason
+    assert "zeropp is 7% faster, within the 10% margin" in v.passed_over  # both lossy: no "and lossy"
+    assert verdict(_rows({**steps, "qhsdp": 0.75}), Cluster(4, 8, 100.0, 3600.0)).config == "zeropp"
 
 
 @pytest.mark.parametrize(
@@ -224,7 +237,7 @@ def test_the_printed_code_selects_the_planned_configuration(name):
     assert trainer["strategy"] == ZeroPPConfig(**CONFIGS[name]) and (trainer["num_nodes"], trainer["devices"]) == (4, 8)
     if v.alias is not None:
         assert StrategyRegistry[v.alias]["init_params"] == CONFIGS[name]
-    assert (v.alias is not None) == (name in ("zero3", "hsdp", "zeropp"))
+    assert (v.alias is not None) == (name in ("zero3", "hsdp", "qhsdp", "zeropp"))
     parsed = yaml.safe_load(v.yaml)["trainer"]
     assert parsed["strategy"]["class_path"] == "lightning_zeropp.ZeroPPStrategy"
     assert parsed["strategy"].get("init_args", {}) == CONFIGS[name] and parsed["num_nodes"] == 4
