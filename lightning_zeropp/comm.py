@@ -185,12 +185,20 @@ class ZeroPPComms:
         blocks = unit.gradients(shard) if unit is not None else None
         reduction = rail.RailReduction.of(self.topology, self.plan.gradients, shard, blocks, multiplier, call,
                                           self.config.kernel_backend)  # fmt: skip
-        residuals = None
+        residuals = gather = None
         if self.feedback is not None:
             name = unit.name if unit is not None else "<unit>"
             rows = self.feedback.pieces(name, 1, reduction.feedback_shape(), output.device, self.steps)
             residuals = [row.arguments(self.feedback.decay) for row in rows]
-        rail.all_reduce(output, reduction, groups.inter_node, self.ledger, residuals)
+            if shape := reduction.gather_feedback_shape():
+                (row,) = self.feedback.pieces(f"{name}{rail.GATHER_RESIDUAL}", 1, shape, output.device, self.steps)
+                gather = row.arguments(self.feedback.decay)
+        rail.all_reduce(output, reduction, groups.inter_node, self.ledger, residuals, gather)
+
+    def reduce_alone_on_rail(self, unit: UnitBlocks, reduced: torch.Tensor) -> None:
+        """Quantized HSDP with one rank per node, from FSDP's all-reduce hook: FSDP calls no reduce-scatter on a
+        mesh of one rank (it copies), and leaves the gradients summed over none; the rail takes the K nodes' mean."""
+        self._reduce_on_rail(reduced, dist.ReduceOp.AVG, unit, self.ensure_groups())
 
     def all_reduced(self, reduced: torch.Tensor) -> None:
         """HSDP: FSDP all-reduced one unit's reduce-scattered gradients across nodes (on the rail of ranks with this

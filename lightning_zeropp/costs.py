@@ -264,6 +264,8 @@ def _rail_kernel_bytes(plan: CommPlan, segments: tuple[int, ...], er: int) -> in
     total += gathered + C * er  # the K gathered pieces into the shard
     if g.feedback is not None:
         total += 2 * C * g.feedback.bits // 8
+        if g.gather_bits != 16:  # the owner's gather residual
+            total += 2 * mine.size * g.feedback.bits // 8
     return total
 
 
@@ -301,10 +303,16 @@ def collective_buffers(units: list[Unit], config: ZeroPPConfig, world: int, rank
 
 # ------------------------------------------------------------------------------------------------ memory
 def persistent_memory(
-    units: list[Unit], config: ZeroPPConfig, world: int, ranks_per_node: int, precision: str = "bf16-mixed"
+    units: list[Unit],
+    config: ZeroPPConfig,
+    world: int,
+    ranks_per_node: int,
+    precision: str = "bf16-mixed",
+    rank: int | None = None,
 ) -> dict[str, int]:
-    """What ``strategy.persistent_memory`` reports on every rank after a step: the error feedback residuals and the
-    weight deltas' node copy and tracked copy, in bytes."""
+    """What ``strategy.persistent_memory`` reports on ``rank`` after a step (None: the rank that keeps most): the
+    error feedback residuals and the weight deltas' node copy and tracked copy, in bytes. Only quantized HSDP's
+    gather residual (the owner's piece) differs between ranks."""
     _, e, _ = ELEMENT_BYTES[precision]
     plan = _plan(config, world, ranks_per_node)
     K, N, W, R = plan.num_nodes, plan.ranks_per_node, world, plan.hpz_partition_size
@@ -315,9 +323,15 @@ def persistent_memory(
         segments = unit.shards(W)
         C = sum(segments)
         if feedback is not None:
-            if g.quantized_rail:  # one row per rail piece: the node shard once
+            if g.quantized_rail:  # one row per rail piece: the node shard once; and the owner's gathered piece
                 cut = _rail_pieces(tuple(unit.shards(N)), K, g.block_size, plan.aligned)
                 rows, pieces = 1, [(p.size, p.block_count(g.block_size)) for p in cut]
+                if g.gather_bits != 16:
+                    owned = [
+                        _residual_bytes([(p.size, p.block_count(g.block_size))], feedback.bits) if p.size else 0
+                        for p in cut
+                    ]
+                    out["error_feedback"] += max(owned) if rank is None else owned[rank // N]
             else:  # K rows (one per node) of each qgZ pipeline piece
                 rows, pieces = (
                     K,

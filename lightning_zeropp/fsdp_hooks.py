@@ -8,6 +8,7 @@ order. ``allocate`` must hand out fresh memory: the reduce-scatter output become
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -64,4 +65,6 @@ def install(model: torch.nn.Module, comms: ZeroPPComms) -> list[UnitBlocks]:
             module.set_custom_reduce_scatter(ZeroPPReduceScatter(comms, unit))
             if comms.plan.native_all_reduce:  # FSDP all-reduces across nodes itself; the hook, run after, records it
                 module.set_all_reduce_hook(comms.all_reduced)
+            elif comms.plan.gradients.quantized_rail and comms.topology.ranks_per_node == 1:  # no reduce-scatter call
+                module.set_all_reduce_hook(functools.partial(comms.reduce_alone_on_rail, unit))
     return units

@@ -11,7 +11,8 @@ full precision: ``L x element`` bytes out of every rank, half of them twice (red
     2. quantize piece k to INT4 (gradient_bits), send it       (error feedback, rotation, rounding: as qgZ's rail hop)
        to rail rank k                                           one all-to-all of uneven pieces
     3. dequantize the K copies of my piece, sum in fp32, scale (AVG: 1 / K; the node's mean is already taken)
-    4. round my reduced piece to INT8 or bf16 (hsdp_gather_bits) and send it to every rail rank, myself included
+    4. round my reduced piece to INT4, INT8 or bf16 (hsdp_gather_bits) and send it to every rail rank, myself included
+       (error feedback: the owner keeps what the rounding lost and adds it to the next step's piece)
     5. every rank writes the K dequantized pieces into its shard
 
 Step 5 is the same for the piece's owner, which reads back what it sent rather than its fp32 sum, so every replica
@@ -36,6 +37,7 @@ from .topology import Topology
 REDUCE_KIND = "gradient_rail_reduce_scatter"
 GATHER_KIND = "gradient_rail_all_gather"
 EXACT_KIND = "gradient_all_reduce"
+GATHER_RESIDUAL = "/rail_gather"  # a unit's gather residual is kept under the unit's name and this suffix
 
 
 class Piece(NamedTuple):
@@ -114,6 +116,13 @@ class RailReduction:
         """``(size, blocks)`` per piece: the residual rows error feedback keeps (one row per piece this rank sends)."""
         return [(p.size, p.block_count(self.gradients.block_size)) for p in self.pieces]
 
+    def gather_feedback_shape(self) -> list[tuple[int, int]]:
+        """``(size, blocks)`` of the gather's residual (the owner's piece; none for a bf16 gather or an empty piece)."""
+        mine = self.mine
+        if self.gradients.gather_bits == 16 or not mine.size:
+            return []
+        return [(mine.size, mine.block_count(self.gradients.block_size))]
+
 
 def all_reduce(
     shard: torch.Tensor,
@@ -121,10 +130,12 @@ def all_reduce(
     rail: dist.ProcessGroup,
     ledger: CommLedger,
     residuals: list[dict[str, Any]] | None = None,
+    gather_residual: dict[str, Any] | None = None,
 ) -> None:
     """Replaces ``shard`` (this rank's node-reduced shard) by the mean (sum, as ``plan.multiplier`` says) over the rail,
     in place, identical on every rail rank. ``residuals``: error feedback keywords per piece (``residual`` ``(1, size)``
-    and so on; updated in place)."""
+    and so on; updated in place); ``gather_residual``: the same for the reduced piece this rank sends to every rail
+    rank (INT4 / INT8 gather: the owner keeps what its rounding lost)."""
     g, topo = plan.gradients, plan.topology
     flat = shard.view(-1)
     planned = sum(p.size for p in plan.pieces)
@@ -164,7 +175,8 @@ def all_reduce(
     elif gather_bits == 16:
         own = reduced.to(torch.bfloat16).view(torch.uint8)
     else:
-        own = tk.quantize(reduced, gather_bits, block, blocks=mine.blocks, backend=plan.backend)
+        own = tk.quantize(reduced.view(1, -1), gather_bits, block, blocks=mine.blocks, backend=plan.backend,
+                          **(gather_residual or {})).view(-1)  # fmt: skip
     gathered_sizes = [p.wire(gather_bits, block) for p in plan.pieces]
     gathered = torch.empty(sum(gathered_sizes), dtype=torch.uint8, device=flat.device)
     ledger.record_to_peers(GATHER_KIND, rail_ranks, own.numel())

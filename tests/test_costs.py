@@ -107,8 +107,8 @@ def _measured_mismatches(rows: list[dict], model: types.ModuleType = costs) -> l
     for row in rows:
         world, per_node = row["nodes"] * row["ranks_per_node"], row["ranks_per_node"]
         config = ZeroPPConfig(**CONFIGS[row["config"]], ranks_per_node=per_node)
-        memory = model.persistent_memory(units, config, world, per_node)
         for rank, measured in enumerate(row["per_rank"]):
+            memory = model.persistent_memory(units, config, world, per_node, rank=rank)
             planned = {k: [v[0], v[1]] for k, v in model.step_bytes(units, config, world, per_node, rank).items()}
             where = f"{row['nodes']}x{per_node} {row['config']} rank {rank}"
             if planned != measured["per_kind"]:
@@ -197,8 +197,8 @@ def _ledger_mismatches(results, configs, units, world, per_node, steps, model=co
     after_first = {"weight_delta_all_to_all": steps - 1}  # the first step sends the shards themselves (refresh)
     for name, kwargs in configs.items():
         config = ZeroPPConfig(**kwargs)
-        memory = model.persistent_memory(units, config, world, per_node, "32-true")
         for rank, r in enumerate(results):
+            memory = model.persistent_memory(units, config, world, per_node, "32-true", rank=rank)
             run = r[name]
             planned = model.step_bytes(units, config, world, per_node, rank, "32-true")
             for kind, per_step in planned.items():
