@@ -111,6 +111,10 @@ RUNS: dict[str, dict[str, Any] | Callable[[int], dict[str, Any]]] = {
     "qhsdp": dict(sharding_strategy="HYBRID_SHARD", quantize_weights=False, quantize_gradients=True),
     "qhsdp-bf16": dict(sharding_strategy="HYBRID_SHARD", quantize_weights=False, quantize_gradients=True,
                        hsdp_gather_bits=16),
+    "qhsdp-int4": dict(sharding_strategy="HYBRID_SHARD", quantize_weights=False, quantize_gradients=True,
+                       hsdp_gather_bits=4),
+    "qhsdp-int4+ef": dict(sharding_strategy="HYBRID_SHARD", quantize_weights=False, quantize_gradients=True,
+                          hsdp_gather_bits=4, gradient_error_feedback=True),
 }  # fmt: skip
 DEFAULT_CONFIGS = ["zero3", "zeropp", "zeropp+ef", "zeropp-deltas+ef", "zeropp-qgz-half"]
 BASE = "zero3"
