@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from lightning.pytorch import Callback
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_zeropp import ZeroPPStrategy
+from lightning_zeropp import ZeroPPConfig, ZeroPPStrategy
 from lightning_zeropp import kernels as tk
 from lightning_zeropp.core import HSDP_ARGUMENTS, QUANTIZED_HSDP_ARGUMENTS
 from lightning_zeropp.testing.distributed import lightning_trainer, spawn
@@ -127,11 +127,11 @@ def _around_the_rail(mp: pytest.MonkeyPatch, change) -> None:
 
     real_all_reduce, real_reduce = rail.all_reduce, rail.tk.dequantize_reduce
 
-    def all_reduce(shard, plan, group, ledger, residuals=None):
+    def all_reduce(shard, plan, group, ledger, residuals=None, gather_residual=None):
         reduce, after = change(plan, real_reduce)
         with pytest.MonkeyPatch.context() as inner:
             inner.setattr(rail.tk, "dequantize_reduce", reduce)
-            real_all_reduce(shard, plan, group, ledger, residuals)
+            real_all_reduce(shard, plan, group, ledger, residuals, gather_residual)
         after(shard, plan)
 
     mp.setattr(rail, "all_reduce", all_reduce)
@@ -575,3 +575,48 @@ def test_one_node_trains_as_exact_hsdp_bit_for_bit(until_and_one_node):
         assert _differing(q["state"], e["state"]) == [], f"rank {rank}"
         assert q["ledger"] == e["ledger"] and not any(k.startswith("gradient_rail") for k in q["ledger"]), q["ledger"]
         assert "1 node x 4 ranks" in q["describe"] and "quantized HSDP" not in q["describe"], q["describe"]
+
+
+# ------------------------------------------------------------------------------------------------ 2 nodes x 1
+def _one_rank_per_node_worker(rank, world, init_path, data_path):
+    """2 nodes x 1 rank (FSDP's mesh is one rank: it calls no reduce-scatter, the all-reduce hook runs the rail),
+    INT4 gather with the owner's error feedback; and exact HSDP on the same shape."""
+    out = {}
+    for name, kwargs in (("int4", dict(QHSDP, hsdp_gather_bits=4, gradient_error_feedback=True)), ("hsdp", HSDP)):
+        out[name] = _trainer_run(rank, world, ZeroPPStrategy(ranks_per_node=1, **kwargs), init_path, data_path)
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_rank_per_node(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("qhsdp_2x1")
+    init_path, data_path, x, y = save_inputs(tmp, 2 * BATCH * STEPS)
+    results = spawn(_one_rank_per_node_worker, 2, init_path, data_path)
+    ref, _ = reference_training(init_path, x, y, 2 * BATCH, STEPS)
+    return results, ref, _init(init_path)
+
+
+def test_one_rank_per_node_reduces_on_the_rail_int4_gather(one_rank_per_node, capsys):
+    """Before the all-reduce hook ran the rail, each node trained on its own gradients: the replicas drifted apart
+    (0.18 after 2 steps) and the ledger stayed empty."""
+    from lightning_zeropp.costs import persistent_memory, units_of
+
+    results, ref, init = one_rank_per_node
+    assert rail_replica_problems(results, "int4", 1) == []
+    model = TinyLM()
+    model.configure_model()
+    config = ZeroPPConfig(ranks_per_node=1, **QHSDP, hsdp_gather_bits=4, gradient_error_feedback=True)
+    for rank, r in enumerate(results):
+        ledger = r["int4"]["ledger"]
+        assert set(ledger) == set(RAIL_KINDS), ledger  # one rank per node: nothing inside the node
+        # the INT4 gather sends about what the INT4 reduce-scatter does (same pieces, same width)
+        reduce, gather = (ledger[k][1] for k in RAIL_KINDS)
+        assert 0.9 * reduce <= gather <= 1.1 * reduce, ledger
+        want = persistent_memory(units_of(model), config, 2, 1, "32-true", rank=rank)
+        assert r["int4"]["persistent_memory"] == want, (rank, r["int4"]["persistent_memory"], want)
+    state = results[0]["int4"]["state"]
+    errors, whole = update_errors(state, ref, init)
+    with capsys.disabled():
+        print(f"\nqhsdp 2 x 1, INT4 gather + feedback: update error whole {whole:.4f}; " + _report(errors))
+    assert update_problems(state, ref, init, **BOUNDS_2X2) == [], _report(errors)
+    assert update_problems(results[0]["hsdp"]["state"], ref, init, 1e-5, 1e-5, min_movement=0.99) == []
