@@ -314,15 +314,23 @@ def _decayed_residual(residual: torch.Tensor, scales: torch.Tensor | None, block
 def _store_residual(lost: torch.Tensor, residual: torch.Tensor, scales: torch.Tensor | None, block_size: int,
                     blocks: Blocks | None) -> None:  # fmt: skip
     """Writes what a quantization lost (fp32 ``(R, numel)``) into the residual: as it is (fp32), rounded to nearest
-    even (bf16), or block-quantized to INT8 with the wire format's own code in the same blocks (int8 codes and their
-    scales: ``max|lost| / 127`` per block, half to even; a block of zeros gets scale 0)."""
+    even (bf16), or block-quantized to INT8 with the wire format's own code in the same blocks (int8 codes, one per
+    element in the row's order, and their scales: ``max|lost| / 127`` per block, half to even; a block of zeros gets
+    scale 0). Parameter-aligned blocks are quantized in their padded slots, whose codes are then gathered: a wire's
+    payload is not in the row's order (a block's codes start on 16 bytes)."""
     if scales is None:
         residual.copy_(lost)
         return
     numel, count = lost.shape[1], scales.shape[1]
-    wire = _quantize_f32(lost, 8, block_size, blocks, False, None)
-    so = scale_offset(numel, 8) if blocks is None else blocks.scale_offset(8)
-    residual.copy_(wire[:, :numel].view(torch.int8))
+    if blocks is None:
+        wire = _quantize_uniform(lost, 8, block_size)
+        residual.copy_(wire[:, :numel].view(torch.int8))
+        so = scale_offset(numel, 8)
+    else:
+        padded = _Padded.of(blocks, block_size)
+        wire = _quantize_uniform(padded.spread(lost), 8, block_size)
+        residual.copy_(padded.gather(wire[:, : padded.width].view(torch.int8)))
+        so = scale_offset(padded.width, 8)
     scales.copy_(wire[:, so : so + 4 * count].contiguous().view(torch.float32))
 
 
