@@ -32,6 +32,9 @@ CONFIGS = {
     "qhsdp_ef": dict(
         sharding_strategy="HYBRID_SHARD", quantize_weights=False, quantize_gradients=True, gradient_error_feedback=True
     ),
+    "qhsdp_int4": dict(
+        sharding_strategy="HYBRID_SHARD", quantize_weights=False, quantize_gradients=True, hsdp_gather_bits=4
+    ),
     "qwz": dict(quantize_weights=True, hpz_partition_size=1, quantize_gradients=False),
     "hpz": dict(quantize_weights=False, hpz_partition_size="auto", quantize_gradients=False),
     "qgz": dict(quantize_weights=False, hpz_partition_size=1, quantize_gradients=True),
