@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from lightning_zeropp import costs, rail
+from lightning_zeropp import kernels as tk
 from lightning_zeropp.config import ZeroPPConfig
 from lightning_zeropp.core import QUANTIZED_HSDP_ARGUMENTS
 from lightning_zeropp.costs import collective_buffers, gpt_units, kernel_bytes, step_bytes, units_of
@@ -28,6 +29,7 @@ CONFIGS = {
     "qhsdp": dict(QUANTIZED_HSDP_ARGUMENTS),
     "qhsdp_bf16": dict(QUANTIZED_HSDP_ARGUMENTS, hsdp_gather_bits=16),
     "qhsdp_ef": dict(QUANTIZED_HSDP_ARGUMENTS, gradient_error_feedback=True),
+    "qhsdp_int4": dict(QUANTIZED_HSDP_ARGUMENTS, hsdp_gather_bits=4),
     "qwz": dict(quantize_weights=True, hpz_partition_size=1, quantize_gradients=False),
     "hpz": dict(quantize_weights=False, hpz_partition_size="auto", quantize_gradients=False),
     "qgz": dict(quantize_weights=False, hpz_partition_size=1, quantize_gradients=True),
@@ -271,9 +273,14 @@ def test_kernel_bytes_follow_the_techniques():
     assert moved(**CONFIGS["qhsdp"]) == pytest.approx(shard * (2 + 2 * int4 + 8 / nodes + int8 / nodes + int8 + 2),
                                                       rel=0.002)  # fmt: skip
     assert moved(**CONFIGS["qhsdp_bf16"]) == pytest.approx(shard * (2 + 2 * int4 + 10 / nodes + 2 + 2), rel=0.002)
-    for bits in (8, 16, 32):  # one residual row per rail piece: the node shard once
+    owned = [  # rank 0 owns piece 0 of each unit's node shard: the gather's residual
+        rail.pieces(sum(u.shards(2)), nodes, 128, tk.Blocks.of_segments(u.shards(2), 128))[0].size for u in units
+    ]
+    for bits in (8, 16, 32):  # one residual row per rail piece (the node shard once), and one for the owned piece
         extra = moved(**CONFIGS["qhsdp_ef"], error_feedback_bits=bits) - moved(**CONFIGS["qhsdp"])
-        assert extra == 2 * shard * bits // 8
+        assert extra == 2 * shard * bits // 8 + sum(2 * size * bits // 8 for size in owned)
+        bf16 = dict(CONFIGS["qhsdp_ef"], hsdp_gather_bits=16)  # a bf16 gather keeps no residual
+        assert moved(**bf16, error_feedback_bits=bits) - moved(**CONFIGS["qhsdp_bf16"]) == 2 * shard * bits // 8
 
 
 def test_collective_buffers_are_the_largest_units_quantized_rows():
