@@ -278,10 +278,6 @@ def quantized_rail(config: ZeroPPConfig) -> GradientReduction:
 
 
 def check_kernels(config: ZeroPPConfig, device_type: str) -> None:
-    """Raises where the plan's techniques have no kernels on ``device_type`` (rotated blocks: torch kernels only)."""
-    if config.gradient_rotation != "none" and device_type == "cuda" and config.kernel_backend != "torch":
-        raise ValueError(
-            f"ZeroPPStrategy: `gradient_rotation={config.gradient_rotation!r}` runs on the torch kernels only so far,"
-            f" and `kernel_backend={config.kernel_backend!r}` picks Triton on {device_type}; set kernel_backend='torch'"
-            " (slower quantization kernels) or gradient_rotation='none'."
-        )
+    """Raises where the plan's techniques have no kernels on ``device_type``. None is refused today: every technique
+    has Triton kernels (CUDA) and torch twins (elsewhere), rotated blocks (``gradient_rotation``) included; a
+    technique added without a kernel is refused here, once, when the device is known."""

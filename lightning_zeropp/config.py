@@ -358,10 +358,9 @@ class ZeroPPConfig:
         'qgZ: "hadamard" rotates each gradient block before the inter-node hop quantizes it (random signs from a'
         " per-reduction seed every rank derives alike, then a Walsh-Hadamard transform; the inverse after the sum),"
         " so that one large element no longer sets a scale that rounds its neighbours to zero. Same bytes on the"
-        ' wire. Torch kernels only so far (on GPUs: kernel_backend="torch"). "none": blocks quantized as they are.',
+        ' wire. The Triton kernels fuse it (docs: Kernels). "none": blocks quantized as they are.',
         check=_one_of(_GRADIENT_ROTATIONS),
-        when='"hadamard" for long runs whose accuracy matters (docs: Accuracy), on CPU ranks or with'
-        ' kernel_backend="torch".',
+        when='"hadamard" for long runs whose accuracy matters (docs: Accuracy).',
     )
     block_alignment: BlockAlignment = argument(
         "parameter",

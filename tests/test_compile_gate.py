@@ -122,7 +122,7 @@ def test_the_configurations_cover_what_the_strategy_launches(report):
     for c in compiled:
         k = c["constexprs"]
         kernels[c["kernel"]].add((k.get("BITS", k.get("OUT_BITS")), k.get("STOCHASTIC"), k["BS"]))
-    assert set(kernels) == {"_quantize_kernel", "_dequantize_kernel", "_requantize_kernel"}
+    assert set(kernels) == {"_quantize_kernel", "_dequantize_kernel", "_requantize_kernel", "_rotation_table_kernel"}
     for bits in ("8", "4"):
         for rounding in ("False", "True"):
             for block in ("128", "64"):  # qgZ's default block and another
@@ -169,6 +169,61 @@ def test_the_configurations_cover_aligned_blocks_and_error_feedback(report):
     assert "1" in rows and len(rows) > 1  # qwZ's dequantize and qgZ's dequantize_reduce
 
 
+def test_the_configurations_cover_rotated_blocks(report):
+    """Rotated blocks (``ROTATE``, ``gradient_rotation="hadamard"``) for what qgZ's inter-node hop and quantized
+    HSDP's rail launch: the step-3 re-quantization at N = 2 and 8 (nearest and stochastic, every residual width, both
+    layouts), a lone rank's quantization of its rows and the rail's of one row, and step 5's un-rotating sum; and
+    their variants of one thread per block (``L`` 1) and of blocks shared by threads (``L`` > 1, where butterflies
+    cross threads). The sign table's kernel with them."""
+    compiled = [c for c in report["compiled"] if c["arch"] == 90 and c["constexprs"].get("ROTATE") == "True"]
+    seen = collections.defaultdict(set)
+    for c in compiled:
+        k = c["constexprs"]
+        seen[c["kernel"]].add((_variant(c), k.get("N"), k.get("STOCHASTIC"), int(k["L"]) > 1))
+    for aligned in (True, False):
+        for rounding in ("False", "True"):
+            assert ((aligned, 0), "2", rounding, False) in seen["_requantize_kernel"], (aligned, rounding)
+    for rounding in ("False", "True"):
+        for width in (32, 16, 8):
+            assert ((True, width), "2", rounding, True) in seen["_requantize_kernel"], (width, rounding)
+            assert ((True, width), None, rounding, True) in seen["_quantize_kernel"], (width, rounding)
+        assert ((True, 0), "8", rounding, True) in seen["_requantize_kernel"], rounding
+        assert ((True, 0), None, rounding, False) in seen["_quantize_kernel"], rounding
+    one_row = [c for c in compiled if c["kernel"] == "_quantize_kernel" and c["constexprs"].get("K") == "1"]
+    assert one_row, "the rail's quantization of one row"
+    rows = {c["constexprs"]["ROWS"] for c in compiled if c["kernel"] == "_dequantize_kernel"}
+    assert {"2", "4", "8"} <= rows, rows
+    assert any(c["kernel"] == "_rotation_table_kernel" for c in report["compiled"])
+
+
+def test_rotated_blocks_compile_for_sm100_without_spills():
+    """The rotated specializations (``aot.strategy_launches``' rotated part) on sm_100 too, where the toolchain knows
+    it: compiled, no spill, no stack, no local memory (the report above covers sm_80 and sm_90)."""
+    code = """
+import collections, dataclasses, torch
+from lightning_zeropp.compat import triton as compat
+from lightning_zeropp.kernels import aot
+if not compat.target_supported(100):
+    print("unsupported")
+    raise SystemExit
+launches = [l for l in aot.unique_launches(aot.strategy_launches())
+            if l.kwargs.get("ROTATE") or l.kernel.__name__ == "_rotation_table_kernel"]
+bad = []
+for launch in launches:
+    c = aot.compile_launch(launch, 100)
+    if c.error or c.stack_bytes or c.local_bytes or c.registers <= 0:
+        bad.append(f"{c.kernel} {c.constexprs} [{c.label}]: {c.error[-300:]} {c.stack_bytes} {c.local_bytes}")
+print("compiled", len(launches))
+print("\n".join(bad[:10]))
+"""
+    done = _without_interpreter(code)
+    assert done.returncode == 0, done.stderr[-4000:]
+    if "unsupported" in done.stdout:
+        pytest.skip("this Triton's toolchain does not compile for sm_100")
+    count = int(done.stdout.split("compiled ")[1].split()[0])
+    assert count >= 40 and done.stdout.strip().endswith(f"compiled {count}"), done.stdout[-4000:]
+
+
 def test_no_register_spills_and_no_local_memory(report):
     """No spill instructions (counted in the sm_90 SASS), and on every target no stack frame and no local memory, which
     is where spilled registers go. Every entry's figures were read: a kernel without a register count fails the gate
@@ -200,7 +255,8 @@ def test_payload_loads_and_stores_are_vectorized(report):
     for c in report["compiled"]:
         payload = [a for a in c["accesses"] if a["tag"] == "payload"]
         ops = {a["op"] for a in payload}
-        expected = {"_quantize_kernel": {"st"}, "_dequantize_kernel": {"ld"}, "_requantize_kernel": {"ld", "st"}}
+        expected = {"_quantize_kernel": {"st"}, "_dequantize_kernel": {"ld"}, "_requantize_kernel": {"ld", "st"},
+                    "_rotation_table_kernel": set()}  # fmt: skip
         assert ops == expected[c["kernel"]], f"{_where(c)}: payload accesses found: {ops}"
         if _variant(c)[0]:
             assert int(c["constexprs"]["BS"]) % 32 == 0 and c["constexprs"]["PADDED"] == "True", _where(c)

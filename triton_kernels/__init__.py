@@ -136,11 +136,6 @@ def _run(tensor: torch.Tensor, spec, backend: Backend) -> torch.Tensor:
     _check_backend_name(op, "backend", backend)
     spec.check(tensor)
     impl = _impl(op, backend, tensor.device)
-    if impl is not reference and getattr(spec, "rotation_seed", None) is not None:
-        raise NotImplementedError(
-            f"{op}: `rotation_seed` (rotated blocks) runs on the torch kernels only so far; pass backend='torch'"
-            " (the strategy: kernel_backend='torch')."
-        )
     out = getattr(impl, spec.name)(tensor, spec)
     for observe in observers:
         observe(tensor, spec)

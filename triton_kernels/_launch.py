@@ -190,3 +190,27 @@ def feedback_arguments(spec, rows: int, n: int) -> FeedbackArguments:
     if scales is not None:
         assert scales.is_contiguous() and scales.numel() % max(rows, 1) == 0  # one row of block scales per row
     return FeedbackArguments((residual, scales, stride, float(spec.decay)), bits, rows * stride)
+
+
+class Rotation(NamedTuple):
+    """What a kernel takes for rotated blocks (``rotation_seed``): the sign table (``_rotated.rotation_table``; None
+    without rotation) and the keyword arguments of the launch (none without rotation, so the plain launches stay as
+    they were): ``ROTATE``, ``L`` (the threads that share a block), ``GE`` (the blocks of a masked sub-tile) and
+    ``num_warps``."""
+
+    table: torch.Tensor | None
+    options: dict
+
+
+def rotation(rotation_seed: int | None, block_size: int, t: Tiling, device: torch.device, per_thread: int = 128,
+             ) -> Rotation:  # fmt: skip
+    """The :class:`Rotation` of a launch tiled by ``t``: ``L`` threads per block so that each holds at most
+    ``per_thread`` of a block's (padded) elements, and warps enough for the tile's G blocks (lanes along the blocks,
+    so no thread repeats another's work)."""
+    if rotation_seed is None:
+        return Rotation(None, {})
+    from ._rotated import rotation_table
+
+    L = max(1, 2 * t.HALF // per_thread)
+    options = {"ROTATE": True, "L": L, "GE": t.GE or max(1, t.G // 4), "num_warps": max(1, min(8, t.G * L // 32))}
+    return Rotation(rotation_table(rotation_seed, block_size, device), options)

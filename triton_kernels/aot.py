@@ -10,9 +10,10 @@ still not compile. This module compiles exactly what the launchers launch:
    ptxas the wheel bundles;
 3. the result carries registers and local memory (``cuobjdump -res-usage``), spill instructions and the instruction
    count per path of the SASS (``nvdisasm``), and every global load and store of the PTX with its width and the
-   source line it came from. Lines of ``_tiles.py`` that move wire payload end in ``# payload``, and so do the
-   constexpr branches that choose among them (Triton's line info for a masked load may point at its branch); the
-   aligned-blocks kernels' loads and stores of float elements (inputs, outputs, residuals) end in ``# elements``.
+   source line it came from. Lines of ``_tiles.py`` and ``_rotated.py`` that move wire payload end in ``# payload``,
+   and so do the constexpr branches that choose among them (Triton's line info for a masked load may point at its
+   branch); the aligned-blocks kernels' loads and stores of float elements (inputs, outputs, residuals) end in
+   ``# elements``.
 
 Triton's launch internals that steps 1 and 2 need are in ``lightning_zeropp.compat.triton``, and only this tool
 imports it: a Triton upgrade that moves them breaks the gate, never a training run.
@@ -79,7 +80,7 @@ class Access:
     op: str  # "ld" or "st"
     bytes: int  # per thread per instruction
     vector: int  # 1, 2 or 4
-    line: int  # source line in _tiles.py (0 when from elsewhere)
+    line: int  # source line in _tiles.py or _rotated.py (0 when from elsewhere)
     tag: str  # the line's trailing comment tag ("payload", "elements") or ""
 
 
@@ -103,12 +104,16 @@ class Compiled:
     error: str = ""
 
 
-def _tagged_lines() -> dict[int, str]:
+_TAGGED_FILES = ("_tiles.py", "_rotated.py")  # the kernels' building blocks, whose accesses carry tags
+
+
+def _tagged_lines() -> dict[tuple[str, int], str]:
     tags = {}
-    for i, line in enumerate(Path(__file__).with_name("_tiles.py").read_text().splitlines(), 1):
-        m = re.search(r"#\s*(payload|elements)\b", line)
-        if m:
-            tags[i] = m.group(1)
+    for name in _TAGGED_FILES:
+        for i, line in enumerate(Path(__file__).with_name(name).read_text().splitlines(), 1):
+            m = re.search(r"#\s*(payload|elements)\b", line)
+            if m:
+                tags[name, i] = m.group(1)
     return tags
 
 
@@ -120,14 +125,23 @@ def _ptx_accesses(ptx: str) -> list[Access]:
     files = {}
     for m in re.finditer(r'^\s*\.file\s+(\d+)\s+"([^"]*)"(?:,\s*"([^"]*)")?', ptx, re.M):
         files[m.group(1)] = (m.group(3) or "") + "/" + m.group(2) if m.group(3) else m.group(2)
-    tiles = {k for k, v in files.items() if v.endswith("_tiles.py")}
+    tiles = {k: name for k, v in files.items() for name in _TAGGED_FILES if v.endswith(name)}
     tags = _tagged_lines()
-    # an access is attributed to the source line located last before it (its own statement's line)
-    out, line = [], 0
+    # an access is attributed to the source line located last before it (its own statement's line); inside an
+    # inline assembly block (a vector load: a register initialized per element, then the load), to the block's first
+    # location: the assembler numbers the block's lines from the statement's on, one per instruction
+    out, line, name, in_asm, asm_located = [], 0, "", False, False
     for text in ptx.splitlines():
+        if "// begin inline asm" in text:
+            in_asm, asm_located = True, False
+        elif "// end inline asm" in text:
+            in_asm = False
         loc = re.match(r"^\s*\.loc\s+(\d+)\s+(\d+)", text)
         if loc:
-            line = int(loc.group(2)) if loc.group(1) in tiles else 0
+            if not (in_asm and asm_located):
+                name = tiles.get(loc.group(1), "")
+                line = int(loc.group(2)) if name else 0
+            asm_located = in_asm
             continue
         m = _ACCESS.match(text)
         if not m:
@@ -135,7 +149,7 @@ def _ptx_accesses(ptx: str) -> list[Access]:
         mods = m.group(2).split(".")
         vector = 4 if "v4" in mods else 2 if "v2" in mods else 1
         width = next((int(x[1:]) for x in reversed(mods) if re.fullmatch(r"[bsuf](8|16|32|64)", x)), 0)
-        out.append(Access(m.group(1), vector * width // 8, vector, line, tags.get(line, "")))
+        out.append(Access(m.group(1), vector * width // 8, vector, line, tags.get((name, line), "")))
     return out
 
 
@@ -475,7 +489,81 @@ def strategy_launches() -> list[Launch]:
             for stochastic in (False, True):
                 qgz_aligned(dtype, bits, 4, stochastic, *shapes[1][:3], real_chunk, 0)
     qgz_aligned(torch.bfloat16, 8, 4, False, *shapes[0][:3], real_chunk, 8)
+    rotated_launches(record, residual, real_chunk, chunk_blocks)
     return launches
+
+
+def rotated_launches(record: Callable, residual: Callable, real_chunk, odd_chunk) -> None:
+    """The launches of rotated blocks (``gradient_rotation="hadamard"``, ``kernels._rotated``): qgZ's inter-node hop
+    (step 3's re-quantization at N = 2, 4 and 8, a lone rank's quantization of its rows, step 5's un-rotating sum of
+    K pieces) and quantized HSDP's rail (a rank's row, the sum into fp32); every residual width and both roundings at
+    a real model's sizes (``real_chunk``, the rows the static table shows), the rest with fewer variants, and at odd
+    sizes (``odd_chunk``), in uniform blocks and in blocks of 64."""
+    import torch
+
+    from . import triton_ops as ops
+    from .layout import Blocks, wire_size
+    from .specs import DequantizeReduceQuantizeSpec, DequantizeReduceSpec, QuantizeSpec
+
+    seed = 7  # the sign table is an argument: any seed compiles the same kernels
+
+    def requantize(N, K, in_bits, out_bits, stochastic, blocks, feedback=0, n=4096, block=128, where=""):
+        n = blocks.numel if blocks is not None else n
+        wire = blocks.wire_size(in_bits) if blocks is not None else wire_size(n, in_bits, block)
+        buf = torch.zeros(N, K, wire, dtype=torch.uint8)
+        fb = residual(feedback, K, n, blocks=blocks, block=block)
+        spec = DequantizeReduceQuantizeSpec(n, in_bits, out_bits, block, stochastic=stochastic, blocks=blocks,
+                                            rotation_seed=seed, **fb)  # fmt: skip
+        label = f"qgZ rotated dequantize_reduce_quantize {where} N={N} K={K}"
+        record(label + (f" feedback {feedback}" if feedback else ""), lambda: ops.dequantize_reduce_quantize(buf, spec))
+
+    def rows(dtype, K, bits, stochastic, blocks, feedback=0, n=4096, block=128, where=""):
+        n = blocks.numel if blocks is not None else n
+        x = torch.zeros(K, n, dtype=dtype)
+        fb = residual(feedback, K, n, blocks=blocks, block=block)
+        spec = QuantizeSpec(bits, block, stochastic=stochastic, blocks=blocks, rotation_seed=seed, **fb)
+        what = "qgZ rotated quantize rows (N=1)" if K > 1 else "HSDP rail rotated quantize"
+        record(f"{what} {where}{f' feedback {feedback}' if feedback else ''}", lambda: ops.quantize(x, spec))
+
+    def summed(M, bits, dtype, blocks, n=4096, block=128, where=""):
+        n = blocks.numel if blocks is not None else n
+        wire = blocks.wire_size(bits) if blocks is not None else wire_size(n, bits, block)
+        buf = torch.zeros(M, wire, dtype=torch.uint8)
+        out = torch.zeros(n, dtype=dtype)
+        spec = DequantizeReduceSpec(n, bits, block, multiplier=1 / (4 * M), out=out, blocks=blocks, rotation_seed=seed)
+        record(f"qgZ rotated dequantize_reduce {where} M={M}", lambda: ops.dequantize_reduce(buf, spec))
+
+    real, odd = f"aligned chunk={real_chunk.numel}", f"aligned chunk={odd_chunk.numel}"
+    for stochastic in (False, True):
+        for feedback in (0, *FEEDBACK_WIDTHS):
+            requantize(2, 2, 8, 4, stochastic, real_chunk, feedback, where=real)
+            rows(torch.bfloat16, 2, 4, stochastic, real_chunk, feedback, where=real)
+        for feedback in (0, 8) if stochastic else (0, 32, 8):
+            requantize(8, 4, 8, 4, stochastic, real_chunk, feedback, where=real)
+        requantize(2, 2, 4, 4, stochastic, real_chunk, where=real)  # INT4 inside the node
+        rows(torch.float32, 2, 4, stochastic, real_chunk, where=real)
+    requantize(4, 2, 8, 4, False, real_chunk, where=real)
+    requantize(2, 2, 8, 8, False, real_chunk, where=real)  # INT8 on both hops
+    for M in (2, 4, 8):
+        summed(M, 4, torch.bfloat16, real_chunk, where=real)
+    summed(2, 4, torch.float32, real_chunk, where=real)  # quantized HSDP's rail sums into fp32
+    summed(2, 8, torch.bfloat16, real_chunk, where=real)
+    for dtype in (torch.bfloat16, torch.float32):
+        rows(dtype, 1, 4, False, real_chunk, where=real)  # quantized HSDP: one row per piece
+    # odd sizes (no vector tiles at 16-element grids), uniform blocks, blocks of 64
+    for stochastic in (False, True):
+        requantize(2, 2, 8, 4, stochastic, odd_chunk, where=odd)
+        requantize(2, 2, 8, 4, stochastic, None, where="uniform chunk=4096")
+    requantize(2, 2, 8, 4, False, odd_chunk, 8, where=odd)
+    requantize(2, 2, 8, 4, False, None, 8, where="uniform chunk=4096")
+    requantize(8, 4, 8, 4, False, None, where="uniform chunk=4096")
+    rows(torch.bfloat16, 2, 4, False, odd_chunk, where=odd)
+    rows(torch.bfloat16, 2, 4, False, None, where="uniform chunk=4096")
+    summed(2, 4, torch.bfloat16, odd_chunk, where=odd)
+    summed(2, 4, torch.bfloat16, None, where="uniform chunk=4096")
+    blocks64 = Blocks.of_segments((2048, 512, 96, 2048 + 16), 64)
+    requantize(2, 2, 8, 4, False, blocks64, block=64, where="aligned block=64")
+    summed(2, 4, torch.bfloat16, blocks64, block=64, where="aligned block=64")
 
 
 def unique_launches(launches: list[Launch]) -> list[Launch]:

@@ -15,7 +15,18 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import INT4_DECODE, LAUNCH_OPTIONS, bf16_by_hand, needs_int64, output_view, row_format, tiling
+from ._launch import INT4_DECODE, LAUNCH_OPTIONS, bf16_by_hand, needs_int64, output_view, rotation, row_format, tiling
+from ._rotated import (
+    load_block_scales,
+    load_dequantized_rot,
+    masked_kind,
+    masked_lanes,
+    payload_limit,
+    signs,
+    store_values_rot,
+    tile_blocks,
+    unrotate,
+)
 from ._tiles import (
     aligned_index,
     is_full_tile,
@@ -26,6 +37,7 @@ from ._tiles import (
     sum_dequantized,
     sum_dequantized_aligned,
     tile_index,
+    wire_row_bytes,
 )
 from .layout import Blocks
 from .specs import DequantizeReduceSpec, DequantizeSpec
@@ -69,12 +81,75 @@ def _dequantize_aligned_tile(base, r, buf_ptr, scale_ptr, out_ptr, n, wire, so, 
 
 
 @triton.jit
-def _dequantize_kernel(buf_ptr, scale_ptr, out_ptr, n, wire, so, multiplier, table_ptr, nblk, nvt, nib,
+def _dequantize_rotated_tile(base, r, buf_ptr, out_ptr, n, wire, so, multiplier, table_ptr, nblk, sign_ptr,
+                             ROWS: tl.constexpr, BITS: tl.constexpr, BS: tl.constexpr, G: tl.constexpr,
+                             HALF: tl.constexpr, SCALED: tl.constexpr, BF16_BY_HAND: tl.constexpr, KIND: tl.constexpr,
+                             L: tl.constexpr):  # fmt: skip
+    """G blocks from ``base``: the fp32 sum of the ROWS rows (rotated alike), un-rotated once (``_rotated.unrotate``),
+    times the multiplier, rounded once to the output's dtype; as ``reference.dequantize_reduce``."""
+    MASKED: tl.constexpr = masked_kind(KIND, BS, HALF)
+    blk, valid, first, length, pay8, pay4 = tile_blocks(base, n, table_ptr, nblk, KIND, BS, G)
+    pay = pay8 if BITS == 8 else pay4
+    limit = payload_limit(pay, length, so, BITS, KIND, BS)
+    payload, scales = wire_row_bytes(buf_ptr, r * ROWS, wire, so)
+    ve, vo = load_dequantized_rot(payload, pay, limit, load_block_scales(scales, blk, valid, KIND), length, BITS,
+                                  MASKED, G, HALF, L)  # fmt: skip
+    for i in tl.static_range(1, ROWS):
+        payload, scales = wire_row_bytes(buf_ptr, r * ROWS + i, wire, so)
+        we, wo = load_dequantized_rot(payload, pay, limit, load_block_scales(scales, blk, valid, KIND), length, BITS,
+                                      MASKED, G, HALF, L)  # fmt: skip
+        ve += we
+        vo += wo
+    # the inverse's factor: the sign over its piece's length (the table's second row), or with pieces, the signs
+    ie, io = signs(sign_ptr, G, HALF, L, BS, not MASKED)
+    ve, vo = unrotate(ve, vo, ie, io, length, MASKED, G, HALF, L)
+    if SCALED:
+        ve *= multiplier
+        vo *= multiplier
+    store_values_rot(_output_row(out_ptr, r, n, ROWS), first, length, ve, vo, BF16_BY_HAND, MASKED, G, HALF, L)
+
+
+@triton.jit
+def _dequantize_rotated(pid, r, buf_ptr, out_ptr, n, wire, so, multiplier, table_ptr, nblk, nvt, sign_ptr,
+                        ROWS: tl.constexpr, BITS: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr,
+                        SCALED: tl.constexpr, BF16_BY_HAND: tl.constexpr, ALIGNED: tl.constexpr, PADDED: tl.constexpr,
+                        GE: tl.constexpr, L: tl.constexpr):  # fmt: skip
+    """A program's tile of rotated blocks, as ``quantize_kernel._quantize_rotated`` takes it."""
+    LM: tl.constexpr = masked_lanes(G, GE, L, HALF)
+    if ALIGNED:
+        if PADDED:
+            if pid < nvt:
+                _dequantize_rotated_tile(pid * G, r, buf_ptr, out_ptr, n, wire, so, multiplier, table_ptr, nblk,
+                                         sign_ptr, ROWS, BITS, BS, G, HALF, SCALED, BF16_BY_HAND, 2, L)  # fmt: skip
+            else:
+                for sub in range(0, G, GE):
+                    _dequantize_rotated_tile(pid * G + sub, r, buf_ptr, out_ptr, n, wire, so, multiplier, table_ptr,
+                                             nblk, sign_ptr, ROWS, BITS, BS, GE, HALF, SCALED, BF16_BY_HAND, 1,
+                                             LM)  # fmt: skip
+        else:
+            for sub in range(0, G, GE):
+                _dequantize_rotated_tile(pid * G + sub, r, buf_ptr, out_ptr, n, wire, so, multiplier, table_ptr, nblk,
+                                         sign_ptr, ROWS, BITS, BS, GE, HALF, SCALED, BF16_BY_HAND, 0, LM)  # fmt: skip
+    elif is_full_tile(pid, n, BS, G):
+        _dequantize_rotated_tile(pid * G, r, buf_ptr, out_ptr, n, wire, so, multiplier, table_ptr, nblk, sign_ptr,
+                                 ROWS, BITS, BS, G, HALF, SCALED, BF16_BY_HAND, 3, L)  # fmt: skip
+    else:
+        for sub in range(0, G, GE):
+            _dequantize_rotated_tile(pid * G + sub, r, buf_ptr, out_ptr, n, wire, so, multiplier, table_ptr, nblk,
+                                     sign_ptr, ROWS, BITS, BS, GE, HALF, SCALED, BF16_BY_HAND, 4, LM)  # fmt: skip
+
+
+@triton.jit
+def _dequantize_kernel(buf_ptr, scale_ptr, out_ptr, n, wire, so, multiplier, table_ptr, nblk, nvt, nib, sign_ptr,
                        ROWS: tl.constexpr, BITS: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr,
                        SCALED: tl.constexpr, BF16_BY_HAND: tl.constexpr, ALIGNED: tl.constexpr, PADDED: tl.constexpr,
-                       GE: tl.constexpr, IDX64: tl.constexpr):  # fmt: skip
+                       GE: tl.constexpr, IDX64: tl.constexpr, ROTATE: tl.constexpr = False,
+                       L: tl.constexpr = 1):  # fmt: skip
     pid, r = program_ids(IDX64)
-    if ALIGNED:  # parameter-aligned blocks: the tiles of whole aligned blocks first (vector), then the others
+    if ROTATE:  # rotated blocks (``_rotated``): a thread's registers hold whole blocks
+        _dequantize_rotated(pid, r, buf_ptr, out_ptr, n, wire, so, multiplier, table_ptr, nblk, nvt, sign_ptr, ROWS,
+                            BITS, BS, G, HALF, SCALED, BF16_BY_HAND, ALIGNED, PADDED, GE, L)  # fmt: skip
+    elif ALIGNED:  # parameter-aligned blocks: the tiles of whole aligned blocks first (vector), then the others
         if PADDED:
             if pid < nvt:
                 _dequantize_aligned_tile(pid * G, r, buf_ptr, scale_ptr, out_ptr, n, wire, so, multiplier, table_ptr,
@@ -96,9 +171,9 @@ def _dequantize_kernel(buf_ptr, scale_ptr, out_ptr, n, wire, so, multiplier, tab
 
 
 def _launch(rows: torch.Tensor, out: torch.Tensor, numel: int, bits: int, block_size: int, summed: int,
-            multiplier: float, blocks: Blocks | None = None) -> None:  # fmt: skip
+            multiplier: float, blocks: Blocks | None = None, rotation_seed: int | None = None) -> None:  # fmt: skip
     """Writes ``out`` (``rows.shape[0] // summed`` rows of ``numel``) from the wire ``rows`` (uniform blocks, or
-    ``blocks``)."""
+    ``blocks``; rotated with ``rotation_seed``: the sum un-rotated)."""
     wire, so = row_format(numel, bits, block_size, blocks)
     # the kernel indexes both buffers by these sizes: a mismatch would read or write outside them
     assert rows.is_contiguous() and rows.shape[1] == wire
@@ -107,12 +182,14 @@ def _launch(rows: torch.Tensor, out: torch.Tensor, numel: int, bits: int, block_
     if not numel or not rows.shape[0]:
         return
     t = tiling(numel, rows.shape[0] // summed, block_size, blocks, rows.device)
+    # a thread holds a block, or half of it where more than 4 rows' loads are in flight (ptxas spills otherwise)
+    rot = rotation(rotation_seed, block_size, t, rows.device, 128 if summed <= 4 else 64)
     _dequantize_kernel[t.grid](
         rows.view(torch.int8), rows.view(torch.float32), output_view(out), numel, rows.shape[1], so,
-        float(multiplier), t.table, t.nblk, t.nvt, INT4_DECODE, ROWS=summed, BITS=bits, BS=block_size, G=t.G,
-        HALF=t.HALF, SCALED=multiplier != 1.0, BF16_BY_HAND=bf16_by_hand(out), ALIGNED=blocks is not None,
-        PADDED=t.padded, GE=t.GE,
-        IDX64=needs_int64(rows.numel() + t.tile, out.numel() + t.tile), **LAUNCH_OPTIONS,
+        float(multiplier), t.table, t.nblk, t.nvt, INT4_DECODE, rot.table, ROWS=summed, BITS=bits, BS=block_size,
+        G=t.G, HALF=t.HALF, SCALED=multiplier != 1.0, BF16_BY_HAND=bf16_by_hand(out), ALIGNED=blocks is not None,
+        PADDED=t.padded, IDX64=needs_int64(rows.numel() + t.tile, out.numel() + t.tile),
+        **(rot.options or {"GE": t.GE}), **LAUNCH_OPTIONS,
     )  # fmt: skip
 
 
@@ -130,5 +207,6 @@ def dequantize_reduce(buf: torch.Tensor, spec: DequantizeReduceSpec) -> torch.Te
     if out is None:
         out = torch.empty(spec.numel, dtype=spec.dtype or torch.float32, device=buf.device)
     multiplier = float(spec.multiplier)
-    _launch(buf.contiguous(), out, spec.numel, spec.bits, spec.block_size, buf.shape[0], multiplier, spec.blocks)
+    _launch(buf.contiguous(), out, spec.numel, spec.bits, spec.block_size, buf.shape[0], multiplier, spec.blocks,
+            spec.rotation_seed)  # fmt: skip
     return out

@@ -20,7 +20,23 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import LAUNCH_OPTIONS, feedback_arguments, needs_int64, row_format, stochastic_seed, tiling, unit_stride
+from ._launch import (
+    LAUNCH_OPTIONS,
+    feedback_arguments,
+    needs_int64,
+    rotation,
+    row_format,
+    stochastic_seed,
+    tiling,
+    unit_stride,
+)
+from ._rotated import (
+    load_pairs_rot,
+    masked_kind,
+    masked_lanes,
+    quantize_rotated,
+    tile_blocks,
+)
 from ._tiles import (
     aligned_index,
     is_full_tile,
@@ -83,13 +99,69 @@ def _quantize_aligned_tile(base, edge0, row, x_ptr, out_ptr, scale_ptr, chunk, s
                                G, HALF)  # fmt: skip
 
 
+@triton.jit
+def _quantize_rotated_tile(base, edge0, row, x_ptr, out_ptr, n, chunk, start, N, K, wire, so, seed, res_ptr, rscale_ptr,
+                           rs, decay, table_ptr, nblk, sign_ptr, BITS: tl.constexpr, QMAX: tl.constexpr,
+                           BS: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr, STOCHASTIC: tl.constexpr,
+                           FEEDBACK: tl.constexpr, KIND: tl.constexpr, GT: tl.constexpr, GE: tl.constexpr,
+                           L: tl.constexpr):  # fmt: skip
+    """G rotated blocks from ``base`` (``_rotated``; ``KIND``: which tile; GT, GE: the program's tile and the plain
+    kernels' masked sub-tile, for the noise's counters)."""
+    blk, valid, first, length, pay8, pay4 = tile_blocks(base, n, table_ptr, nblk, KIND, BS, G)
+    xe, xo = load_pairs_rot(x_ptr + swizzle_source(row, N, K) * chunk + start, first, length, L,
+                            masked_kind(KIND, BS, HALF), G, HALF)  # fmt: skip
+    quantize_rotated(xe, xo, row, base, edge0, n, out_ptr, wire, so, seed, res_ptr, rscale_ptr, rs, decay, table_ptr,
+                     nblk, sign_ptr, blk, valid, first, length, pay8, pay4, BITS, QMAX, BS, G, HALF, STOCHASTIC,
+                     FEEDBACK, KIND, GT, GE, L)  # fmt: skip
+
+
+@triton.jit
+def _quantize_rotated(pid, row, x_ptr, out_ptr, n, chunk, start, N, K, wire, so, seed, res_ptr, rscale_ptr, rs, decay,
+                      table_ptr, nblk, nvt, sign_ptr, BITS: tl.constexpr, QMAX: tl.constexpr, BS: tl.constexpr,
+                      G: tl.constexpr, HALF: tl.constexpr, STOCHASTIC: tl.constexpr, FEEDBACK: tl.constexpr,
+                      ALIGNED: tl.constexpr, PADDED: tl.constexpr, GE: tl.constexpr, L: tl.constexpr):  # fmt: skip
+    """A program's tile of rotated blocks: a whole tile (L threads per block) where every block is whole, otherwise
+    GE blocks at a time, each over more threads (``_rotated.masked_lanes``)."""
+    LM: tl.constexpr = masked_lanes(G, GE, L, HALF)
+    if ALIGNED:
+        if PADDED:
+            if pid < nvt:
+                _quantize_rotated_tile(pid * G, nvt * G, row, x_ptr, out_ptr, n, chunk, start, N, K, wire, so, seed,
+                                       res_ptr, rscale_ptr, rs, decay, table_ptr, nblk, sign_ptr, BITS, QMAX, BS, G,
+                                       HALF, STOCHASTIC, FEEDBACK, 2, G, GE, L)  # fmt: skip
+            else:
+                for sub in range(0, G, GE):
+                    _quantize_rotated_tile(pid * G + sub, nvt * G, row, x_ptr, out_ptr, n, chunk, start, N, K, wire,
+                                           so, seed, res_ptr, rscale_ptr, rs, decay, table_ptr, nblk, sign_ptr, BITS,
+                                           QMAX, BS, GE, HALF, STOCHASTIC, FEEDBACK, 1, G, GE, LM)  # fmt: skip
+        else:
+            for sub in range(0, G, GE):
+                _quantize_rotated_tile(pid * G + sub, 0, row, x_ptr, out_ptr, n, chunk, start, N, K, wire, so, seed,
+                                       res_ptr, rscale_ptr, rs, decay, table_ptr, nblk, sign_ptr, BITS, QMAX, BS, GE,
+                                       HALF, STOCHASTIC, FEEDBACK, 0, G, GE, LM)  # fmt: skip
+    elif is_full_tile(pid, n, BS, G):
+        _quantize_rotated_tile(pid * G, 0, row, x_ptr, out_ptr, n, chunk, start, N, K, wire, so, seed, res_ptr,
+                               rscale_ptr, rs, decay, table_ptr, nblk, sign_ptr, BITS, QMAX, BS, G, HALF, STOCHASTIC,
+                               FEEDBACK, 3, G, GE, L)  # fmt: skip
+    else:
+        for sub in range(0, G, GE):
+            _quantize_rotated_tile(pid * G + sub, 0, row, x_ptr, out_ptr, n, chunk, start, N, K, wire, so, seed,
+                                   res_ptr, rscale_ptr, rs, decay, table_ptr, nblk, sign_ptr, BITS, QMAX, BS, GE, HALF,
+                                   STOCHASTIC, FEEDBACK, 4, G, GE, LM)  # fmt: skip
+
+
 @triton.jit(do_not_specialize=["seed"])  # a fresh random seed per call must not recompile
 def _quantize_kernel(x_ptr, out_ptr, scale_ptr, n, chunk, start, N, K, wire, so, seed, res_ptr, rscale_ptr, rs, decay,
-                     table_ptr, nblk, nvt, BITS: tl.constexpr, QMAX: tl.constexpr, BS: tl.constexpr,
+                     table_ptr, nblk, nvt, sign_ptr, BITS: tl.constexpr, QMAX: tl.constexpr, BS: tl.constexpr,
                      G: tl.constexpr, HALF: tl.constexpr, STOCHASTIC: tl.constexpr, FEEDBACK: tl.constexpr,
-                     ALIGNED: tl.constexpr, PADDED: tl.constexpr, GE: tl.constexpr, IDX64: tl.constexpr):  # fmt: skip
+                     ALIGNED: tl.constexpr, PADDED: tl.constexpr, GE: tl.constexpr, IDX64: tl.constexpr,
+                     ROTATE: tl.constexpr = False, L: tl.constexpr = 1):  # fmt: skip
     pid, row = program_ids(IDX64)
-    if ALIGNED:  # parameter-aligned blocks: the tiles of whole aligned blocks first (vector), then the others
+    if ROTATE:  # rotated blocks (``_rotated``): a thread's registers hold whole blocks
+        _quantize_rotated(pid, row, x_ptr, out_ptr, n, chunk, start, N, K, wire, so, seed, res_ptr, rscale_ptr, rs,
+                          decay, table_ptr, nblk, nvt, sign_ptr, BITS, QMAX, BS, G, HALF, STOCHASTIC, FEEDBACK,
+                          ALIGNED, PADDED, GE, L)  # fmt: skip
+    elif ALIGNED:  # parameter-aligned blocks: the tiles of whole aligned blocks first (vector), then the others
         if PADDED:
             if pid < nvt:
                 _quantize_aligned_tile(pid * G, nvt * G, row, x_ptr, out_ptr, scale_ptr, chunk, start, N, K, wire, so,
@@ -124,16 +196,23 @@ def _launch(src: torch.Tensor, rows: int, n: int, chunk: int, start: int, N: int
         t = tiling(n, rows, block_size, blocks, src.device, wire_bits=bits)
         assert spec.residual is None or N == 1  # row r's residual is row r's
         fb = feedback_arguments(spec, rows, n)
+        # rotated blocks: a thread holds 128 elements of a block; half as many where a residual keeps the block beside
+        # its rotation, a quarter with an INT8 residual (its own quantization): more, and ptxas spills (sm_100)
+        share = 32 if fb.bits == 8 else 64 if fb.bits else 128
+        rot = rotation(getattr(spec, "rotation_seed", None), block_size, t, src.device, share)
+        # (plain) ptxas otherwise caps some INT4 variants at 80 registers and spills two; a padded layout's variants
+        # with error feedback at rows that do not start on 16 bytes (scalar loads on the unmasked tiles) need more.
+        # Rotated: ptxas chooses (a thread holds a block)
+        plain = {"GE": t.GE, "maxnreg": None if blocks is not None and blocks.padded and fb.bits else 128}
+        options = rot.options or plain
         _quantize_kernel[t.grid](
             src, out.view(torch.int8), out.view(torch.float32), n, chunk, start, N, K, wire, so,
-            stochastic_seed(spec.seed) if spec.stochastic else 0, *fb.arguments, t.table, t.nblk, t.nvt, BITS=bits,
-            QMAX=QMAX[bits], BS=block_size, G=t.G, HALF=t.HALF, STOCHASTIC=spec.stochastic, FEEDBACK=fb.bits,
-            ALIGNED=blocks is not None, PADDED=t.padded, GE=t.GE,
+            stochastic_seed(spec.seed) if spec.stochastic else 0, *fb.arguments, t.table, t.nblk, t.nvt, rot.table,
+            BITS=bits, QMAX=QMAX[bits], BS=block_size, G=t.G, HALF=t.HALF, STOCHASTIC=spec.stochastic,
+            FEEDBACK=fb.bits, ALIGNED=blocks is not None, PADDED=t.padded,
             IDX64=needs_int64(src.numel() + t.tile, out.numel() + t.tile, t.grid[0] * t.grid[1] * t.G * t.HALF,
                               fb.extent + t.tile),
-            # ptxas otherwise caps some INT4 variants at 80 registers and spills two; a padded layout's variants with
-            # error feedback at rows that do not start on 16 bytes (scalar loads on the unmasked tiles) need more
-            maxnreg=None if blocks is not None and blocks.padded and fb.bits else 128,
+            **options,
             **LAUNCH_OPTIONS,
         )  # fmt: skip
     return out

@@ -16,7 +16,25 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import INT4_DECODE, LAUNCH_OPTIONS, feedback_arguments, needs_int64, row_format, stochastic_seed, tiling
+from ._launch import (
+    INT4_DECODE,
+    LAUNCH_OPTIONS,
+    feedback_arguments,
+    needs_int64,
+    rotation,
+    row_format,
+    stochastic_seed,
+    tiling,
+)
+from ._rotated import (
+    load_block_scales,
+    load_dequantized_rot,
+    masked_kind,
+    masked_lanes,
+    payload_limit,
+    quantize_rotated,
+    tile_blocks,
+)
 from ._tiles import (
     aligned_index,
     is_full_tile,
@@ -32,6 +50,7 @@ from ._tiles import (
     sum_dequantized,
     sum_dequantized_aligned,
     tile_index,
+    wire_row_bytes,
     with_feedback,
 )
 from .layout import QMAX
@@ -80,14 +99,81 @@ def _requantize_aligned_tile(base, edge0, k, buf_ptr, in_scale_ptr, out_ptr, out
                                HALF)  # fmt: skip
 
 
+@triton.jit
+def _requantize_rotated_tile(base, edge0, k, buf_ptr, out_ptr, n, K, in_wire, in_so, out_wire, out_so, seed, res_ptr,
+                             rscale_ptr, rs, decay, table_ptr, nblk, sign_ptr, N: tl.constexpr, IN_BITS: tl.constexpr,
+                             OUT_BITS: tl.constexpr, QMAX: tl.constexpr, BS: tl.constexpr, G: tl.constexpr,
+                             HALF: tl.constexpr, STOCHASTIC: tl.constexpr, FEEDBACK: tl.constexpr, KIND: tl.constexpr,
+                             GT: tl.constexpr, GE: tl.constexpr, L: tl.constexpr):  # fmt: skip
+    """G blocks from ``base`` of piece ``k``: the fp32 sum of its N received copies (in index order, as
+    ``reference._sum_dequantized``), rotated and quantized (``_rotated.quantize_rotated``)."""
+    MASKED: tl.constexpr = masked_kind(KIND, BS, HALF)
+    blk, valid, first, length, pay8, pay4 = tile_blocks(base, n, table_ptr, nblk, KIND, BS, G)
+    pay = pay8 if IN_BITS == 8 else pay4
+    limit = payload_limit(pay, length, in_so, IN_BITS, KIND, BS)
+    payload, scales = wire_row_bytes(buf_ptr, k, in_wire, in_so)
+    xe, xo = load_dequantized_rot(payload, pay, limit, load_block_scales(scales, blk, valid, KIND), length, IN_BITS,
+                                  MASKED, G, HALF, L)  # fmt: skip
+    for i in tl.static_range(1, N):
+        payload, scales = wire_row_bytes(buf_ptr, k + i * K, in_wire, in_so)
+        ve, vo = load_dequantized_rot(payload, pay, limit, load_block_scales(scales, blk, valid, KIND), length,
+                                      IN_BITS, MASKED, G, HALF, L)  # fmt: skip
+        xe += ve
+        xo += vo
+    quantize_rotated(xe, xo, k, base, edge0, n, out_ptr, out_wire, out_so, seed, res_ptr, rscale_ptr, rs, decay,
+                     table_ptr, nblk, sign_ptr, blk, valid, first, length, pay8, pay4, OUT_BITS, QMAX, BS, G, HALF,
+                     STOCHASTIC, FEEDBACK, KIND, GT, GE, L)  # fmt: skip
+
+
+@triton.jit
+def _requantize_rotated(pid, k, buf_ptr, out_ptr, n, K, in_wire, in_so, out_wire, out_so, seed, res_ptr, rscale_ptr,
+                        rs, decay, table_ptr, nblk, nvt, sign_ptr, N: tl.constexpr, IN_BITS: tl.constexpr,
+                        OUT_BITS: tl.constexpr, QMAX: tl.constexpr, BS: tl.constexpr, G: tl.constexpr,
+                        HALF: tl.constexpr, STOCHASTIC: tl.constexpr, FEEDBACK: tl.constexpr, ALIGNED: tl.constexpr,
+                        PADDED: tl.constexpr, GE: tl.constexpr, L: tl.constexpr):  # fmt: skip
+    """A program's tile of rotated blocks, as ``quantize_kernel._quantize_rotated`` takes it."""
+    LM: tl.constexpr = masked_lanes(G, GE, L, HALF)
+    if ALIGNED:
+        if PADDED:
+            if pid < nvt:
+                _requantize_rotated_tile(pid * G, nvt * G, k, buf_ptr, out_ptr, n, K, in_wire, in_so, out_wire, out_so,
+                                         seed, res_ptr, rscale_ptr, rs, decay, table_ptr, nblk, sign_ptr, N, IN_BITS,
+                                         OUT_BITS, QMAX, BS, G, HALF, STOCHASTIC, FEEDBACK, 2, G, GE, L)  # fmt: skip
+            else:
+                for sub in range(0, G, GE):
+                    _requantize_rotated_tile(pid * G + sub, nvt * G, k, buf_ptr, out_ptr, n, K, in_wire, in_so,
+                                             out_wire, out_so, seed, res_ptr, rscale_ptr, rs, decay, table_ptr, nblk,
+                                             sign_ptr, N, IN_BITS, OUT_BITS, QMAX, BS, GE, HALF, STOCHASTIC, FEEDBACK,
+                                             1, G, GE, LM)  # fmt: skip
+        else:
+            for sub in range(0, G, GE):
+                _requantize_rotated_tile(pid * G + sub, 0, k, buf_ptr, out_ptr, n, K, in_wire, in_so, out_wire, out_so,
+                                         seed, res_ptr, rscale_ptr, rs, decay, table_ptr, nblk, sign_ptr, N, IN_BITS,
+                                         OUT_BITS, QMAX, BS, GE, HALF, STOCHASTIC, FEEDBACK, 0, G, GE, LM)  # fmt: skip
+    elif is_full_tile(pid, n, BS, G):
+        _requantize_rotated_tile(pid * G, 0, k, buf_ptr, out_ptr, n, K, in_wire, in_so, out_wire, out_so, seed,
+                                 res_ptr, rscale_ptr, rs, decay, table_ptr, nblk, sign_ptr, N, IN_BITS, OUT_BITS, QMAX,
+                                 BS, G, HALF, STOCHASTIC, FEEDBACK, 3, G, GE, L)  # fmt: skip
+    else:
+        for sub in range(0, G, GE):
+            _requantize_rotated_tile(pid * G + sub, 0, k, buf_ptr, out_ptr, n, K, in_wire, in_so, out_wire, out_so,
+                                     seed, res_ptr, rscale_ptr, rs, decay, table_ptr, nblk, sign_ptr, N, IN_BITS,
+                                     OUT_BITS, QMAX, BS, GE, HALF, STOCHASTIC, FEEDBACK, 4, G, GE, LM)  # fmt: skip
+
+
 @triton.jit(do_not_specialize=["seed"])  # a fresh random seed per call must not recompile
 def _requantize_kernel(buf_ptr, in_scale_ptr, out_ptr, out_scale_ptr, n, K, in_wire, in_so, out_wire, out_so, seed,
-                       res_ptr, rscale_ptr, rs, decay, table_ptr, nblk, nvt, nib, N: tl.constexpr,
+                       res_ptr, rscale_ptr, rs, decay, table_ptr, nblk, nvt, nib, sign_ptr, N: tl.constexpr,
                        IN_BITS: tl.constexpr, OUT_BITS: tl.constexpr, QMAX: tl.constexpr, BS: tl.constexpr,
                        G: tl.constexpr, HALF: tl.constexpr, STOCHASTIC: tl.constexpr, FEEDBACK: tl.constexpr,
-                       ALIGNED: tl.constexpr, PADDED: tl.constexpr, GE: tl.constexpr, IDX64: tl.constexpr):  # fmt: skip
+                       ALIGNED: tl.constexpr, PADDED: tl.constexpr, GE: tl.constexpr, IDX64: tl.constexpr,
+                       ROTATE: tl.constexpr = False, L: tl.constexpr = 1):  # fmt: skip
     pid, k = program_ids(IDX64)
-    if ALIGNED:  # parameter-aligned blocks: the tiles of whole aligned blocks first (vector), then the others
+    if ROTATE:  # rotated blocks (``_rotated``): a thread's registers hold whole blocks
+        _requantize_rotated(pid, k, buf_ptr, out_ptr, n, K, in_wire, in_so, out_wire, out_so, seed, res_ptr, rscale_ptr,
+                            rs, decay, table_ptr, nblk, nvt, sign_ptr, N, IN_BITS, OUT_BITS, QMAX, BS, G, HALF,
+                            STOCHASTIC, FEEDBACK, ALIGNED, PADDED, GE, L)  # fmt: skip
+    elif ALIGNED:  # parameter-aligned blocks: the tiles of whole aligned blocks first (vector), then the others
         if PADDED:
             if pid < nvt:
                 _requantize_aligned_tile(pid * G, nvt * G, k, buf_ptr, in_scale_ptr, out_ptr, out_scale_ptr, K, in_wire,
@@ -114,6 +200,15 @@ def _requantize_kernel(buf_ptr, in_scale_ptr, out_ptr, out_scale_ptr, n, K, in_w
                          STOCHASTIC, FEEDBACK, True)  # fmt: skip
 
 
+def _rotated_share(N: int, feedback: int) -> int:
+    """The elements of a rotated block a thread holds: 128, half as many where more than 2 rows' loads are in flight
+    or a residual keeps the block beside its rotation, a quarter with an INT8 residual (its own quantization) or a
+    residual and more than 4 rows. Fewer, and ptxas spills (sm_100: 8-16 bytes of stack at 255 registers)."""
+    if feedback == 8 or (feedback and N > 4):
+        return 32
+    return 64 if feedback or N > 2 else 128
+
+
 def dequantize_reduce_quantize(buf: torch.Tensor, spec: DequantizeReduceQuantizeSpec) -> torch.Tensor:
     N, K, in_wire = buf.shape
     numel, in_bits, out_bits, block_size = spec.numel, spec.in_bits, spec.out_bits, spec.block_size
@@ -126,20 +221,25 @@ def dequantize_reduce_quantize(buf: torch.Tensor, spec: DequantizeReduceQuantize
     if numel and K:
         t = tiling(numel, K, block_size, blocks, buf.device, wire_bits=out_bits)
         fb = feedback_arguments(spec, K, numel)
+        rot = rotation(spec.rotation_seed, block_size, t, buf.device, _rotated_share(N, fb.bits))
+        options = rot.options or {
+            "GE": t.GE,
+            # packed aligned blocks: N rows of scalar loads in flight, and 4 warps would need a stack; a padded
+            # layout's tiles are the uniform ones, and 4 warps keep 16 INT4 payload bytes per thread
+            "num_warps": 4 if blocks is None or blocks.padded else 8,
+            # packed, ptxas for sm_80 otherwise keeps an INT8 residual's variant at 48 registers and an 8-byte stack;
+            # padded, a cap of 128 spills the widest variants (N = 8, feedback, stochastic): ptxas chooses
+            "maxnreg": 128 if blocks is not None and not blocks.padded else None,
+        }
         _requantize_kernel[t.grid](
             buf.view(torch.int8), buf.view(torch.float32), out.view(torch.int8), out.view(torch.float32), numel, K,
             in_wire, in_so, out_wire, out_so, stochastic_seed(spec.seed) if spec.stochastic else 0, *fb.arguments,
-            t.table, t.nblk, t.nvt, INT4_DECODE, N=N, IN_BITS=in_bits, OUT_BITS=out_bits, QMAX=QMAX[out_bits],
-            BS=block_size, G=t.G, HALF=t.HALF, STOCHASTIC=spec.stochastic, FEEDBACK=fb.bits, ALIGNED=blocks is not None,
-            PADDED=t.padded, GE=t.GE,
-            # packed aligned blocks: N rows of scalar loads in flight, and 4 warps would need a stack; a padded
-            # layout's tiles are the uniform ones, and 4 warps keep 16 INT4 payload bytes per thread
-            num_warps=4 if blocks is None or blocks.padded else 8,
-            # packed, ptxas for sm_80 otherwise keeps an INT8 residual's variant at 48 registers and an 8-byte stack;
-            # padded, a cap of 128 spills the widest variants (N = 8, feedback, stochastic): ptxas chooses
-            maxnreg=128 if blocks is not None and not blocks.padded else None,
+            t.table, t.nblk, t.nvt, INT4_DECODE, rot.table, N=N, IN_BITS=in_bits, OUT_BITS=out_bits,
+            QMAX=QMAX[out_bits], BS=block_size, G=t.G, HALF=t.HALF, STOCHASTIC=spec.stochastic, FEEDBACK=fb.bits,
+            ALIGNED=blocks is not None, PADDED=t.padded,
             IDX64=needs_int64(buf.numel() + t.tile, out.numel() + t.tile, t.grid[0] * K * t.G * t.HALF,
                               fb.extent + t.tile),
+            **options,
             **LAUNCH_OPTIONS,
         )  # fmt: skip
     return out

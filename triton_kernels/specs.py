@@ -186,7 +186,7 @@ class _Rotation:
     rotation_seed: rotated blocks: each block multiplied by signs drawn from this seed and transformed by a
         Walsh-Hadamard matrix before it is quantized (a quantization), or after the dequantized rows are summed (a
         reduction: the inverse); blocks that are not a power of two in the power-of-two pieces of their length (see
-        ``reference``). A non-negative int below 2**63; None: no rotation. The torch kernels only, so far.
+        ``reference``). A non-negative int below 2**63; None: no rotation.
     """
 
     rotation_seed: int | None = None
