@@ -139,8 +139,10 @@ def copy_bandwidth(device: str, time_fn) -> float:
 def _static_name(c: dict) -> str:
     k, sig = c["constexprs"], c["signature"]
     rounding = "stochastic" if k.get("STOCHASTIC") == "True" else "nearest"
-    variant = (" param-blocks" if k.get("ALIGNED") == "True" else "") + (
-        f" feedback{k['FEEDBACK']}" if k.get("FEEDBACK") not in (None, "0") else ""
+    variant = (
+        (" param-blocks" if k.get("ALIGNED") == "True" else "")
+        + (f" feedback{k['FEEDBACK']}" if k.get("FEEDBACK") not in (None, "0") else "")
+        + (" rotated" if k.get("ROTATE") == "True" else "")
     )
     if c["kernel"] == "_quantize_kernel":
         return f"quantize {sig['x_ptr'][1:]} -> int{k['BITS']} {rounding}{variant}"
@@ -157,6 +159,8 @@ def _default_path(c: dict) -> bool:
     k, sig = c["constexprs"], c["signature"]
     if k.get("ALIGNED") != "True" or k.get("STOCHASTIC") == "True" or k.get("FEEDBACK") not in (None, "0"):
         return False
+    if k.get("ROTATE") == "True":
+        return False
     if c["kernel"] == "_quantize_kernel":
         return sig["x_ptr"] == "*bf16" and k["BITS"] == "8"
     if c["kernel"] == "_dequantize_kernel":
@@ -165,12 +169,23 @@ def _default_path(c: dict) -> bool:
 
 
 SECTIONS = ("default path (parameter-aligned, bf16, INT8 weights, INT8 -> INT4 gradients, nearest)",
-            "other parameter-aligned specializations", "uniform blocks (block_alignment='flat')")  # fmt: skip
+            "other parameter-aligned specializations", "uniform blocks (block_alignment='flat')",
+            "rotated blocks (gradient_rotation='hadamard'), either layout")  # fmt: skip
+# the kernels that move a quantized tensor (the sign table's kernel, a few hundred bytes a launch, is left out)
+BANDWIDTH_KERNELS = ("_quantize_kernel", "_dequantize_kernel", "_requantize_kernel")
+
+
+def _section(c: dict) -> int:
+    k = c["constexprs"]
+    if k.get("ROTATE") == "True":
+        return 3
+    return 0 if _default_path(c) else 1 if k.get("ALIGNED") == "True" else 2
 
 
 def static_table(archs: list[int], json_path: Path | None) -> None:
     """The static performance table from the compiled code (see the module docstring): what the defaults run first,
-    then every other parameter-aligned specialization, then the uniform ones."""
+    then every other parameter-aligned specialization, then the uniform ones, then the rotated ones (both
+    layouts)."""
     os.environ.pop("TRITON_INTERPRET", None)
     sys.path.insert(0, str(ROOT))
     from lightning_zeropp.kernels import aot
@@ -181,7 +196,9 @@ def static_table(archs: list[int], json_path: Path | None) -> None:
         sys.exit(f"{len(failed)} configurations failed to compile; run pytest tests/test_compile_gate.py")
     rows = []
     for c in report["compiled"]:
-        section = 0 if _default_path(c) else 1 if c["constexprs"].get("ALIGNED") == "True" else 2
+        if c["kernel"] not in BANDWIDTH_KERNELS:
+            continue
+        section = _section(c)
         payload = [a["bytes"] for a in c["accesses"] if a["tag"] == "payload"]
         rows.append(dict(aot.static_row(c), name=_static_name(c), block=int(c["constexprs"]["BS"]),
                          aligned=c["aligned"], section=SECTIONS[section], spills=c["spill_instructions"],
