@@ -50,6 +50,7 @@ VECTOR = ((1030, 3, 1040, 1, 6, 8199), 128, None)
 PACKED = ((7, 2, 5, 1), 2, None)
 ODD_UNIFORM = (None, 100, 257)
 ODD_ALIGNED = ((300, 7, 1, 93), 96, None)
+UNPADDED = ((300, 7, 1, 93, 2), 100, None)  # parameter-aligned blocks in a packed layout, blocks of several threads
 LARGE = (None, 512, 1300)  # 4 threads per block: the butterflies of the top two strides cross threads
 
 
@@ -199,7 +200,7 @@ def check_stochastic(device, layout, bits, width=0, requantize=False):
 # ------------------------------------------------------------------------------------------------------------------
 # The tests
 
-LAYOUTS = [UNIFORM, FULL_TILES, ALIGNED, PACKED, ODD_UNIFORM, ODD_ALIGNED, LARGE]
+LAYOUTS = [UNIFORM, FULL_TILES, ALIGNED, PACKED, ODD_UNIFORM, ODD_ALIGNED, UNPADDED, LARGE]
 SLOW_LAYOUTS = [VECTOR]  # 10279 elements: seconds in the interpreter
 
 
@@ -226,7 +227,9 @@ def test_quantize(device, layout, bits):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("layout", [UNIFORM, ALIGNED, ODD_ALIGNED, pytest.param(VECTOR, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "layout", [UNIFORM, ALIGNED, ODD_ALIGNED, UNPADDED, pytest.param(VECTOR, marks=pytest.mark.slow)]
+)
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("width", [32, 16, 8])  # the residual: fp32, bf16, INT8 codes with block scales
 def test_quantize_with_feedback(device, layout, bits, width):
@@ -347,3 +350,38 @@ def test_kernels_write_every_wire_byte(device, monkeypatch):
     got = outputs("triton", device)
     for name in want:
         assert torch.equal(want[name], got[name].cpu()), f"{name}: {(want[name] != got[name].cpu()).nonzero()[:8]}"
+
+
+@pytest.mark.slow  # a subprocess compiling a dozen specializations: about a minute on 2 cores
+def test_rotated_kernels_compile_with_the_installed_triton():
+    """The rotated specializations compile for sm_90 with the Triton that is installed, not only with the one the
+    compile gate (tests/test_compile_gate.py) ran: the interpreter runs none of the compiler's checks, and the
+    rotated kernels once passed every interpreter test and the gate on Triton 3.9 but failed to compile on 3.5 and
+    3.6 (a ``jit`` helper's result used as a constexpr). This module is ``version_sensitive``, so ``.ci/oldest.sh``
+    runs this on the oldest Triton the project allows. One launch per kernel and variant (layout, rounding, residual
+    width, threads per block), from the strategy's own launches (``aot.strategy_launches``)."""
+    import subprocess
+    import sys
+
+    code = """
+from lightning_zeropp.kernels import aot
+seen, bad = set(), []
+for launch in aot.unique_launches(aot.strategy_launches()):
+    k = launch.kwargs
+    if not k.get("ROTATE"):
+        continue
+    variant = (launch.kernel.__name__, k.get("ALIGNED"), k.get("STOCHASTIC"), k.get("FEEDBACK"), k.get("L"))
+    if variant in seen:
+        continue
+    seen.add(variant)
+    c = aot.compile_launch(launch, 90)
+    if c.error or c.registers <= 0:
+        bad.append(f"{variant} [{c.label}]: {c.error[-600:]}")
+print("compiled", len(seen))
+print("\\n".join(bad))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    compiled, *bad = done.stdout.strip().splitlines()
+    assert int(compiled.split()[1]) >= 12 and not bad, done.stdout[-4000:]

@@ -17,8 +17,8 @@ and the next odd one (the pairs); strides below SPAN are within a thread (reshap
 strides of SPAN and up pair the ``L`` threads of a block (a gather along L: a warp shuffle per element). The
 launchers choose the share of a block a thread holds (``_launch.rotation``): 128 elements where the registers allow
 (no butterfly crosses threads for blocks up to 128), 64 or 32 where error feedback keeps the unrotated block beside
-the rotated one or many rows' loads are in flight; a masked tile goes a quarter of its blocks at a time, each over
-four times the threads (:func:`masked_lanes`).
+the rotated one or many rows' loads are in flight; a masked tile goes a part of its blocks at a time, each over more
+threads (:func:`masked_lanes`).
 
 Signs. Each element's sign (``reference.rotation_signs``: a 32-bit mix of the seed and the element's place) is the
 same for every block: :func:`rotation_table` computes them once per launch into a table of ``2 * block_size`` floats,
@@ -108,10 +108,11 @@ def _offsets(first, W: tl.constexpr, L: tl.constexpr, C: tl.constexpr):
     return first[None, :, None, None] + t, t
 
 
-@triton.jit
-def _vector(ptr, W: tl.constexpr, L: tl.constexpr):
-    """Elements of ``ptr``'s type in 16 bytes, at most a thread's W / L."""
-    return min(128 // ptr.dtype.element_ty.primitive_bitwidth, W // L)
+@triton.constexpr_function
+def _vector(bits, W, L):
+    """Elements of ``bits`` bits in 16 bytes, at most a thread's W / L. (A ``constexpr_function``, as the other
+    compile-time helpers here: what a ``jit`` function returns is a tensor, not a constexpr, before Triton 3.7.)"""
+    return min(128 // bits, W // L)
 
 
 @triton.jit
@@ -130,7 +131,7 @@ def _from_rows(v, W: tl.constexpr, L: tl.constexpr, C: tl.constexpr):
 def load_rows(ptr, first, limit, W: tl.constexpr, L: tl.constexpr, MASKED: tl.constexpr):
     """``[G, W]``: W consecutive values from each ``first[g]`` (with ``MASKED``, only places below ``limit[g]``,
     0 elsewhere)."""
-    C: tl.constexpr = _vector(ptr, W, L)
+    C: tl.constexpr = _vector(ptr.dtype.element_ty.primitive_bitwidth, W, L)
     offs, t = _offsets(first, W, L, C)
     mask = t < limit[None, :, None, None] if MASKED else None
     v = tl.load(ptr + offs, mask=mask, other=0 if MASKED else None)  # elements
@@ -140,7 +141,7 @@ def load_rows(ptr, first, limit, W: tl.constexpr, L: tl.constexpr, MASKED: tl.co
 @triton.jit
 def store_rows(ptr, first, limit, v, W: tl.constexpr, L: tl.constexpr, MASKED: tl.constexpr):
     """Stores ``v`` ``[G, W]`` at W consecutive places from each ``first[g]`` (only below ``limit[g]``)."""
-    C: tl.constexpr = _vector(ptr, W, L)
+    C: tl.constexpr = _vector(ptr.dtype.element_ty.primitive_bitwidth, W, L)
     offs, t = _offsets(first, W, L, C)
     v = _from_rows(v, W, L, C)
     tl.store(ptr + offs, v, mask=t < limit[None, :, None, None] if MASKED else None)  # elements
@@ -149,7 +150,7 @@ def store_rows(ptr, first, limit, v, W: tl.constexpr, L: tl.constexpr, MASKED: t
 @triton.jit
 def _load_payload(ptr, first, limit, W: tl.constexpr, L: tl.constexpr, MASKED: tl.constexpr):
     """:func:`load_rows` of wire payload bytes (its own lines, which the compile gate reads as the payload's)."""
-    C: tl.constexpr = _vector(ptr, W, L)
+    C: tl.constexpr = _vector(ptr.dtype.element_ty.primitive_bitwidth, W, L)
     offs, t = _offsets(first, W, L, C)
     mask = t < limit[None, :, None, None] if MASKED else None
     v = tl.load(ptr + offs, mask=mask, other=0 if MASKED else None)  # payload
@@ -158,7 +159,7 @@ def _load_payload(ptr, first, limit, W: tl.constexpr, L: tl.constexpr, MASKED: t
 
 @triton.jit
 def _store_payload(ptr, first, limit, v, W: tl.constexpr, L: tl.constexpr, MASKED: tl.constexpr):
-    C: tl.constexpr = _vector(ptr, W, L)
+    C: tl.constexpr = _vector(ptr.dtype.element_ty.primitive_bitwidth, W, L)
     offs, t = _offsets(first, W, L, C)
     v = _from_rows(v, W, L, C)
     tl.store(ptr + offs, v, mask=t < limit[None, :, None, None] if MASKED else None)  # payload
@@ -353,15 +354,25 @@ def store_residual_rot(res_ptr, first, length, le, lo, WIDTH: tl.constexpr, MASK
 # block share its start, so one address and immediate offsets serve them.
 
 
-@triton.jit
-def masked_lanes(G: tl.constexpr, GE: tl.constexpr, L: tl.constexpr, HALF: tl.constexpr):
-    """The threads per block of a masked tile's GE blocks, so that they take the whole tile's G * L threads (a
-    thread then holds a quarter of what it holds in a whole tile: masks and pieces take registers), at most HALF."""
-    return min(G * L // GE, HALF)
+@triton.constexpr_function
+def masked_lanes(G, GE, L, HALF, UNIFORM):
+    """The threads per block of a masked tile, which goes a part of the tile's blocks at a time over the whole tile's
+    G * L threads. Parameter-aligned blocks: GE blocks at a time (the plain kernels' masked sub-tile, a quarter of the
+    tile), so a thread holds a quarter of what it holds in a whole tile (masks and pieces take registers). Uniform
+    blocks (a row's last tile): as many, but never less than 8 bytes of a block's INT4 payload (16 of its INT8 payload)
+    per thread, which each access then moves at once."""
+    lanes = min(G * L // GE, HALF)
+    return max(L, min(lanes, HALF // 8)) if UNIFORM else lanes
 
 
-@triton.jit
-def masked_kind(KIND: tl.constexpr, BS: tl.constexpr, HALF: tl.constexpr):
+@triton.constexpr_function
+def masked_blocks(G, GE, L, HALF, UNIFORM):
+    """The blocks a masked tile goes at a time (:func:`masked_lanes`)."""
+    return G * L // masked_lanes(G, GE, L, HALF, True) if UNIFORM else GE
+
+
+@triton.constexpr_function
+def masked_kind(KIND, BS, HALF):
     """Whether a tile of ``KIND`` needs masks (and pieces): it may hold short blocks, or blocks are not a power of
     two."""
     return KIND == 0 or KIND == 1 or KIND == 4 or BS != 2 * HALF

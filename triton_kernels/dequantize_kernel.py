@@ -19,6 +19,7 @@ from ._launch import INT4_DECODE, LAUNCH_OPTIONS, bf16_by_hand, needs_int64, out
 from ._rotated import (
     load_block_scales,
     load_dequantized_rot,
+    masked_blocks,
     masked_kind,
     masked_lanes,
     payload_limit,
@@ -115,28 +116,31 @@ def _dequantize_rotated(pid, r, buf_ptr, out_ptr, n, wire, so, multiplier, table
                         SCALED: tl.constexpr, BF16_BY_HAND: tl.constexpr, ALIGNED: tl.constexpr, PADDED: tl.constexpr,
                         GE: tl.constexpr, L: tl.constexpr):  # fmt: skip
     """A program's tile of rotated blocks, as ``quantize_kernel._quantize_rotated`` takes it."""
-    LM: tl.constexpr = masked_lanes(G, GE, L, HALF)
+    LM: tl.constexpr = masked_lanes(G, GE, L, HALF, False)  # parameter-aligned blocks' masked tiles
+    GM: tl.constexpr = masked_blocks(G, GE, L, HALF, False)
+    LU: tl.constexpr = masked_lanes(G, GE, L, HALF, True)  # a row's last tile of uniform blocks
+    GU: tl.constexpr = masked_blocks(G, GE, L, HALF, True)
     if ALIGNED:
         if PADDED:
             if pid < nvt:
                 _dequantize_rotated_tile(pid * G, r, buf_ptr, out_ptr, n, wire, so, multiplier, table_ptr, nblk,
                                          sign_ptr, ROWS, BITS, BS, G, HALF, SCALED, BF16_BY_HAND, 2, L)  # fmt: skip
             else:
-                for sub in range(0, G, GE):
+                for sub in range(0, G, GM):
                     _dequantize_rotated_tile(pid * G + sub, r, buf_ptr, out_ptr, n, wire, so, multiplier, table_ptr,
-                                             nblk, sign_ptr, ROWS, BITS, BS, GE, HALF, SCALED, BF16_BY_HAND, 1,
+                                             nblk, sign_ptr, ROWS, BITS, BS, GM, HALF, SCALED, BF16_BY_HAND, 1,
                                              LM)  # fmt: skip
         else:
-            for sub in range(0, G, GE):
+            for sub in range(0, G, GM):
                 _dequantize_rotated_tile(pid * G + sub, r, buf_ptr, out_ptr, n, wire, so, multiplier, table_ptr, nblk,
-                                         sign_ptr, ROWS, BITS, BS, GE, HALF, SCALED, BF16_BY_HAND, 0, LM)  # fmt: skip
+                                         sign_ptr, ROWS, BITS, BS, GM, HALF, SCALED, BF16_BY_HAND, 0, LM)  # fmt: skip
     elif is_full_tile(pid, n, BS, G):
         _dequantize_rotated_tile(pid * G, r, buf_ptr, out_ptr, n, wire, so, multiplier, table_ptr, nblk, sign_ptr,
                                  ROWS, BITS, BS, G, HALF, SCALED, BF16_BY_HAND, 3, L)  # fmt: skip
     else:
-        for sub in range(0, G, GE):
+        for sub in range(0, G, GU):
             _dequantize_rotated_tile(pid * G + sub, r, buf_ptr, out_ptr, n, wire, so, multiplier, table_ptr, nblk,
-                                     sign_ptr, ROWS, BITS, BS, GE, HALF, SCALED, BF16_BY_HAND, 4, LM)  # fmt: skip
+                                     sign_ptr, ROWS, BITS, BS, GU, HALF, SCALED, BF16_BY_HAND, 4, LU)  # fmt: skip
 
 
 @triton.jit

@@ -32,6 +32,7 @@ from ._launch import (
 )
 from ._rotated import (
     load_pairs_rot,
+    masked_blocks,
     masked_kind,
     masked_lanes,
     quantize_rotated,
@@ -121,8 +122,11 @@ def _quantize_rotated(pid, row, x_ptr, out_ptr, n, chunk, start, N, K, wire, so,
                       G: tl.constexpr, HALF: tl.constexpr, STOCHASTIC: tl.constexpr, FEEDBACK: tl.constexpr,
                       ALIGNED: tl.constexpr, PADDED: tl.constexpr, GE: tl.constexpr, L: tl.constexpr):  # fmt: skip
     """A program's tile of rotated blocks: a whole tile (L threads per block) where every block is whole, otherwise
-    GE blocks at a time, each over more threads (``_rotated.masked_lanes``)."""
-    LM: tl.constexpr = masked_lanes(G, GE, L, HALF)
+    GM blocks at a time, each over more threads (``_rotated.masked_lanes``)."""
+    LM: tl.constexpr = masked_lanes(G, GE, L, HALF, False)  # parameter-aligned blocks' masked tiles
+    GM: tl.constexpr = masked_blocks(G, GE, L, HALF, False)
+    LU: tl.constexpr = masked_lanes(G, GE, L, HALF, True)  # a row's last tile of uniform blocks
+    GU: tl.constexpr = masked_blocks(G, GE, L, HALF, True)
     if ALIGNED:
         if PADDED:
             if pid < nvt:
@@ -130,24 +134,24 @@ def _quantize_rotated(pid, row, x_ptr, out_ptr, n, chunk, start, N, K, wire, so,
                                        res_ptr, rscale_ptr, rs, decay, table_ptr, nblk, sign_ptr, BITS, QMAX, BS, G,
                                        HALF, STOCHASTIC, FEEDBACK, 2, G, GE, L)  # fmt: skip
             else:
-                for sub in range(0, G, GE):
+                for sub in range(0, G, GM):
                     _quantize_rotated_tile(pid * G + sub, nvt * G, row, x_ptr, out_ptr, n, chunk, start, N, K, wire,
                                            so, seed, res_ptr, rscale_ptr, rs, decay, table_ptr, nblk, sign_ptr, BITS,
-                                           QMAX, BS, GE, HALF, STOCHASTIC, FEEDBACK, 1, G, GE, LM)  # fmt: skip
+                                           QMAX, BS, GM, HALF, STOCHASTIC, FEEDBACK, 1, G, GE, LM)  # fmt: skip
         else:
-            for sub in range(0, G, GE):
+            for sub in range(0, G, GM):
                 _quantize_rotated_tile(pid * G + sub, 0, row, x_ptr, out_ptr, n, chunk, start, N, K, wire, so, seed,
-                                       res_ptr, rscale_ptr, rs, decay, table_ptr, nblk, sign_ptr, BITS, QMAX, BS, GE,
+                                       res_ptr, rscale_ptr, rs, decay, table_ptr, nblk, sign_ptr, BITS, QMAX, BS, GM,
                                        HALF, STOCHASTIC, FEEDBACK, 0, G, GE, LM)  # fmt: skip
     elif is_full_tile(pid, n, BS, G):
         _quantize_rotated_tile(pid * G, 0, row, x_ptr, out_ptr, n, chunk, start, N, K, wire, so, seed, res_ptr,
                                rscale_ptr, rs, decay, table_ptr, nblk, sign_ptr, BITS, QMAX, BS, G, HALF, STOCHASTIC,
                                FEEDBACK, 3, G, GE, L)  # fmt: skip
     else:
-        for sub in range(0, G, GE):
+        for sub in range(0, G, GU):
             _quantize_rotated_tile(pid * G + sub, 0, row, x_ptr, out_ptr, n, chunk, start, N, K, wire, so, seed,
-                                   res_ptr, rscale_ptr, rs, decay, table_ptr, nblk, sign_ptr, BITS, QMAX, BS, GE, HALF,
-                                   STOCHASTIC, FEEDBACK, 4, G, GE, LM)  # fmt: skip
+                                   res_ptr, rscale_ptr, rs, decay, table_ptr, nblk, sign_ptr, BITS, QMAX, BS, GU, HALF,
+                                   STOCHASTIC, FEEDBACK, 4, G, GE, LU)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["seed"])  # a fresh random seed per call must not recompile

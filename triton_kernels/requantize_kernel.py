@@ -29,6 +29,7 @@ from ._launch import (
 from ._rotated import (
     load_block_scales,
     load_dequantized_rot,
+    masked_blocks,
     masked_kind,
     masked_lanes,
     payload_limit,
@@ -132,7 +133,10 @@ def _requantize_rotated(pid, k, buf_ptr, out_ptr, n, K, in_wire, in_so, out_wire
                         HALF: tl.constexpr, STOCHASTIC: tl.constexpr, FEEDBACK: tl.constexpr, ALIGNED: tl.constexpr,
                         PADDED: tl.constexpr, GE: tl.constexpr, L: tl.constexpr):  # fmt: skip
     """A program's tile of rotated blocks, as ``quantize_kernel._quantize_rotated`` takes it."""
-    LM: tl.constexpr = masked_lanes(G, GE, L, HALF)
+    LM: tl.constexpr = masked_lanes(G, GE, L, HALF, False)  # parameter-aligned blocks' masked tiles
+    GM: tl.constexpr = masked_blocks(G, GE, L, HALF, False)
+    LU: tl.constexpr = masked_lanes(G, GE, L, HALF, True)  # a row's last tile of uniform blocks
+    GU: tl.constexpr = masked_blocks(G, GE, L, HALF, True)
     if ALIGNED:
         if PADDED:
             if pid < nvt:
@@ -140,25 +144,25 @@ def _requantize_rotated(pid, k, buf_ptr, out_ptr, n, K, in_wire, in_so, out_wire
                                          seed, res_ptr, rscale_ptr, rs, decay, table_ptr, nblk, sign_ptr, N, IN_BITS,
                                          OUT_BITS, QMAX, BS, G, HALF, STOCHASTIC, FEEDBACK, 2, G, GE, L)  # fmt: skip
             else:
-                for sub in range(0, G, GE):
+                for sub in range(0, G, GM):
                     _requantize_rotated_tile(pid * G + sub, nvt * G, k, buf_ptr, out_ptr, n, K, in_wire, in_so,
                                              out_wire, out_so, seed, res_ptr, rscale_ptr, rs, decay, table_ptr, nblk,
-                                             sign_ptr, N, IN_BITS, OUT_BITS, QMAX, BS, GE, HALF, STOCHASTIC, FEEDBACK,
+                                             sign_ptr, N, IN_BITS, OUT_BITS, QMAX, BS, GM, HALF, STOCHASTIC, FEEDBACK,
                                              1, G, GE, LM)  # fmt: skip
         else:
-            for sub in range(0, G, GE):
+            for sub in range(0, G, GM):
                 _requantize_rotated_tile(pid * G + sub, 0, k, buf_ptr, out_ptr, n, K, in_wire, in_so, out_wire, out_so,
                                          seed, res_ptr, rscale_ptr, rs, decay, table_ptr, nblk, sign_ptr, N, IN_BITS,
-                                         OUT_BITS, QMAX, BS, GE, HALF, STOCHASTIC, FEEDBACK, 0, G, GE, LM)  # fmt: skip
+                                         OUT_BITS, QMAX, BS, GM, HALF, STOCHASTIC, FEEDBACK, 0, G, GE, LM)  # fmt: skip
     elif is_full_tile(pid, n, BS, G):
         _requantize_rotated_tile(pid * G, 0, k, buf_ptr, out_ptr, n, K, in_wire, in_so, out_wire, out_so, seed,
                                  res_ptr, rscale_ptr, rs, decay, table_ptr, nblk, sign_ptr, N, IN_BITS, OUT_BITS, QMAX,
                                  BS, G, HALF, STOCHASTIC, FEEDBACK, 3, G, GE, L)  # fmt: skip
     else:
-        for sub in range(0, G, GE):
+        for sub in range(0, G, GU):
             _requantize_rotated_tile(pid * G + sub, 0, k, buf_ptr, out_ptr, n, K, in_wire, in_so, out_wire, out_so,
                                      seed, res_ptr, rscale_ptr, rs, decay, table_ptr, nblk, sign_ptr, N, IN_BITS,
-                                     OUT_BITS, QMAX, BS, GE, HALF, STOCHASTIC, FEEDBACK, 4, G, GE, LM)  # fmt: skip
+                                     OUT_BITS, QMAX, BS, GU, HALF, STOCHASTIC, FEEDBACK, 4, G, GE, LU)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["seed"])  # a fresh random seed per call must not recompile
