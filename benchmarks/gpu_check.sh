@@ -1,19 +1,67 @@
 #!/usr/bin/env bash
-# One-shot GPU check, for the day a CUDA device is at hand (about 5 minutes on one H200):
-#   1. kernel bit-exactness on CUDA against the torch twins (tests/test_kernels_gpu.py),
+# One-shot GPU check, for the day a CUDA device is at hand (under 10 minutes on one H200):
+#   1. kernel bit-exactness on CUDA against the torch twins (tests/test_kernels_gpu.py, and the rotated
+#      specializations' checks in tests/test_kernels_rotation.py),
 #   2. the bandwidth table (benchmarks/kernels.py: GB/s, % of device copy, x eager, x torch.compile),
 #   3. qgZ/qwZ kernel pipelines at production shapes and a short training run with kernel_backend="triton".
-# Results land in $OUT (default benchmarks/gpu_check/); the script stops at the first failure.
-set -euo pipefail
+# Each step has its own time limit and the script goes on past a failed step, so one run reports all three; it exits
+# non-zero if any failed. Results land in $OUT (default benchmarks/gpu_check/): at most 7 files.
+# Runs from a checkout without installing: it links lightning_zeropp/kernels to triton_kernels/ (what the editable
+# install maps) when the package does not import.
+set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/gpu_check}
 mkdir -p "$OUT"
-python -c 'import torch; assert torch.cuda.is_available(), "no CUDA device"; print(torch.cuda.get_device_name())'
-nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv | tee "$OUT/device.txt" || true
-echo "== 1/3 kernel bit-exactness on CUDA"
-python -m pytest tests/test_kernels_gpu.py -q -p no:cacheprovider 2>&1 | tee "$OUT/kernels_gpu.txt"
-echo "== 2/3 bandwidth table"
-python benchmarks/kernels.py --sizes-mb 1 16 64 256 1024 --reps 20 --json "$OUT/kernels.json" | tee "$OUT/kernels.txt"
-echo "== 3/3 pipelines and training smoke"
-python benchmarks/gpu_smoke.py --steps 30 --json "$OUT/gpu_smoke.json" | tee "$OUT/gpu_smoke.txt"
-echo "gpu_check: all passed; results in $OUT"
+export PYTHONUNBUFFERED=1
+if ! python -c 'import lightning_zeropp.kernels' 2>/dev/null; then
+  ln -sfn ../triton_kernels lightning_zeropp/kernels
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+{
+  python -c 'import torch, triton, lightning; print(torch.cuda.get_device_name(), "torch", torch.__version__,
+"triton", triton.__version__, "lightning", lightning.__version__)'
+  nvidia-smi --query-gpu=name,clocks.max.sm,memory.total,driver_version --format=csv || true
+} 2>&1 | tee "$OUT/device.txt"
+python -c 'import torch; assert torch.cuda.is_available(), "no CUDA device"' || exit 2
+failed=()
+step() {  # step NAME LIMIT_S COMMAND...: runs COMMAND under a time limit, its output into $OUT/NAME.txt
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name (limit ${limit} s)"
+  local t0=$SECONDS
+  timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.txt"
+  local rc=${PIPESTATUS[0]}
+  echo "== $name: exit $rc after $((SECONDS - t0)) s" | tee -a "$OUT/summary.txt"
+  [ "$rc" = 0 ] || failed+=("$name")
+}
+kernel_tests() {  # five groups side by side (the suite's xdist scheduler keeps a module on one worker)
+  local groups=("tests/test_kernels_gpu.py -k quantize_dequantize or rows or every_code"
+    "tests/test_kernels_gpu.py -k not (quantize_dequantize or rows or every_code)"
+    "tests/test_kernels_rotation.py -k test_quantize and not cpu"
+    "tests/test_kernels_rotation.py -k requantize and not cpu"
+    "tests/test_kernels_rotation.py -k not cpu and not test_quantize and not requantize")
+  local pids=() rc=0 i
+  for i in "${!groups[@]}"; do
+    local file=${groups[$i]%% -k *} filter=${groups[$i]#* -k }
+    timeout "$((TESTS_S - 15))" python -m pytest "$file" -k "$filter" -q -p no:cacheprovider -p no:xdist \
+      >"/tmp/gpu_tests_$i.log" 2>&1 &
+    pids+=($!)
+  done
+  for i in "${!pids[@]}"; do
+    wait "${pids[$i]}" || rc=1
+    echo "-- ${groups[$i]}"
+    tail -n 40 "/tmp/gpu_tests_$i.log"
+  done
+  return $rc
+}
+export TESTS_S=${GPU_CHECK_TESTS_S:-240}
+export -f kernel_tests
+step kernels_gpu "$TESTS_S" bash -c kernel_tests
+step kernels "${GPU_CHECK_BANDWIDTH_S:-200}" python benchmarks/kernels.py --sizes-mb ${GPU_CHECK_SIZES_MB:-16 256} \
+  --reps 20 --json "$OUT/kernels.json"
+step gpu_smoke "${GPU_CHECK_SMOKE_S:-120}" python benchmarks/gpu_smoke.py --steps 30 --json "$OUT/gpu_smoke.json"
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "gpu_check: FAILED: ${failed[*]}; results in $OUT" | tee -a "$OUT/summary.txt"
+  exit 1
+fi
+echo "gpu_check: all passed; results in $OUT" | tee -a "$OUT/summary.txt"

@@ -68,14 +68,13 @@ def kernel_pipelines() -> dict:
     w = torch.randn(8 * 1_000_003, generator=gen).to(torch.bfloat16)
     results = {"qgz_bit_exact": qgz_ok}
     for bits in (8, 4):
-        packed = tk.quantize(w.cuda(), bits, 256, backend="triton")
-        out = torch.empty(w.numel(), dtype=torch.bfloat16, device="cuda")
-        tk.dequantize(packed.view(8, -1), w.numel() // 8, bits, 256, torch.bfloat16, out=out, backend="triton")
-        ref = tk.dequantize(tk.quantize(w, bits, 256, backend="torch").view(8, -1), w.numel() // 8, bits, 256,
-                            torch.bfloat16, backend="torch")  # fmt: skip
-        results[f"qwz_int{bits}_bit_exact"] = _same(packed, tk.quantize(w, bits, 256, backend="torch")) and _same(
-            out, ref.view(-1)
-        )
+        rows = w.view(8, -1)  # qwZ: 8 ranks' shards, each quantized on its own, gathered as rows
+        packed = tk.quantize(rows.cuda(), bits, 256, backend="triton")
+        out = torch.empty(8, rows.shape[1], dtype=torch.bfloat16, device="cuda")
+        tk.dequantize(packed, rows.shape[1], bits, 256, torch.bfloat16, out=out, backend="triton")
+        want = tk.quantize(rows, bits, 256, backend="torch")
+        ref = tk.dequantize(want, rows.shape[1], bits, 256, torch.bfloat16, backend="torch")
+        results[f"qwz_int{bits}_bit_exact"] = _same(packed, want) and _same(out, ref)
     results["seconds"] = time.perf_counter() - t
     return results
 
@@ -110,7 +109,10 @@ def training(steps: int) -> dict:
         trainer.fit(model, datamodule=ByteCorpusDataModule(block_size=256, batch_size=16))
         losses[backend] = float(trainer.callback_metrics["train/loss"])  # the twins on the GPU give the same bits
     torch.cuda.synchronize()
-    return {"final_loss": losses, "finite": all(v == v for v in losses.values()), "triton_kernel_calls": calls}
+    result = {"final_loss": losses, "finite": all(v == v for v in losses.values()), "triton_kernel_calls": calls}
+    if not calls:  # one GPU is one node: nothing crosses nodes, so the strategy quantizes nothing
+        result["note"] = "one rank on one node: no quantized collective ran; the pipelines above check the kernels"
+    return result
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -126,6 +126,23 @@ def cases(numel: int, device: str):
         impls("dequantize_reduce_quantize", recv, piece, 8, 4, 128, residual=codes, residual_scales=scales, decay=0.9),
         recv.numel() + K * tk.wire_size(piece, 4, 128) + 2 * (codes.numel() + 4 * scales.numel()),
     )
+    # rotated blocks (gradient_rotation="hadamard"): the same passes, the Walsh-Hadamard transform in registers
+    rot4 = tk.quantize(torch.randn(K, piece, device=device), 4, 128, rotation_seed=7, backend="torch")
+    yield (
+        "quantize int4 rotated",
+        impls("quantize", g, 4, 128, rotation_seed=7),
+        g.numel() * 2 + tk.wire_size(g.numel(), 4, 128),
+    )
+    yield (
+        "dequantize_reduce_quantize 8->4 rotated",
+        impls("dequantize_reduce_quantize", recv, piece, 8, 4, 128, rotation_seed=7),
+        recv.numel() + K * tk.wire_size(piece, 4, 128),
+    )
+    yield (
+        "dequantize_reduce int4 rotated",
+        impls("dequantize_reduce", rot4, piece, 4, 128, out=out, rotation_seed=7),
+        rot4.numel() + piece * 2,
+    )
 
 
 def copy_bandwidth(device: str, time_fn) -> float:
@@ -233,6 +250,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 4, 16, 64, 256, 1024])
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--no-compile", action="store_true", help="leave out the torch.compile column (its compiles)")
     parser.add_argument("--smoke", action="store_true", help="tiny CPU run under TRITON_INTERPRET=1")
     parser.add_argument("--static", action="store_true", help="the static table from compiled code (no GPU)")
     parser.add_argument("--arch", type=int, nargs="+", default=[90], help="with --static: compute capabilities")
@@ -262,7 +280,7 @@ def main(argv: list[str] | None = None) -> None:
         for kernel, fns, nbytes in cases(numel, device):
             times = {}
             for impl, fn in fns.items():
-                if args.smoke and impl == "torch.compile":
+                if (args.smoke or args.no_compile) and impl == "torch.compile":
                     continue
                 times[impl] = time_fn(fn, reps)
             gbps = nbytes / times["triton"] / 1e9
@@ -274,6 +292,8 @@ def main(argv: list[str] | None = None) -> None:
                 "device": name,
             }  # fmt: skip
             rows.append(row)
+            if args.json:  # after every row: a run stopped at a time limit keeps what it measured
+                args.json.write_text(json.dumps({"device": name, "copy_GBps": copy / 1e9, "rows": rows}, indent=2))
             compiled = f"{row['speedup_vs_compile']:.1f}" if row["speedup_vs_compile"] else "-"
             print(
                 f"| {kernel} | {mb:g} | {gbps:.0f} | {100 * row['fraction_of_copy']:.0f}% |"
