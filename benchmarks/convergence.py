@@ -316,6 +316,16 @@ def last_quarter(curve: Curve, steps: int) -> tuple[float, int]:
     return sum(points) / len(points), len(points)
 
 
+def halves(curve: Curve, steps: int) -> tuple[float, float]:
+    """The mean training loss over the first half of the ``steps`` (steps 1 to steps/2) and over the second: where
+    a cost that grows with training shows, and one number per half that many points average (a final loss is one)."""
+    first = [v for s, v in curve if 2 * s <= steps]
+    second = [v for s, v in curve if 2 * s > steps]
+    if not first or not second:
+        raise ValueError(f"a training curve of {steps} steps needs points in both halves: {len(curve)} points")
+    return sum(first) / len(first), sum(second) / len(second)
+
+
 def smoothed(curve: Curve, window: int = SMOOTHING) -> dict[int, float]:
     """Each step's trailing mean over ``window`` points of the curve (fewer at its start)."""
     values = [v for _, v in curve]
@@ -381,6 +391,7 @@ def summarize(runs: list[dict], margin: float, window: int = SMOOTHING) -> list[
             "configs": [],
         }
         base_quarter = {s: v for s, (v, _) in quarter.get(BASE, {}).items()}
+        half = {name: {s: halves(r["train_curve"], steps) for s, r in rs.items()} for name, rs in by_config.items()}
         for name, rs in by_config.items():
             if name == BASE:
                 continue
@@ -396,6 +407,12 @@ def summarize(runs: list[dict], margin: float, window: int = SMOOTHING) -> list[
                     "unpaired_seeds": sorted(set(rs) - set(base)),
                     "final_gap": paired(final[name], final.get(BASE, {})),
                     "last_quarter_gap": paired({s: v for s, (v, _) in quarter[name].items()}, base_quarter),
+                    "first_half_train_gap": paired(
+                        {s: h[0] for s, h in half[name].items()}, {s: h[0] for s, h in half.get(BASE, {}).items()}
+                    ),
+                    "second_half_train_gap": paired(
+                        {s: h[1] for s, h in half[name].items()}, {s: h[1] for s, h in half.get(BASE, {}).items()}
+                    ),
                     "spikes": {
                         "runs": sum(step is not None for step in spikes.values()),
                         "of": len(spikes),
@@ -470,6 +487,21 @@ def report(summary: list[dict[str, Any]], margin: float, window: int = SMOOTHING
                 f" {_pct(qg['mean'])} | {_pct(qg['se'], sign='')} | {_pct(qg['resolution'], sign='±')} |"
                 f" {sp['runs']} of {sp['of']} | {first} |"
                 f" {c['starved_parameters']} | {c['minutes']:.1f} |"
+            )
+        print()
+        half = entry["steps"] // 2
+        print(
+            f"Training loss by half (mean over steps 1-{half} and {half + 1}-{entry['steps']}), gap to {BASE} at the"
+            " same seed: where a cost that grows with training shows.\n"
+        )
+        print("| config | seeds | first half per seed | mean | resolution | second half per seed | mean | resolution |")
+        print("|---|---|---|---|---|---|---|---|")
+        for c in entry["configs"]:
+            a, b = c["first_half_train_gap"], c["second_half_train_gap"]
+            print(
+                f"| {c['config']} | {len(c['seeds'])} | {_pcts(a['per_seed'])} | {_pct(a['mean'])} |"
+                f" {_pct(a['resolution'], sign='±')} | {_pcts(b['per_seed'])} | {_pct(b['mean'])} |"
+                f" {_pct(b['resolution'], sign='±')} |"
             )
         print()
         for c in entry["configs"]:

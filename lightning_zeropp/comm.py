@@ -153,6 +153,13 @@ class ZeroPPComms:
             )
         base_op, premul = split_reduce_op(op)
         if self.plan.gradients.quantized_rail:  # quantized HSDP (exact HSDP: FSDP all-reduces on its 2-D mesh)
+            if len(groups.ranks(role)) == 1:
+                # One rank per node. torch 2.9 still calls this hook on the node's group of one, then the all-reduce
+                # hook, which runs the rail (`reduce_alone_on_rail`); newer torch copies without calling it. Running
+                # the rail here as well reduced it twice (once as a SUM: the gradient K times too large) and spent
+                # the error feedback's residuals twice.
+                output.copy_(input if premul is None else input * premul)
+                return
             exact_reduce_scatter(output, input, base_op, premul, groups, self.ledger, role)
             self._reduce_on_rail(output, base_op, unit, groups)
             return

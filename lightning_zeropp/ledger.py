@@ -62,6 +62,8 @@ class CommLedger:
 
     # ----------------------------------------------------------------- recording
     def record_all_gather(self, kind: str, group_ranks: list[int], buffer_bytes: int) -> None:
+        if len(group_ranks) <= 1:  # a group of this rank alone moves nothing (see record_to_peers)
+            return
         intra, inter = self.topology.peers_split(group_ranks)
         self._record(kind, Traffic(intra * buffer_bytes, inter * buffer_bytes, 1))
 
@@ -71,7 +73,12 @@ class CommLedger:
         self.record_all_gather(kind, group_ranks, buffer_bytes)
 
     def record_to_peers(self, kind: str, group_ranks: list[int], chunk_bytes: list[int] | int) -> None:
-        """A reduce-scatter or all-to-all: ``chunk_bytes[i]`` is sent to ``group_ranks[i]`` (one int: all equal)."""
+        """A reduce-scatter or all-to-all: ``chunk_bytes[i]`` is sent to ``group_ranks[i]`` (one int: all equal).
+        A group of this rank alone is not recorded: it moves nothing, and whether FSDP calls the hook for it at all
+        depends on the torch version (2.9 does, 2.13 does not), so recording it would make the ledger differ by
+        version and from the planner."""
+        if len(group_ranks) <= 1:
+            return
         if isinstance(chunk_bytes, int):
             chunk_bytes = [chunk_bytes] * len(group_ranks)
         me, node_of = self.topology.rank, self.topology.node_of

@@ -81,6 +81,24 @@ def test_last_quarter_mean_takes_the_points_after_three_quarters():
     assert entry["last_quarter_gap"]["mean"] == pytest.approx(0.02)
 
 
+def test_training_loss_by_half_pairs_each_half_by_seed():
+    """The issue's long-run measure: a gap that appears only late shows in the second half and not the first; step
+    steps/2 belongs to the first half."""
+    assert convergence.halves([[1, 4.0], [2, 2.0], [3, 1.0], [4, 3.0]], 4) == (3.0, 2.0)
+    assert convergence.halves([[s, float(s)] for s in range(1, 101)], 100) == (25.5, 75.5)
+    with pytest.raises(ValueError, match="both halves"):
+        convergence.halves([[1, 3.0], [2, 3.0]], 100)
+    base = {1: [3.0] * 100, 2: [2.0] * 100}
+    late = {1: [3.0] * 50 + [3.03] * 50, 2: [2.0] * 50 + [2.04] * 50}  # +1% and +2% over steps 51-100 only
+    runs = [_run("zero3", s, [2.0], train=t) for s, t in base.items()]
+    runs += [_run("zeropp", s, [2.0], train=t) for s, t in late.items()]
+    entry = _entry(convergence.summarize(runs, margin=0.5), "zeropp")
+    assert entry["first_half_train_gap"]["mean"] == 0.0
+    second = entry["second_half_train_gap"]
+    assert [g for _, g in second["per_seed"]] == pytest.approx([0.01, 0.02])
+    assert second["mean"] == pytest.approx(0.015) and second["resolution"] == pytest.approx(0.01)
+
+
 def test_spikes_are_smoothed_relative_and_paired_by_seed():
     flat = [3.0] * 20
     blip = list(flat)
