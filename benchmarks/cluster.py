@@ -48,7 +48,14 @@ from netns import TwoNodeCluster, exit_on_signals, missing_requirements  # noqa:
 from plots import cluster_png, try_plot  # noqa: E402
 
 FSDP_BASELINE = "fsdp"  # Lightning's ModelParallelStrategy, fully_shard per block (benchmarks/fsdp_baseline.py)
-CONFIG_NAMES = (*ZEROPP_CONFIGS, FSDP_BASELINE)  # hsdp among them: the baseline users would pick instead
+# The long-run accuracy candidates (benchmarks/convergence.py's zeropp+rot, zeropp+sr, zeropp+ef1): their step time
+# beside the defaults'. Not comm_volume.py's rows: they send the defaults' bytes, kind by kind.
+CANDIDATES = {
+    "zeropp_rot": dict(gradient_rotation="hadamard"),
+    "zeropp_sr": dict(gradient_rounding="stochastic"),
+}
+STRATEGIES = {**ZEROPP_CONFIGS, **CANDIDATES}
+CONFIG_NAMES = (*STRATEGIES, FSDP_BASELINE)  # hsdp among them: the baseline users would pick instead
 NODES, DEVICES = 2, 2
 # A communication-bound setting: the demo's model (3.26M parameters, ~6.5 MB in bf16) and a micro-batch small
 # enough that on 2 shared CPU cores the step is dominated by moving weights and gradients between the nodes.
@@ -68,7 +75,7 @@ def run_config(name: str, probe_dir: Path, interface: str, steps: int, model: di
     else:
         strategy = {
             "class_path": "lightning_zeropp.ZeroPPStrategy",
-            "init_args": dict(ZEROPP_CONFIGS[name]),
+            "init_args": dict(STRATEGIES[name]),
         }
     return {
         "seed_everything": 1234,
@@ -275,7 +282,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rates", nargs="+", default=["200"], help="Mbit/s per direction, or 'unshaped'")
     parser.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay on each veth end (needs netem)")
-    parser.add_argument("--configs", nargs="+", default=list(CONFIG_NAMES), choices=CONFIG_NAMES)
+    parser.add_argument("--configs", nargs="+", default=[*ZEROPP_CONFIGS, FSDP_BASELINE], choices=CONFIG_NAMES)
     parser.add_argument("--steps", type=int, default=14, help="optimizer steps per run")
     parser.add_argument("--warmup", type=int, default=4, help="first steps left out of the figures")
     parser.add_argument(
