@@ -563,7 +563,17 @@ def main(argv: list[str] | None = None) -> None:
         "--json", type=Path, default=None, help="the study file: rewritten after every run; its runs done are skipped"
     )
     parser.add_argument("--png", type=Path, default=None, help="the figure (default: the --json path, .png)")
+    parser.add_argument(
+        "--report-only",
+        action="store_true",
+        help="print the tables of the --json's runs of these --configs and --seeds (and zero3's); run and write nothing",
+    )
     args = parser.parse_args(argv)
+    if args.report_only:
+        if args.json is None or not args.json.exists():
+            parser.error("--report-only reads the study file: give an existing --json")
+        report_only(args)
+        return
     if args.steps < 1 or args.evals < 1 or args.evals > args.steps:
         parser.error("need 1 <= --evals <= --steps")
     if args.steps % args.evals:
@@ -632,6 +642,19 @@ def main(argv: list[str] | None = None) -> None:
     mine = [r for r in runs if (r["regime"], r["steps"]) == (regime, args.steps) and r.get("val_curve")]
     if png and mine and try_plot(convergence_png, {"meta": data["meta"], "runs": mine}, png):
         print(f"wrote {png}")
+
+
+def report_only(args: argparse.Namespace) -> None:
+    """The tables of the study file's runs of ``args.configs`` (and the baseline) at ``args.seeds``, nothing run."""
+    lr, warmup = REGIMES[args.regime or DEFAULT_REGIME]
+    regime = regime_name(lr if args.lr is None else args.lr, warmup if args.warmup is None else args.warmup)
+    names, seeds = {BASE, *args.configs}, set(args.seeds)
+    runs = [r for r in load(args.json)["runs"] if r["config"] in names and r["seed"] in seeds]
+    missing = sorted(set(pending([(n, s, regime, args.steps) for s in seeds for n in names], runs)))
+    if missing:
+        print(f"not in {args.json} (left out): " + ", ".join(f"{n} seed {s}" for n, s, _, _ in missing))
+    summary = summarize(runs, args.spike_margin)
+    report([e for e in summary if (e["regime"], e["steps"]) == (regime, args.steps)], args.spike_margin)
 
 
 if __name__ == "__main__":

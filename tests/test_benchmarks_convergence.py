@@ -214,6 +214,16 @@ def test_main_resumes_from_its_json(tmp_path, monkeypatch, capsys):
     assert calls == [] and "precision: 32-true, as the runs in" in capsys.readouterr().out
     with pytest.raises(SystemExit):  # the same runs with another validation schedule cannot be resumed
         convergence.main([*common[:6], "--evals", "2", *common[8:], "--seeds", "1"])
+    before = study.read_text()
+    capsys.readouterr()
+    # --report-only: the tables of the runs asked for, seeds missing named; nothing runs, the file is not touched
+    convergence.main(
+        [*common[:10], "--regime", "calm", "--seeds", "1", "3", "4", "--json", str(study), "--report-only"]
+    )
+    out = capsys.readouterr().out
+    assert calls == [] and study.read_text() == before
+    assert "not in" in out and "zero3 seed 4" in out and "zeropp seed 4" in out
+    assert "| zeropp | 2 |" in out and "### calm: lr 0.0003, warm-up 30, 8 steps" in out and "aggressive" not in out
 
 
 def test_png_one_seed_and_several(tmp_path, monkeypatch):
