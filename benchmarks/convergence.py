@@ -566,7 +566,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--report-only",
         action="store_true",
-        help="print the tables of the --json's runs of these --configs and --seeds (and zero3's); run and write nothing",
+        help="print the tables of the --json's runs of these --configs and --seeds (and zero3's); run nothing",
     )
     args = parser.parse_args(argv)
     if args.report_only:
