@@ -471,7 +471,7 @@ class ZeroPPConfig:
         "auto",
         '"auto": Triton on CUDA tensors, pure torch elsewhere; "triton" or "torch" to force one.',
         check=_one_of(_KERNEL_BACKENDS),
-        when='"torch" to debug the kernels, or for gradient_rotation on GPUs.',
+        when='"torch" to debug the kernels (they are twins of the Triton ones, rotated blocks included).',
     )
     process_group_backend: str | None = argument(
         None,
