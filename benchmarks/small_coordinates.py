@@ -44,12 +44,17 @@ CONFIGS = {
     "qgz": dict(),
     "qgz_feedback": dict(gradient_error_feedback=True),  # the residual's default width: INT8 codes, a scale per block
     "qgz_feedback_fp32": dict(gradient_error_feedback=True, error_feedback_bits=32),
+    "qgz_sr": dict(gradient_rounding="stochastic"),
+    "qgz_rot": dict(gradient_rotation="hadamard"),
 }
 LR, BETAS, EPS, BATCH = 3e-4, (0.9, 0.95), 1e-8, 8
+MOMENTUM = 0.9  # the SGD shadows' (heavy ball, no dampening): an optimizer whose step is linear in the gradient
 SMALL = 1 / 8  # a coordinate below this share of its block's largest is "small"
 SUMS = (
     "count", "nonzero", "zeroed", "err2", "ref2",  # gradients
     "adam_q2", "adam_same2", "adam_same_diff2", "adam_shadow2", "adam_shadow_diff2",  # Adam directions
+    "moved_nonzero", "adam_moved_err2", "adam_moved_ref2", "adam_moved_against",  # moved over a group of steps
+    "sgd_moved_err2", "sgd_moved_ref2", "sgd_moved_against",
 )  # fmt: skip
 
 
@@ -108,6 +113,25 @@ def coordinate_sums(q, e, small, adam: dict[str, Any] | None = None) -> dict[str
     return out
 
 
+def moved_sums(moved: dict[str, Any], small) -> dict[str, dict[str, float]]:
+    """Sums comparing how far each coordinate moved over a group of steps, by class: ``moved`` holds the summed
+    update directions of Adam (``adam_q``: the run's moments, fed with qgZ's gradients; ``adam_shadow``: fed with the
+    exact ones) and of SGD with momentum (``sgd_q``, ``sgd_shadow``). ``*_against`` counts the coordinates (of those
+    the exact shadow moved) that moved the other way."""
+    out = {}
+    for name, mask in (("small", small), ("rest", ~small)):
+        row: dict[str, float] = {}
+        for opt in ("adam", "sgd"):
+            mq, me = moved[f"{opt}_q"][mask].double(), moved[f"{opt}_shadow"][mask].double()
+            row[f"{opt}_moved_err2"] = float((mq - me).square().sum())
+            row[f"{opt}_moved_ref2"] = float(me.square().sum())
+            row[f"{opt}_moved_against"] = float(((me != 0) & (mq * me < 0)).sum())
+            if opt == "adam":
+                row["moved_nonzero"] = float((me != 0).sum())
+        out[name] = row
+    return out
+
+
 def ratios(sums: dict[str, dict[str, float]]) -> dict[str, float | None]:
     """The figures of pooled :func:`coordinate_sums`."""
 
@@ -130,6 +154,10 @@ def ratios(sums: dict[str, dict[str, float]]) -> dict[str, float | None]:
             out[f"adam_{name}_rel_err"] = div(row["adam_same_diff2"], row["adam_same2"], True)
             out[f"adam_{name}_shadow_norm_ratio"] = div(row["adam_q2"], row["adam_shadow2"], True)
             out[f"adam_{name}_shadow_rel_err"] = div(row["adam_shadow_diff2"], row["adam_shadow2"], True)
+        if "adam_moved_ref2" in row:
+            for opt in ("adam", "sgd"):
+                out[f"{opt}_{name}_moved_rel_err"] = div(row[f"{opt}_moved_err2"], row[f"{opt}_moved_ref2"], True)
+                out[f"{opt}_{name}_moved_against"] = div(row[f"{opt}_moved_against"], row["moved_nonzero"])
     return out
 
 
@@ -139,7 +167,9 @@ def pooled(rows: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float
 
 class ShadowAdam:
     """Adam's moments for one flat gradient chunk, twice: fed with qgZ's gradients (the run's optimizer) and with the
-    exact ones (the shadow). :meth:`step` returns the three update directions of this step."""
+    exact ones (the shadow), and SGD's momentum buffers likewise (``MOMENTUM``: the contrast, an optimizer that does
+    not divide each coordinate by its own gradient scale). :meth:`step` returns the update directions of this step:
+    Adam's ``q``, ``same`` and ``shadow``, SGD's ``sgd_q`` and ``sgd_shadow``."""
 
     def __init__(self, numel: int, betas: tuple[float, float] = BETAS, eps: float = EPS) -> None:
         import torch
@@ -148,6 +178,7 @@ class ShadowAdam:
         self.eps = eps
         self.t = 0
         self.m, self.v, self.ms, self.vs = (torch.zeros(numel, dtype=torch.float64) for _ in range(4))
+        self.bq, self.bs = (torch.zeros(numel, dtype=torch.float64) for _ in range(2))
 
     def _moments(self, m, v, g):
         return self.b1 * m + (1 - self.b1) * g, self.b2 * v + (1 - self.b2) * g.square()
@@ -162,7 +193,11 @@ class ShadowAdam:
         same = self._direction(*self._moments(self.m, self.v, e))
         self.ms, self.vs = self._moments(self.ms, self.vs, e)
         self.m, self.v = m, v
-        return {"q": self._direction(m, v), "same": same, "shadow": self._direction(self.ms, self.vs)}
+        self.bq, self.bs = MOMENTUM * self.bq + q, MOMENTUM * self.bs + e
+        return {
+            "q": self._direction(m, v), "same": same, "shadow": self._direction(self.ms, self.vs),
+            "sgd_q": self.bq.clone(), "sgd_shadow": self.bs.clone(),
+        }  # fmt: skip
 
 
 class Recorder:
@@ -174,7 +209,8 @@ class Recorder:
         self.steps: dict[int, dict[str, dict[str, dict[str, float]]]] = {}
         self._adam: dict[str, ShadowAdam] = {}
         self._ids: dict[tuple[str, int], Any] = {}
-        self._summed: dict[tuple[int, str], list[Any]] = {}  # (group, unit) -> [sum of q, sum of e, block ids]
+        # (group, unit) -> [sum of q, sum of e, block ids, {summed update directions}]
+        self._summed: dict[tuple[int, str], list[Any]] = {}
 
     def install(self) -> None:
         import torch
@@ -208,19 +244,29 @@ class Recorder:
             self._ids[key] = block_ids(q.numel(), starts, comms.config.gradient_block_size)
         adam = self._adam.setdefault(name, ShadowAdam(q.numel()))
         step = comms.steps + 1
-        sums = coordinate_sums(q, e, small_mask(e, self._ids[key]), adam.step(q, e))
+        directions = adam.step(q, e)
+        sums = coordinate_sums(q, e, small_mask(e, self._ids[key]), directions)
         self.steps.setdefault(step, {})[name] = sums
         group = next(i for i, (lo, hi) in enumerate(self.groups) if lo <= step <= hi)
-        summed = self._summed.setdefault((group, name), [0.0, 0.0, self._ids[key]])
+        summed = self._summed.setdefault((group, name), [0.0, 0.0, self._ids[key], {}])
         summed[0], summed[1] = summed[0] + q.double(), summed[1] + e.double()
+        moved = summed[3]
+        for k, d in (("adam_q", directions["q"]), ("adam_shadow", directions["shadow"]),
+                     ("sgd_q", directions["sgd_q"]), ("sgd_shadow", directions["sgd_shadow"])):  # fmt: skip
+            moved[k] = moved.get(k, 0.0) + d
 
     def summed(self) -> dict[int, dict[str, dict[str, dict[str, float]]]]:
         """Per group of steps and unit: the sums comparing qgZ's gradients summed over the group's steps with the
         exact ones summed (small: by the summed exact gradient's blocks), what a slow average of the gradients sees
-        and error feedback corrects."""
+        and error feedback corrects; and how far each coordinate moved over the group under Adam and under SGD with
+        momentum, fed with qgZ's gradients against fed with the exact ones (:func:`moved_sums`)."""
         out: dict[int, dict[str, dict[str, dict[str, float]]]] = {}
-        for (group, name), (q, e, ids) in self._summed.items():
-            out.setdefault(group, {})[name] = coordinate_sums(q, e, small_mask(e, ids))
+        for (group, name), (q, e, ids, moved) in self._summed.items():
+            small = small_mask(e, ids)
+            sums = coordinate_sums(q, e, small)
+            for c, row in moved_sums(moved, small).items():
+                sums[c].update(row)
+            out.setdefault(group, {})[name] = sums
         return out
 
 
@@ -298,6 +344,7 @@ def measure(steps: int, nodes: int, per_node: int, model: dict, configs: list[st
                     "summed_rel_err_small": summed["rel_err_small"],
                     "summed_rel_err_rest": summed["rel_err_rest"],
                     "summed_small_share": summed["small_share"],
+                    **{k: v for k, v in summed.items() if "_moved_" in k},
                 }
             )
         rows.append(
@@ -310,6 +357,7 @@ def measure(steps: int, nodes: int, per_node: int, model: dict, configs: list[st
                 "params": results[0]["params"],
                 "seed": seed,
                 "optimizer": {"name": "AdamW", "lr": LR, "betas": list(BETAS), "eps": EPS},
+                "sgd_shadow_momentum": MOMENTUM,
                 "batch_per_rank": BATCH,
                 "small_below": SMALL,
                 "blocks": "UnitBlocks.gradients (parameter-aligned, gradient_block_size)",
@@ -327,7 +375,8 @@ def _f(v: float | None, spec: str = ".3f") -> str:
 
 
 def table(rows: list[dict]) -> str:
-    """Two tables: the gradients qgZ delivers, and the AdamW directions they make."""
+    """Three tables: the gradients qgZ delivers, the AdamW directions they make, and how far each coordinate moved
+    over a group of steps under AdamW and under SGD with momentum, against the same optimizer fed exact gradients."""
     lines = [
         "| feedback | steps | zeroed (of e != 0) | zeroed among small | small share | rel err small | rel err rest |"
         " summed over the steps: rel err small | rest | loss (last step) |",
@@ -355,11 +404,30 @@ def table(rows: list[dict]) -> str:
                 for k in ("norm_ratio", "rel_err", "shadow_norm_ratio", "shadow_rel_err")
             )
             lines.append(f"| {_feedback(row)} | {g['steps'][0]}-{g['steps'][1]} | {figures} |")
+    lines += [
+        "",
+        "| qgZ | steps | moved, Adam small: rel err | against | SGD small: rel err | against |"
+        " Adam rest: rel err | against | SGD rest: rel err | against |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        for g in row["groups"]:
+            figures = " | ".join(
+                _f(g.get(f"{opt}_{c}_moved_{k}"))
+                for c in ("small", "rest")
+                for opt in ("adam", "sgd")
+                for k in ("rel_err", "against")
+            )
+            lines.append(f"| {_feedback(row)} | {g['steps'][0]}-{g['steps'][1]} | {figures} |")
     return "\n".join(lines)
 
 
 def _feedback(row: dict) -> str:
     strategy = row["strategy"]
+    if strategy.get("gradient_rounding") == "stochastic":
+        return "stochastic rounding"
+    if strategy.get("gradient_rotation", "none") != "none":
+        return f"rotation ({strategy['gradient_rotation']})"
     if not strategy.get("gradient_error_feedback"):
         return "off"
     return {8: "on, INT8 residual", 16: "on, bf16 residual", 32: "on, fp32 residual"}[

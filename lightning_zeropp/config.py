@@ -351,7 +351,7 @@ class ZeroPPConfig:
         "nearest",
         'Rounding of gradients: "nearest" (half to even) or "stochastic" (unbiased).',
         check=_one_of(_GRADIENT_ROUNDINGS),
-        when='"stochastic" for an unbiased qgZ on long runs (docs: Accuracy has what it measured).',
+        when='Leave "nearest": at 500 steps "stochastic" lost more loss than it (docs: Accuracy).',
     )
     gradient_rotation: GradientRotation = argument(
         "none",
@@ -360,7 +360,7 @@ class ZeroPPConfig:
         " so that one large element no longer sets a scale that rounds its neighbours to zero. Same bytes on the"
         ' wire. The Triton kernels fuse it (docs: Kernels). "none": blocks quantized as they are.',
         check=_one_of(_GRADIENT_ROTATIONS),
-        when='"hadamard" for long runs whose accuracy matters (docs: Accuracy).',
+        when='Leave "none": at 500 steps "hadamard" lost more loss than it (docs: Accuracy).',
     )
     block_alignment: BlockAlignment = argument(
         "parameter",
@@ -377,7 +377,8 @@ class ZeroPPConfig:
         " for the M/N elements it sends) and adds it, times error_feedback_decay, to the next reduction's values."
         " Saved in checkpoints.",
         check=_check_bool,
-        when="Opt-in, on long runs whose accuracy matters; docs: Error feedback has what it does and measured.",
+        when="Off: at 500 steps it lost more loss than qgZ without it (docs: Accuracy, Error feedback);"
+        " quantize_gradients_steps is the remedy that helped.",
     )
     error_feedback_bits: Literal[8, 16, 32] = argument(
         8,

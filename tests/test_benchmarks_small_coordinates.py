@@ -37,6 +37,49 @@ def test_recorder_sums_a_group_where_errors_that_cancel_vanish():
     assert coords.ratios(first)["rel_err_small"] == 0.0 and coords.ratios(first)["small_share"] == 0.25
 
 
+def test_moved_sums_compare_displacements_and_count_coordinates_moved_the_other_way():
+    moved = {
+        "adam_q": torch.tensor([1.0, -1.0, 2.0, 0.0]), "adam_shadow": torch.tensor([1.0, 1.0, 1.0, 0.0]),
+        "sgd_q": torch.tensor([2.0, 0.5, 1.0, 3.0]), "sgd_shadow": torch.tensor([2.0, 1.0, 1.0, 0.0]),
+    }  # fmt: skip
+    sums = coords.moved_sums(moved, torch.tensor([False, True, True, True]))
+    assert sums["rest"] == dict(moved_nonzero=1, adam_moved_err2=0, adam_moved_ref2=1, adam_moved_against=0,
+                                sgd_moved_err2=0, sgd_moved_ref2=4, sgd_moved_against=0)  # fmt: skip
+    # small: Adam moved coordinate 1 the other way (err 4) and 2 twice as far (err 1); the last one the shadow left
+    # alone counts in no "against"
+    assert sums["small"] == dict(moved_nonzero=2, adam_moved_err2=5, adam_moved_ref2=2, adam_moved_against=1,
+                                 sgd_moved_err2=0.25 + 9, sgd_moved_ref2=2, sgd_moved_against=0)  # fmt: skip
+    empty = {c: {k: 0.0 for k in coords.SUMS} for c in ("small", "rest")}
+    for c in ("small", "rest"):
+        empty[c].update(sums[c])
+    r = coords.ratios(empty)
+    assert r["adam_small_moved_rel_err"] == pytest.approx(2.5**0.5) and r["adam_small_moved_against"] == 0.5
+    assert r["sgd_rest_moved_rel_err"] == 0.0 and r["sgd_small_moved_against"] == 0.0
+
+
+def test_an_unbiased_sequence_moves_sgd_about_right_and_adam_too_little():
+    """The mechanism the moved table probes: a small coordinate qgZ sends as 0, 2x, 0, 2x (right on average, as
+    error feedback or stochastic rounding send it) moves SGD with momentum close to where the exact gradients would;
+    Adam, dividing by the root of the squares, moves it about half as far."""
+    from types import SimpleNamespace
+
+    recorder = coords.Recorder(coords.step_groups(4))
+    comms = SimpleNamespace(steps=0, config=SimpleNamespace(gradient_block_size=4))
+    e = torch.tensor([4.0, 0.25, -1.0, 2.0])
+    for step in range(4):
+        comms.steps = step
+        recorder.add(comms, None, torch.tensor([4.0, 0.5 if step % 2 else 0.0, -1.0, 2.0]), e)
+    (sums,) = recorder.summed()[0].values()
+    r = coords.ratios(sums)
+    assert r["adam_rest_moved_rel_err"] == pytest.approx(0.0, abs=1e-12)
+    assert r["sgd_rest_moved_rel_err"] == pytest.approx(0.0, abs=1e-12)
+    assert r["sgd_small_moved_rel_err"] == pytest.approx(1 - 1.855 / 2.26225)  # momentum sums 1.855, 2.26225
+    assert (
+        0.4 < r["adam_small_moved_rel_err"] < 0.7 and r["adam_small_moved_rel_err"] > 2 * r["sgd_small_moved_rel_err"]
+    )
+    assert r["adam_small_moved_against"] == 0.0
+
+
 def test_block_ids_follow_the_starts_or_flat_blocks():
     assert coords.block_ids(7, (0, 3, 5, 7), 128).tolist() == [0, 0, 0, 1, 1, 2, 2]
     assert coords.block_ids(7, None, 3).tolist() == [0, 0, 0, 1, 1, 1, 2]
@@ -109,6 +152,12 @@ def test_two_steps_on_two_nodes_of_one_rank_write_the_fields(tmp_path):
                     "adam_small_shadow_rel_err", "adam_rest_shadow_rel_err"):  # fmt: skip
             assert 0 < figures[key] < 2, key
     (group,) = row["groups"]
+    for key in ("adam_small_moved_rel_err", "adam_rest_moved_rel_err", "sgd_small_moved_rel_err",
+                "sgd_rest_moved_rel_err"):  # fmt: skip
+        assert 0 < group[key] < 2, key
+    for key in ("adam_small_moved_against", "adam_rest_moved_against", "sgd_small_moved_against"):
+        assert 0 <= group[key] < 0.5, key
+    assert "| on, INT8 residual | 1-2 |" in proc.stdout.split("moved, Adam small")[1]  # the third table
     assert (
         0 <= group["summed_rel_err_rest"] < group["summed_rel_err_small"] < 1.5 and 0 < group["summed_small_share"] < 1
     )
