@@ -15,10 +15,10 @@ this machine, emulated as that many nodes (``devices=nodes*ranks_per_node``, ``n
 and, with ``--configs``: zeropp-int4w (INT4 weights), zeropp-int4w+ef, zeropp-deltas, the attribution pair
 zeropp-qwz-only (INT8 weights and hpZ, gradients reduce-scattered exactly) and zeropp-qgz-only (qgZ alone: exact
 weights, no secondary partition), the long-run candidates zeropp+rot (Hadamard-rotated gradient blocks on the inter-node
-hop), zeropp+sr (stochastic rounding), zeropp+ef1 (error feedback as it is now: decay 1, the error telescopes) and
-zeropp+rot+ef1, and reference-like (the ablation of the reference implementation's choices: INT4 on both gradient hops,
-blocks over each unit's flat buffer, so that a block may hold elements of two parameters, INT8 weights, no error
-feedback).
+hop), zeropp+sr (stochastic rounding), zeropp+ef1 (error feedback as it is now: decay 1, the error telescopes),
+zeropp+rot+ef1 and zeropp-qgz8 (the inter-node hop in INT8: twice its bytes), and reference-like (the ablation of the
+reference implementation's choices: INT4 on both gradient hops, blocks over each unit's flat buffer, so that a block
+may hold elements of two parameters, INT8 weights, no error feedback).
 
 Seeds: ``--seed_everything`` sets the initial weights, dropout and the data order, and every configuration runs at
 every seed of ``--seeds``, so each gap is paired: at one seed, (config - zero3) / zero3. The seed alone moves ZeRO-3's
@@ -107,6 +107,7 @@ RUNS: dict[str, dict[str, Any] | Callable[[int], dict[str, Any]]] = {
     "zeropp+sr": dict(gradient_rounding="stochastic"),
     "zeropp+ef1": dict(gradient_error_feedback=True, error_feedback_decay=1.0),
     "zeropp+rot+ef1": dict(gradient_rotation="hadamard", gradient_error_feedback=True, error_feedback_decay=1.0),
+    "zeropp-qgz8": dict(gradient_bits=8),
     "hsdp": dict(sharding_strategy="HYBRID_SHARD", quantize_weights=False, quantize_gradients=False),
     "qhsdp": dict(sharding_strategy="HYBRID_SHARD", quantize_weights=False, quantize_gradients=True),
     "qhsdp-bf16": dict(sharding_strategy="HYBRID_SHARD", quantize_weights=False, quantize_gradients=True,

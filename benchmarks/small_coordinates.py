@@ -46,6 +46,7 @@ CONFIGS = {
     "qgz_feedback_fp32": dict(gradient_error_feedback=True, error_feedback_bits=32),
     "qgz_sr": dict(gradient_rounding="stochastic"),
     "qgz_rot": dict(gradient_rotation="hadamard"),
+    "qgz_int8": dict(gradient_bits=8),  # the inter-node hop in INT8: twice its bytes
 }
 LR, BETAS, EPS, BATCH = 3e-4, (0.9, 0.95), 1e-8, 8
 MOMENTUM = 0.9  # the SGD shadows' (heavy ball, no dampening): an optimizer whose step is linear in the gradient
@@ -147,6 +148,7 @@ def ratios(sums: dict[str, dict[str, float]]) -> dict[str, float | None]:
         "small_share": div(s["count"], s["count"] + r["count"]),
         "rel_err_small": div(s["err2"], s["ref2"], True),
         "rel_err_rest": div(r["err2"], r["ref2"], True),
+        "rel_err": div(s["err2"] + r["err2"], s["ref2"] + r["ref2"], True),
     }
     for name, row in (("small", s), ("rest", r)):
         if "adam_q2" in row:
@@ -335,8 +337,12 @@ def measure(steps: int, nodes: int, per_node: int, model: dict, configs: list[st
             for u in units
         }
         groups = []
+        late_summed = []  # the groups of the second half's steps, for "late"
         for i, (lo, hi) in enumerate(step_groups(steps)):
-            summed = ratios(pooled([u for r in results for u in r["summed"].get(i, {}).values()]))
+            group_sums = [u for r in results for u in r["summed"].get(i, {}).values()]
+            if lo > steps // 2:
+                late_summed += group_sums
+            summed = ratios(pooled(group_sums))
             groups.append(
                 {
                     "steps": [lo, hi],
@@ -362,12 +368,20 @@ def measure(steps: int, nodes: int, per_node: int, model: dict, configs: list[st
                 "small_below": SMALL,
                 "blocks": "UnitBlocks.gradients (parameter-aligned, gradient_block_size)",
                 "groups": groups,
+                "late": late_figures(per_step[steps // 2 :], late_summed),
                 "per_step": [{"step": i + 1, **ratios(s)} for i, s in enumerate(per_step)],
                 "per_unit": per_unit,
                 "losses": results[0]["losses"],
             }
         )
     return rows
+
+
+def late_figures(per_step: list, summed: list) -> dict[str, float | None]:
+    """The second half of a run in one row: the per-step figures pooled over its steps, the moved ones over the
+    groups that start in it (``summed``: their :meth:`Recorder.summed` sums)."""
+    moved = ratios(pooled(summed)) if summed else {}
+    return {**ratios(pooled(per_step)), **{k: v for k, v in moved.items() if "_moved_" in k}}
 
 
 def _f(v: float | None, spec: str = ".3f") -> str:
@@ -378,9 +392,9 @@ def table(rows: list[dict]) -> str:
     """Three tables: the gradients qgZ delivers, the AdamW directions they make, and how far each coordinate moved
     over a group of steps under AdamW and under SGD with momentum, against the same optimizer fed exact gradients."""
     lines = [
-        "| feedback | steps | zeroed (of e != 0) | zeroed among small | small share | rel err small | rel err rest |"
-        " summed over the steps: rel err small | rest | loss (last step) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| qgZ | steps | zeroed (of e != 0) | zeroed among small | small share | rel err small | rel err rest |"
+        " rel err, all | summed over the steps: rel err small | rest | loss (last step) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         for g in row["groups"]:
@@ -388,11 +402,12 @@ def table(rows: list[dict]) -> str:
             lines.append(
                 f"| {_feedback(row)} | {lo}-{hi} | {_f(g['zeroed'])} | {_f(g['zeroed_small'])} |"
                 f" {_f(g['small_share'])} | {_f(g['rel_err_small'])} | {_f(g['rel_err_rest'])} |"
-                f" {_f(g['summed_rel_err_small'])} | {_f(g['summed_rel_err_rest'])} | {row['losses'][hi - 1]:.3f} |"
+                f" {_f(g.get('rel_err'))} | {_f(g['summed_rel_err_small'])} | {_f(g['summed_rel_err_rest'])} |"
+                f" {row['losses'][hi - 1]:.3f} |"
             )
     lines += [
         "",
-        "| feedback | steps | Adam small: norm ratio | rel err | shadow: norm ratio | rel err |"
+        "| qgZ | steps | Adam small: norm ratio | rel err | shadow: norm ratio | rel err |"
         " Adam rest: norm ratio | rel err | shadow: norm ratio | rel err |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -419,6 +434,18 @@ def table(rows: list[dict]) -> str:
                 for k in ("rel_err", "against")
             )
             lines.append(f"| {_feedback(row)} | {g['steps'][0]}-{g['steps'][1]} | {figures} |")
+    lines += [
+        "",
+        "| qgZ, second half | rel err, all | rel err rest | Adam shadow: norm ratio small | rest |"
+        " shadow rel err small | rest | moved, Adam small | rest | SGD small | rest |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        g = row["late"]
+        keys = ("rel_err", "rel_err_rest", "adam_small_shadow_norm_ratio", "adam_rest_shadow_norm_ratio",
+                "adam_small_shadow_rel_err", "adam_rest_shadow_rel_err", "adam_small_moved_rel_err",
+                "adam_rest_moved_rel_err", "sgd_small_moved_rel_err", "sgd_rest_moved_rel_err")  # fmt: skip
+        lines.append(f"| {_feedback(row)} | " + " | ".join(_f(g.get(k)) for k in keys) + " |")
     return "\n".join(lines)
 
 
@@ -428,6 +455,8 @@ def _feedback(row: dict) -> str:
         return "stochastic rounding"
     if strategy.get("gradient_rotation", "none") != "none":
         return f"rotation ({strategy['gradient_rotation']})"
+    if strategy.get("gradient_bits", 4) != 4:
+        return f"INT{strategy['gradient_bits']} inter-node hop"
     if not strategy.get("gradient_error_feedback"):
         return "off"
     return {8: "on, INT8 residual", 16: "on, bf16 residual", 32: "on, fp32 residual"}[
