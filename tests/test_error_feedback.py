@@ -248,3 +248,34 @@ def test_collectives_state_moves_its_tensors_and_reads_older_files():
     assert upgraded["layout"] == {"error_feedback_bits": 32, "reduction": "two_hop"}
     assert list(_notes(upgraded)) == ["b"]  # where the earlier version wrote it: under the rank, by unit
     assert older["error_feedback"]["steps"] == 7  # the loaded state itself is left as read
+
+
+def test_feedback_and_stochastic_rounding_double_each_steps_error_variance():
+    """Why the unbiased remedies lose loss over long runs (docs: Accuracy): on gradients that change from step to
+    step, nearest rounding's INT4 error per step has some variance; stochastic rounding's is twice it (its error is
+    spread over the whole step, not the half-step), and error feedback's is twice it too, since each step sends its
+    own rounding error minus last step's (``-(r_t - r_{t-1})``). Feedback's summed error stays one residual; the others'
+    grow with the steps. The INT8 hop's per-step variance is under 1/200 of INT4's. Torch twins, 100 steps of 2 rows
+    of 2048, independent Gaussian gradients (measured: stochastic 2.00x, feedback 2.01x; the summed error relative to
+    the summed gradients 0.012 with feedback, 0.118 nearest, 0.168 stochastic)."""
+    from lightning_zeropp import kernels as tk
+
+    K, n, block, steps = 2, 2048, 128, 100
+
+    def errors(bits: int = 4, stochastic: bool = False, feedback: bool = False) -> tuple[float, float]:
+        g = torch.Generator().manual_seed(3)
+        kwargs = {"residual": torch.zeros(K, n), "decay": 1.0} if feedback else {}
+        per_step, total, sent = 0.0, torch.zeros(K, n), torch.zeros(K, n)
+        for step in range(steps):
+            x = torch.randn(K, n, generator=g)
+            seed = {"stochastic": True, "seed": step} if stochastic else {}
+            q = tk.dequantize(tk.quantize(x, bits, block, backend="torch", **seed, **kwargs), n, bits, block,
+                              torch.float32)  # fmt: skip
+            per_step += float((q - x).square().sum() / x.square().sum()) / steps
+            sent, total = sent + q, total + x
+        return per_step, float((sent - total).norm() / total.norm())
+
+    (nearest, nearest_sum), (sr, sr_sum), (ef, ef_sum) = errors(), errors(stochastic=True), errors(feedback=True)
+    assert 1.8 < sr / nearest < 2.2 and 1.8 < ef / nearest < 2.2, (nearest, sr, ef)
+    assert ef_sum < 0.2 * nearest_sum and ef_sum < 0.2 * sr_sum, (nearest_sum, sr_sum, ef_sum)
+    assert errors(bits=8)[0] < nearest / 200
