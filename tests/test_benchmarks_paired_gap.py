@@ -1,0 +1,67 @@
+"""benchmarks/paired_gap.py on synthetic study files: the gaps per half and of the final loss, paired by seed across
+two files and regimes, their mean and standard error, and the errors that name what to fix."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from lightning_zeropp.testing.scripts import load_script
+
+ROOT = Path(__file__).resolve().parents[1]
+paired_gap = load_script(ROOT / "benchmarks" / "paired_gap.py", "paired_gap_benchmark")
+
+
+def _run(config, seed, regime, first, second, final, steps=10):
+    train = [[s, first if 2 * s <= steps else second] for s in range(1, steps + 1)]
+    return dict(config=config, seed=seed, regime=regime, steps=steps, train_curve=train,
+                val_curve=[[steps // 2, 9.0], [steps, final]])  # fmt: skip
+
+
+def _write(path, runs):
+    path.write_text(json.dumps({"meta": {"commands": []}, "runs": runs, "summary": []}))
+    return path
+
+
+def test_pairs_by_seed_across_files_and_regimes(tmp_path, capsys):
+    base = _write(tmp_path / "base.json", [
+        _run("zero3", 1, "calm", 2.0, 1.0, 1.5), _run("zero3", 2, "calm", 4.0, 2.0, 3.0),
+        _run("zero3", 3, "calm", 1.0, 1.0, 1.0),  # no partner: left out
+        _run("zero3", 1, "aggressive", 9.0, 9.0, 9.0),  # another regime: not the baseline
+    ])  # fmt: skip
+    runs = _write(tmp_path / "runs.json", [
+        _run("zero3", 1, "lr0.000297-warmup30", 2.02, 1.01, 1.5),
+        _run("zero3", 2, "lr0.000297-warmup30", 4.0, 2.04, 3.03),
+        dict(_run("zero3", 4, "lr0.000297-warmup30", 1.0, 1.0, 1.0), error="failed"),  # failed runs never count
+    ])  # fmt: skip
+    out = tmp_path / "gap.json"
+    result = paired_gap.main(["--json", str(runs), "--regime", "lr0.000297-warmup30", "--baseline", str(base),
+                              "--steps", "10", "--out", str(out)])  # fmt: skip
+    assert sorted(result["per_seed"]) == [1, 2]
+    one, two = result["per_seed"][1], result["per_seed"][2]
+    assert one == pytest.approx({"first_half": 0.01, "second_half": 0.01, "final_val": 0.0})
+    assert two == pytest.approx({"first_half": 0.0, "second_half": 0.02, "final_val": 0.01})
+    second = result["summary"]["second_half"]
+    assert second["mean"] == pytest.approx(0.015) and second["se"] == pytest.approx(0.005)  # std 0.00707 / sqrt 2
+    printed = capsys.readouterr().out
+    assert "| 1 | +1.000% | +1.000% | +0.000% |" in printed
+    assert "| mean ± 2 SE | +0.500% ± 1.000% | +1.500% ± 1.000% | +0.500% ± 1.000% |" in printed
+    assert json.loads(out.read_text())["summary"]["final_val"]["mean"] == pytest.approx(0.005)
+
+
+def test_one_seed_has_no_spread():
+    runs = {1: _run("zero3", 1, "x", 1.1, 1.1, 1.1)}
+    base = {1: _run("zero3", 1, "calm", 1.0, 1.0, 1.0)}
+    summary = paired_gap.paired(runs, base, 10)["summary"]
+    assert summary["final_val"]["se"] is None and math.isclose(summary["final_val"]["mean"], 0.1)
+
+
+def test_no_common_seed_names_the_arguments(tmp_path):
+    base = _write(tmp_path / "base.json", [_run("zero3", 1, "calm", 1.0, 1.0, 1.0)])
+    runs = _write(tmp_path / "runs.json", [_run("zero3", 2, "cut", 1.0, 1.0, 1.0)])
+    with pytest.raises(SystemExit, match=r"--regime, --steps"):
+        paired_gap.main(["--json", str(runs), "--regime", "cut", "--baseline", str(base), "--steps", "10"])
+    with pytest.raises(SystemExit, match="no study file"):
+        paired_gap.main(["--json", str(tmp_path / "nope.json"), "--regime", "cut", "--baseline", str(base),
+                         "--steps", "10"])  # fmt: skip
