@@ -56,8 +56,14 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "zeropp": {},
     "zeropp+ef": dict(gradient_error_feedback=True),
     "zeropp+deltas": dict(weight_deltas=True),
+    "zeropp+qgz8": dict(gradient_bits=8),
 }
 """The configurations every plan compares, by the names the README and the benchmarks use."""
+
+LONG_RUN = "zeropp+qgz8"
+"""The setting for long runs where the last 0.1% of loss matters (qgZ's inter-node hop in INT8: at 500 steps the
+defaults' late loss gap, +0.091%, went to -0.006%; docs/accuracy.md). It sends more than the defaults, so the verdict
+never picks it for speed; when the verdict is ZeRO++, the plan says what it would cost instead."""
 
 RING_KINDS = {"weight_all_gather", "weight_all_gather_backward", "gradient_reduce_scatter"}
 """Collectives FSDP (or qwZ) runs over all ranks as one ring (HSDP: inside the node); the rest are all-to-alls, rail
@@ -255,6 +261,7 @@ LABELS = {
     "zeropp": "ZeRO++ (INT8 weights, hpZ, INT4 gradients across nodes; lossy)",
     "zeropp+ef": "ZeRO++ with gradient error feedback (lossy)",
     "zeropp+deltas": "ZeRO++ with INT4 weight deltas (lossy)",
+    "zeropp+qgz8": "ZeRO++ with INT8 gradients across nodes (lossy; the long-run setting)",
 }
 """What each of :data:`CONFIGS` is, in the verdict's words."""
 
@@ -272,6 +279,7 @@ class Verdict:
     python: str = ""
     alias: str | None = None
     yaml: str = ""
+    long_run: str = ""
 
 
 def lossy(name: str) -> bool:
@@ -329,7 +337,30 @@ def verdict(rows: list[Row], cluster: Cluster, margin: float = MARGIN) -> Verdic
         reason.append("lossy: compare its loss curve with zero3's early in a run (docs/accuracy.md)")
     python, alias, yaml = strategy_code(choice.config, cluster)
     return Verdict(choice.config, LABELS.get(choice.config, choice.config), "; ".join(reason), choice.speedup, margin,
-                   passed_over, python, alias, yaml)  # fmt: skip
+                   passed_over, python, alias, yaml, long_run_advice(rows, choice, cluster.gpu_memory_gib))  # fmt: skip
+
+
+def long_run_advice(rows: list[Row], choice: Row, gpu_memory_gib: float) -> str:
+    """For a ZeRO++ verdict (the defaults, or with feedback or weight deltas): what adding ``gradient_bits=8``
+    (:data:`LONG_RUN`) would cost, for runs where the last 0.1% of loss matters; "" otherwise, or where either row
+    was not planned. It changes only the inter-node gradient hop, so its cost is the difference between the
+    ``zeropp+qgz8`` and ``zeropp`` rows, added to the choice's."""
+    by_name = {r.config: r for r in rows}
+    long_run, base = by_name.get(LONG_RUN), by_name.get("zeropp")
+    if long_run is None or base is None or choice is long_run or not choice.config.startswith("zeropp"):
+        return ""
+    if choice.inter_node_gb <= 0:  # nothing crosses nodes: nothing for it to change
+        return ""
+    extra_s, extra_gb = long_run.step_s - base.step_s, long_run.inter_node_gb - base.inter_node_gb
+    memory = choice.memory_gib["total"] + long_run.memory_gib["total"] - base.memory_gib["total"]
+    words = (
+        f"if the last 0.1% of loss matters, add gradient_bits=8 (INT8 gradients across nodes, docs/accuracy.md):"
+        f" predicted step {extra_s / choice.step_s:+.0%} ({choice.step_s + extra_s:.3g} s),"
+        f" cross-node bytes {(choice.inter_node_gb + extra_gb) / choice.inter_node_gb:.2f}x"
+    )
+    if memory > gpu_memory_gib:
+        words += f"; but it needs {memory:.1f} GiB per GPU of {gpu_memory_gib:g}"
+    return words
 
 
 def strategy_code(name: str, cluster: Cluster) -> tuple[str, str | None, str]:
@@ -363,6 +394,8 @@ def verdict_text(v: Verdict) -> str:
     verb = "stay on" if v.config == next(iter(CONFIGS)) else "use"
     lines = [f"verdict: {verb} {v.label} [{v.config}]", f"  why: {v.reason}"]
     lines += [f"  not chosen: {p}" for p in v.passed_over]
+    if v.long_run:
+        lines.append(f"  long runs: {v.long_run}")
     lines += ["  python: from lightning_zeropp import ZeroPPStrategy", f"          {v.python}"]
     if v.alias:
         lines.append(f'          # the same: strategy="{v.alias}", a name lightning_zeropp registers when imported')

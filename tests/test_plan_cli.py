@@ -158,7 +158,8 @@ def _row(config: str, step_s: float, fits: bool = True) -> Row:
 
 
 def _rows(steps: dict[str, float], unfit: tuple[str, ...] = ()) -> list[Row]:
-    rows = [_row(name, steps[name], name not in unfit) for name in CONFIGS]
+    slowest = 2 * max(steps.values())  # a configuration the test leaves out never wins
+    rows = [_row(name, steps.get(name, slowest), name not in unfit) for name in CONFIGS]
     for r in rows:
         r.speedup = rows[0].step_s / r.step_s
     return rows
@@ -261,3 +262,33 @@ def test_the_printed_yaml_parses_in_lightning_cli(tmp_path):
     assert isinstance(strategy, ZeroPPStrategy)
     assert strategy.zeropp_config.sharding_strategy == "HYBRID_SHARD"
     assert strategy.zeropp_config.quantize_weights is False and strategy.zeropp_config.quantize_gradients is False
+
+
+def _planned(config: str, step_s: float, inter_gb: float, memory: float = 10.0, fits: bool = True) -> Row:
+    return Row(config, {"total": memory}, fits, inter_gb, 1.0, {}, 0.1, step_s - 0.1, step_s)
+
+
+def test_a_zeropp_verdict_says_what_the_long_run_setting_costs(capsys):
+    """gradient_bits=8 only changes the inter-node gradient hop: its cost is the zeropp+qgz8 row less the zeropp
+    row, added to whichever ZeRO++ configuration was chosen; an exact choice, or a plan without either row, gets no
+    advice."""
+    from lightning_zeropp.plan import LONG_RUN, long_run_advice, verdict_text
+
+    assert LONG_RUN in CONFIGS and CONFIGS[LONG_RUN] == {"gradient_bits": 8}
+    zero3, zeropp = _planned("zero3", 4.0, 30.0), _planned("zeropp", 1.0, 6.0)
+    deltas, qgz8 = _planned("zeropp+deltas", 0.8, 1.0), _planned(LONG_RUN, 1.2, 6.5, memory=10.5)
+    rows = [zero3, zeropp, deltas, qgz8]
+    advice = long_run_advice(rows, zeropp, 80.0)
+    assert "add gradient_bits=8" in advice and "predicted step +20% (1.2 s)" in advice
+    assert "cross-node bytes 1.08x" in advice and "docs/accuracy.md" in advice and "GiB" not in advice
+    advice = long_run_advice(rows, deltas, 80.0)  # +0.2 s on 0.8 s, +0.5 GB on 1.0 GB
+    assert "predicted step +25% (1 s)" in advice and "cross-node bytes 1.50x" in advice
+    assert long_run_advice(rows, zeropp, 10.2).endswith("; but it needs 10.5 GiB per GPU of 10.2")
+    assert long_run_advice(rows, zero3, 80.0) == "" and long_run_advice(rows, qgz8, 80.0) == ""
+    assert long_run_advice([zero3, zeropp, deltas], deltas, 80.0) == ""
+    for row in rows:
+        row.speedup = zero3.step_s / row.step_s
+    v = verdict(rows, Cluster(4, 8, 100.0, 3600.0))
+    assert v.config == "zeropp+deltas" and "  long runs: if the last 0.1% of loss matters" in verdict_text(v)
+    v = verdict(rows, Cluster(1, 8, 100.0, 3600.0))  # one node: ZeRO-3, nothing to add
+    assert v.config == "zero3" and v.long_run == "" and "long runs" not in verdict_text(v)
