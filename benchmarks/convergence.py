@@ -16,7 +16,8 @@ and, with ``--configs``: zeropp-int4w (INT4 weights), zeropp-int4w+ef, zeropp-de
 zeropp-qwz-only (INT8 weights and hpZ, gradients reduce-scattered exactly) and zeropp-qgz-only (qgZ alone: exact
 weights, no secondary partition), the long-run candidates zeropp+rot (Hadamard-rotated gradient blocks on the inter-node
 hop), zeropp+sr (stochastic rounding), zeropp+ef1 (error feedback as it is now: decay 1, the error telescopes),
-zeropp+rot+ef1 and zeropp-qgz8 (the inter-node hop in INT8: twice its bytes), and reference-like (the ablation of the
+zeropp+rot+ef1, zeropp-qgz8 (the inter-node hop in INT8: twice its bytes), zeropp+smc (the second-moment correction:
+qgZ's noise variance taken out of AdamW's exp_avg_sq, no bytes more), and reference-like (the ablation of the
 reference implementation's choices: INT4 on both gradient hops, blocks over each unit's flat buffer, so that a block
 may hold elements of two parameters, INT8 weights, no error feedback).
 
@@ -108,6 +109,7 @@ RUNS: dict[str, dict[str, Any] | Callable[[int], dict[str, Any]]] = {
     "zeropp+ef1": dict(gradient_error_feedback=True, error_feedback_decay=1.0),
     "zeropp+rot+ef1": dict(gradient_rotation="hadamard", gradient_error_feedback=True, error_feedback_decay=1.0),
     "zeropp-qgz8": dict(gradient_bits=8),
+    "zeropp+smc": dict(second_moment_correction=True),
     "hsdp": dict(sharding_strategy="HYBRID_SHARD", quantize_weights=False, quantize_gradients=False),
     "qhsdp": dict(sharding_strategy="HYBRID_SHARD", quantize_weights=False, quantize_gradients=True),
     "qhsdp-bf16": dict(sharding_strategy="HYBRID_SHARD", quantize_weights=False, quantize_gradients=True,

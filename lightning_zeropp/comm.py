@@ -25,6 +25,7 @@ quantized HSDP: reduce-scatter the node's ranks (FSDP's     exact in the node, t
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -40,6 +41,7 @@ from .config import ZeroPPConfig
 from .deltas import WeightDeltas
 from .feedback import ErrorFeedback
 from .ledger import CommLedger
+from .moments import SecondMomentCorrection, noise_factor
 from .topology import ProcessGroups
 
 
@@ -66,6 +68,12 @@ class ZeroPPComms:
         fb = self.plan.gradients.feedback
         self.feedback = ErrorFeedback(fb.decay, fb.reset, fb.bits) if fb is not None else None
         self.deltas = WeightDeltas(config, self.topology, ledger) if self.plan.forward.kind == "node_copy" else None
+        g = self.plan.gradients
+        self.moments = (
+            SecondMomentCorrection(noise_factor(g.rounding, g.feedback is not None))
+            if config.second_moment_correction and self.use_qgz and self.topology.num_nodes > 1
+            else None
+        )
         rank_zero_info(self.describe())
         self.units: list[UnitBlocks] = []  # the model's sharded units (:meth:`use_units`)
         self._warned_raw_bytes = False
@@ -176,7 +184,12 @@ class ZeroPPComms:
                 name = unit.name if unit is not None else "<unit>"
                 stages = self.feedback.pieces(name, self.topology.num_nodes, pieces, input.device, self.steps)
                 residuals = [stage.arguments(self.feedback.decay) for stage in stages]
-            qgz.quantized_reduce_scatter(output, input, reduction, groups, self.ledger, residuals)
+            noise = None
+            if self.moments is not None:
+                starts = blocks.starts if blocks is not None else _flat_starts(chunk, gradients.block_size)
+                noise = self.moments.buffer(unit, chunk, starts, output.device)
+            factor = self.moments.factor if self.moments is not None else 0.0
+            qgz.quantized_reduce_scatter(output, input, reduction, groups, self.ledger, residuals, noise, factor)
             return
         exact_reduce_scatter(output, input, base_op, premul, groups, self.ledger, role)
 
@@ -332,3 +345,9 @@ def exact_reduce_scatter(
     ranks = groups.ranks(role)
     ledger.record_to_peers("gradient_reduce_scatter", ranks, output.numel() * output.element_size())
     reduce_scatter_flat(output, input, groups.group(role), base_op)
+
+
+@functools.lru_cache(maxsize=64)
+def _flat_starts(chunk: int, block_size: int) -> tuple[int, ...]:
+    """The block starts of a chunk in flat blocks of ``block_size`` (the last one partial), and its end."""
+    return (*range(0, chunk, block_size), chunk)

@@ -12,7 +12,8 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Generator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -452,28 +453,48 @@ class FrontDoor:
 
     def _run_optimizer_step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         comms = self._core.comms
-        if comms is None or comms.deltas is None:
+        deltas = comms.deltas if comms is not None else None
+        moments = comms.moments if comms is not None else None
+        if deltas is None and moments is None:
             output = super().optimizer_step(optimizer, *args, **kwargs)  # type: ignore[misc]
             self._core.optimizer_stepped()
             return output
+        assert comms is not None
         # The Trainer passes the closure second, Fabric as a keyword (when the user gave one).
         closure = args[0] if args else kwargs.get("closure")
-        if callable(closure):
-
-            def closure_then_check(*a: Any, **k: Any) -> Any:
-                out = closure(*a, **k)
+        if not callable(closure):  # Fabric without a closure: the backward and any clipping are done
+            if deltas is not None:
                 comms.optimizer_updating()
-                return out
-
-            if args:
-                args = (closure_then_check, *args[1:])
-            else:
-                kwargs["closure"] = closure_then_check
+            if moments is not None:
+                moments.before_update(optimizer)
+            output = super().optimizer_step(optimizer, *args, **kwargs)  # type: ignore[misc]
         else:
-            comms.optimizer_updating()
-        output = super().optimizer_step(optimizer, *args, **kwargs)  # type: ignore[misc]
+            if deltas is not None:
+
+                def closure_then_check(*a: Any, **k: Any) -> Any:
+                    out = closure(*a, **k)
+                    comms.optimizer_updating()
+                    return out
+
+                if args:
+                    args = (closure_then_check, *args[1:])
+                else:
+                    kwargs["closure"] = closure_then_check
+            if moments is None:
+                output = super().optimizer_step(optimizer, *args, **kwargs)  # type: ignore[misc]
+            else:
+                with _update_after_closure(optimizer, lambda: moments.before_update(optimizer)):
+                    output = super().optimizer_step(optimizer, *args, **kwargs)  # type: ignore[misc]
+        if moments is not None:
+            moments.after_update(optimizer)
         self._core.optimizer_stepped()
         return output
+
+    def _after_backward(self) -> None:
+        """After every backward of a training step (each micro-batch's): what the second-moment correction notes."""
+        comms = self._core.comms
+        if comms is not None and comms.moments is not None:
+            comms.moments.after_backward()
 
     def refresh_weight_copies(self) -> None:
         """With ``weight_deltas``: the next forward rebuilds every node copy exactly. Changes made with in-place
@@ -502,6 +523,34 @@ HSDP_ARGUMENTS = dict(sharding_strategy="HYBRID_SHARD", quantize_weights=False, 
 """What ``"hsdp"`` sets: HSDP (shard inside each node, replicate across nodes) with exact collectives."""
 QUANTIZED_HSDP_ARGUMENTS = dict(sharding_strategy="HYBRID_SHARD", quantize_weights=False, quantize_gradients=True)
 """What ``"qhsdp"`` sets: HSDP whose cross-node all-reduce is an INT4 reduce-scatter and an INT8 all-gather."""
+
+
+@contextmanager
+def _update_after_closure(optimizer: Any, before_update: Callable[[], None]) -> Generator[None, None, None]:
+    """While open, ``optimizer.step(closure)`` runs the closure itself (the training step, the backward and the
+    precision plugin's gradient clipping, as the optimizer would), then ``before_update``, then the optimizer's own
+    update without a closure: the one place between a Trainer's clipping and the update. For optimizers that call
+    their closure once (Adam and its family, the ones the second-moment correction changes)."""
+    had_own = "step" in vars(optimizer)  # an LR scheduler wraps ``step`` on the instance
+    update = optimizer.step
+
+    def step(closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        before_update()
+        update(**kwargs)
+        return loss
+
+    optimizer.step = step
+    try:
+        yield
+    finally:
+        if had_own:
+            optimizer.step = update
+        else:
+            del optimizer.step
 
 
 def register_names(registry: Any, strategy_class: type) -> None:

@@ -197,6 +197,7 @@ class ZeroPPStrategy(FrontDoor, FabricModelParallelBase, config=ZeroPPConfig, ow
     def backward(self, tensor: torch.Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
         with self._preemption.in_flight():
             super().backward(tensor, module, *args, **kwargs)
+            self._after_backward()
 
     # ------------------------------------------------------------------ checkpoints
     @override

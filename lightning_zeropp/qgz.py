@@ -23,6 +23,10 @@ Rotation (``gradient_rotation="hadamard"``): step 3 rotates each block of the no
 the rail (signs from a seed of the call and stage, the same on every rank), and step 5 un-rotates the sum of the K
 pieces once; a residual is kept in the unrotated coordinates, since the next call's rotation differs.
 
+Second-moment correction (``noise``, one fp32 per block of the chunk): step 5 adds, for each block, the noise
+variance its K pieces' rounding left in the reduced sum, ``multiplier^2 * noise_factor * sum_k scale_k^2``, read from
+the received scales (no byte more on the wire; see :mod:`~lightning_zeropp.moments`).
+
 Stage s + 1's intra-node hop is started before stage s's inter-node hop is waited on, so the two links work at once.
 Nothing is divided before the last step: AVG divides the fp32 sum by W exactly once. The sizes are free: any chunk
 length (tails are partial blocks), 1-D or not, any N and K. With N = 1 the intra hop is skipped (nothing to send);
@@ -31,6 +35,7 @@ with K = 1 the inter hop is skipped and the N copies are reduced straight into t
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -128,6 +133,12 @@ class Reduction:
         # ints hash to themselves: the same in every process
         return hash((self.call, self.topology.rank, hop, stage.index)) & 0x7FFFFFFF
 
+    def first_block(self, stage: Stage) -> int:
+        """The index, among the chunk's blocks, of ``stage``'s first block (pieces are cut at block boundaries)."""
+        if self.blocks is None:
+            return stage.start // self.gradients.block_size
+        return bisect.bisect_left(self.blocks.starts, stage.start)
+
     def rotation_seed(self, stage: Stage) -> int | None:
         """The seed of the inter-node hop's block rotation in ``stage`` (``gradient_rotation="hadamard"``), or None:
         one per (call, stage), the same on every rank (the K pieces summed on a rail must share their rotation), and
@@ -144,11 +155,15 @@ def quantized_reduce_scatter(
     groups: ProcessGroups,
     ledger: CommLedger,
     residuals: list[dict[str, Any]] | None = None,
+    noise: torch.Tensor | None = None,
+    noise_factor: float = 1 / 12,
 ) -> None:
     """Reduces ``input`` (W chunks) into ``output`` (this rank's chunk) as ``plan`` says. With stochastic rounding,
     the noise of call ``c`` on rank ``r`` is fixed by ``(c, r)`` (``plan.call``), so a run is reproducible and no
     two calls or ranks share noise. ``residuals``: error feedback state, per stage of ``plan.stages`` the kernels'
-    keywords ``residual`` (``(K, size)``), ``residual_scales`` (INT8 codes only) and ``decay``; updated in place."""
+    keywords ``residual`` (``(K, size)``), ``residual_scales`` (INT8 codes only) and ``decay``; updated in place.
+    ``noise``: the second-moment correction's accumulator, one fp32 per block of the chunk, into which each block's
+    noise variance (``noise_factor`` times its K pieces' squared scales, times the multiplier squared) is added."""
     W, chunk = plan.topology.world_size, output.numel()
     if chunk != plan.chunk:
         raise RuntimeError(f"qgZ: reduce-scatter output has {chunk} elements, but the plan is for {plan.chunk}.")
@@ -170,10 +185,10 @@ def quantized_reduce_scatter(
         if i + 1 < len(busy):  # the next stage's intra-node hop overlaps this stage's inter-node hop
             intra = _start_intra(plan, busy[i + 1], input, groups, ledger)
         if in_flight is not None:
-            _finish(plan, *in_flight, out)
+            _finish(plan, *in_flight, out, noise, noise_factor)
         in_flight = (stage, inter) if inter is not None else None
     if in_flight is not None:
-        _finish(plan, *in_flight, out)
+        _finish(plan, *in_flight, out, noise, noise_factor)
 
 
 def _start_intra(plan: Reduction, stage: Stage, input: torch.Tensor, groups: ProcessGroups, ledger: CommLedger) -> _Hop:
@@ -225,10 +240,18 @@ def _start_inter(send: torch.Tensor, groups: ProcessGroups, ledger: CommLedger) 
     return _Hop(dist.all_to_all_single(recv, send, group=groups.inter_node, async_op=True), recv)
 
 
-def _finish(plan: Reduction, stage: Stage, inter: _Hop, out: torch.Tensor) -> None:
-    """Step 5: sum the K pieces from the rail into the output."""
+def _finish(plan: Reduction, stage: Stage, inter: _Hop, out: torch.Tensor, noise: torch.Tensor | None = None,
+            noise_factor: float = 1 / 12) -> None:  # fmt: skip
+    """Step 5: sum the K pieces from the rail into the output (and, with ``noise``, their blocks' noise variance)."""
     g = plan.gradients
     inter.work.wait()
+    if noise is not None:
+        count = stage.block_count(g.block_size)
+        bits = g.inter_bits
+        offset = stage.blocks.scale_offset(bits) if stage.blocks is not None else tk.scale_offset(stage.size, bits)
+        scales = inter.recv[:, offset : offset + 4 * count].view(torch.float32)  # (K, count)
+        first = plan.first_block(stage)
+        noise[first : first + count] += scales.square().sum(0) * (noise_factor * plan.multiplier**2)
     tk.dequantize_reduce(
         inter.recv, stage.size, g.inter_bits, g.block_size, multiplier=plan.multiplier,
         out=out[stage.start : stage.start + stage.size], blocks=stage.blocks, backend=plan.backend,

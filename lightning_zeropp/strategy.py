@@ -258,7 +258,9 @@ class ZeroPPStrategy(FrontDoor, ModelParallelBase, config=ZeroPPConfig):
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         with self._preemption.in_flight():  # outside an optimizer step on the micro-batches of an accumulation
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
+            loss = super().backward(closure_loss, optimizer, *args, **kwargs)
+            self._after_backward()
+            return loss
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:

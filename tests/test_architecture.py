@@ -40,6 +40,7 @@ LAYERS = {
     "checkpoint_files": 3,
     "deltas": 2,
     "feedback": 2,
+    "moments": 2,
     "qgz": 2,
     "rail": 2,
     "qwz": 2,

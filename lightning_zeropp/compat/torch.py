@@ -136,6 +136,17 @@ def unit_parameters(module: nn.Module) -> list[tuple[int, bool]]:
     return [(p.padded_sharded_param_size.numel(), p.sharded_param.requires_grad) for p in group.fsdp_params]
 
 
+def unit_fsdp_parameters(module: nn.Module) -> list[tuple[nn.Parameter, int]]:
+    """For a sharded module: per parameter it manages that takes gradients, in the order of its reduce-scatter
+    chunk, the sharded parameter (the one the optimizer holds) and its padded shard's element count (its length in
+    every rank's chunk; the shard's own elements come first)."""
+    group = module._get_fsdp_state()._fsdp_param_group
+    if group is None:
+        return []
+    return [(p.sharded_param, p.padded_sharded_param_size.numel()) for p in group.fsdp_params
+            if p.sharded_param.requires_grad]  # fmt: skip
+
+
 def unit_mesh_sizes(module: nn.Module) -> tuple[int | None, int | None]:
     """For a sharded module: the number of ranks its parameters are sharded over, and over how many ranks it keeps
     them after forward (``None``: it keeps whole weights); ``(None, None)`` if it manages no parameter itself."""

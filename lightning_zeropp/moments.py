@@ -1,0 +1,190 @@
+"""The second-moment correction: qgZ's rounding noise taken out of an Adam-family optimizer's ``exp_avg_sq``.
+
+Why: every coordinate qgZ delivers is ``g + n``, with ``n`` the inter-node hop's rounding error. Adam's first moment
+averages ``n`` away, but its second moment averages ``(g + n)^2``, whose mean is ``g^2 + var(n)``: the denominator
+grows, and every step is shorter, by about 0.5% of the effective learning rate for the INT4 defaults (docs: Accuracy).
+That alone explains the defaults' late loss gap (a ZeRO-3 run with its lr cut by the same amount loses the same).
+
+What: the rank that sums the K pieces of a chunk (qgZ's last step) holds each piece's block scales ``s_k``. A block
+rounded to nearest has an error of variance about ``s_k^2 / 12`` per element (uniform over one step), so the reduced
+coordinate's noise variance is ``multiplier^2 * factor * sum_k s_k^2`` with ``factor`` 1/12 (1/6 with stochastic
+rounding, which spreads over a whole step; twice that with error feedback, whose error each step is the difference
+of two residuals). One fp32 per block is accumulated over a step's reductions: no byte on the wire, ``4 /
+gradient_block_size`` bytes per element of the rank's shard. ``benchmarks/adam_noise.py`` measured the estimate at
+0.97-1.02 of the true squared error, and AdamW fed ``g^2 - var`` step along the exact-fed direction at 1.000 of its
+length (0.988-0.994 without).
+
+Where: right before the optimizer's update (after the closure's backward and any gradient clipping), for every
+parameter whose state holds ``exp_avg_sq`` and whose group has ``betas``, ``exp_avg_sq`` is lowered so that the update
+``b2 * v + (1 - b2) * g^2`` becomes ``max(b2 * v + (1 - b2) * (g^2 - var), FLOOR * (b2 * v + (1 - b2) * g^2))``: the
+floor keeps a step at most ``1 / sqrt(FLOOR)`` longer than without the correction, where the estimate exceeds the
+coordinate's own square. Gradients rescaled after the backward (clipping by norm) scale the variance by the same
+factor (each parameter's squared norm before and after). A parameter whose state the step itself creates (the first
+step) is corrected right after that step. The estimates are dropped after every optimizer step.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from .blocks import UnitBlocks
+
+FLOOR = 0.5  # the corrected second moment never falls below this share of the uncorrected one
+
+
+def noise_factor(rounding: str, feedback: bool) -> float:
+    """The variance of one element's error, in squared block scales: nearest rounding's uniform error over one step
+    (1/12), stochastic rounding's ``f (1 - f)`` averaged over the fraction ``f`` (1/6), times 2 with error feedback."""
+    base = 1 / 6 if rounding == "stochastic" else 1 / 12
+    return 2 * base if feedback else base
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (the tensor itself otherwise), sharing its storage."""
+    return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+
+@dataclass
+class _UnitNoise:
+    """One unit's accumulated noise variance, one fp32 per quantization block of its gradient chunk."""
+
+    unit: UnitBlocks
+    starts: tuple[int, ...]
+    values: torch.Tensor
+    used: bool = False
+    _spans: dict[tuple[int, int], tuple[int, int, torch.Tensor]] = field(default_factory=dict)
+
+    def per_element(self, start: int, length: int, numel: int) -> torch.Tensor:
+        """The variance of elements ``[start, start + numel)`` of the chunk (a parameter's shard, whose padded segment
+        is ``length`` long), one value per element, expanded from the blocks."""
+        key = (start, length)
+        if key not in self._spans:
+            end = start + length
+            first = bisect.bisect_right(self.starts, start) - 1
+            last = bisect.bisect_left(self.starts, end)
+            bounds = [start, *self.starts[first + 1 : last], end]
+            lengths = torch.tensor(bounds, device=self.values.device).diff()
+            self._spans[key] = (first, first + len(bounds) - 1, lengths)
+        first, last, lengths = self._spans[key]
+        return torch.repeat_interleave(self.values[first:last], lengths, output_size=length)[:numel]
+
+
+class SecondMomentCorrection:
+    """The noise variance of this step's qgZ reductions, by unit, and the correction of the optimizer's second moment.
+
+    Args:
+        factor: the variance of one element's error in squared block scales (:func:`noise_factor`).
+    """
+
+    def __init__(self, factor: float) -> None:
+        self.factor = factor
+        self._units: dict[str, _UnitNoise] = {}
+        self._norms: dict[int, torch.Tensor] = {}  # id(param) -> squared norm of its gradient after the backward
+        self._pending: list[tuple[torch.Tensor, torch.Tensor, float]] = []
+        self._warned = False
+        self.corrected = 0  # parameters corrected so far (for tests and the log)
+
+    def buffer(self, unit: UnitBlocks | None, chunk: int, starts: tuple[int, ...], device: torch.device) -> Any:
+        """The per-block accumulator of ``unit``'s reduction of ``chunk`` elements in blocks starting at ``starts``
+        (what :func:`lightning_zeropp.qgz.quantized_reduce_scatter` adds into), or None where the blocks cannot be
+        mapped to parameters (no unit)."""
+        if unit is None:
+            return None
+        entry = self._units.get(unit.name)
+        if entry is None or entry.starts != starts or entry.values.device != device:
+            entry = self._units[unit.name] = _UnitNoise(unit, starts, torch.zeros(len(starts) - 1, device=device))
+        entry.used = True
+        return entry.values
+
+    def _parameters(self):
+        """``(entry, param, start, length)`` for every trained parameter of every unit reduced this step: its place in
+        the unit's gradient chunk (the padded shards of the trained parameters, one after another)."""
+        from .compat.torch import unit_fsdp_parameters
+
+        for entry in self._units.values():
+            if not entry.used:
+                continue
+            start = 0
+            for param, length in unit_fsdp_parameters(entry.unit.module):
+                yield entry, param, start, length
+                start += length
+
+    def after_backward(self) -> None:
+        """Notes each parameter's squared gradient norm, so that a rescaling before the update (clipping) rescales
+        the variance alike. Called after every backward (the last one of an accumulation counts)."""
+        grads, params = [], []
+        for _, param, _, _ in self._parameters():
+            if param.grad is not None:
+                grads.append(_local(param.grad))
+                params.append(param)
+        if grads:
+            for param, norm in zip(params, torch._foreach_norm(grads), strict=True):
+                self._norms[id(param)] = norm.float().square()
+
+    def before_update(self, optimizer: torch.optim.Optimizer) -> None:
+        """Lowers ``exp_avg_sq`` of every parameter reduced this step (see the module docstring); a parameter without
+        optimizer state yet is corrected by :meth:`after_update`."""
+        groups = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+        found = False
+        with torch.no_grad():
+            for entry, param, start, length in self._parameters():
+                group = groups.get(id(param))
+                if group is None or param.grad is None:
+                    continue
+                betas = group.get("betas")
+                if not betas:
+                    continue
+                found = True
+                b2 = float(betas[1])
+                if not 0.0 < b2 < 1.0:
+                    continue
+                grad = _local(param.grad)
+                variance = entry.per_element(start, length, grad.numel()).view_as(grad).to(grad.device)
+                before = self._norms.get(id(param))
+                if before is not None:  # the gradient rescaled since the backward (clipping): the noise too
+                    now = grad.float().square().sum()
+                    variance = variance * torch.where(before > 0, now / before, torch.zeros_like(now))
+                state = optimizer.state.get(param, {})
+                v = state.get("exp_avg_sq")
+                if v is None:
+                    self._pending.append((param, variance, b2))
+                    continue
+                v = _local(v)
+                if v.shape != grad.shape or not v.is_floating_point():
+                    continue
+                shift = (1 - b2) / b2
+                g2 = grad.to(v.dtype).square()
+                lowered = v - shift * variance.to(v.dtype)
+                floor = FLOOR * v - (1 - FLOOR) * shift * g2
+                torch.maximum(lowered, floor, out=v)
+                self.corrected += 1
+        if not found and not self._warned and any(e.used for e in self._units.values()):
+            self._warned = True
+            rank_zero_warn(
+                "ZeroPPStrategy: `second_moment_correction=True` corrects Adam-family optimizers (their `betas` and"
+                f" `exp_avg_sq`), but {type(optimizer).__name__} has neither, so nothing is corrected. Turn it off,"
+                " or use Adam / AdamW."
+            )
+
+    def after_update(self, optimizer: torch.optim.Optimizer) -> None:
+        """Corrects the parameters whose ``exp_avg_sq`` this step created (the first step: ``v = (1 - b2) g^2`` with the
+        noise in it, lowered for the steps after), then drops this step's estimates."""
+        with torch.no_grad():
+            for param, variance, b2 in self._pending:
+                v = optimizer.state.get(param, {}).get("exp_avg_sq")
+                if v is None:
+                    continue
+                v = _local(v)
+                if v.shape == variance.shape and v.is_floating_point():
+                    torch.maximum(v - (1 - b2) * variance.to(v.dtype), FLOOR * v, out=v)
+                    self.corrected += 1
+        self._pending.clear()
+        self._norms.clear()
+        for entry in self._units.values():
+            entry.values.zero_()
+            entry.used = False

@@ -1,0 +1,266 @@
+"""``second_moment_correction``: qgZ's rounding noise taken out of Adam's second moment (lightning_zeropp.moments).
+
+- The estimate: on 2 x 2 gloo ranks with made-up gradients, each block's noise variance from the received scales
+  against the true squared error of qgZ's output (pooled: close to 1), in parameter-aligned and flat blocks.
+- The wiring, per parameter and element: in a Fabric run on 2 x 2 ranks where every rank has the same data (so each
+  node's partial sum is N times the reduced gradient, and each block's scale is known from the gradient itself), the
+  variance each element gets is ``K (N amax / 7)^2 / 12 / W^2`` of its own block; ``exp_avg_sq`` right before each
+  update is the corrected one (the floor included), the first step's is corrected right after it, and a clipped
+  step's variance is scaled by the clipping.
+- The Trainer: the correction runs once per step between the clipping and the update, an LR scheduler's wrapper of
+  ``optimizer.step`` survives, and the loss is that of the closure.
+- The arguments: refused without qgZ and with HYBRID_SHARD; a warning for an optimizer without ``exp_avg_sq``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_zeropp import ZeroPPConfig, ZeroPPStrategy
+from lightning_zeropp.moments import FLOOR, noise_factor
+from lightning_zeropp.testing.distributed import spawn
+
+N, K = 2, 2
+W = N * K
+
+
+def test_noise_factor():
+    assert noise_factor("nearest", False) == pytest.approx(1 / 12)
+    assert noise_factor("stochastic", False) == pytest.approx(1 / 6)
+    assert noise_factor("nearest", True) == pytest.approx(2 / 12)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(quantize_gradients=False), r"`quantize_gradients=False` reduces gradients exactly"),
+        (dict(sharding_strategy="HYBRID_SHARD", ranks_per_node=2), r"not supported with `sharding_strategy='HYBRID"),
+    ],
+)
+def test_refused_where_there_is_no_qgz_noise_to_take_out(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ZeroPPConfig(second_moment_correction=True, **kwargs)
+
+
+def test_default_off_and_type_checked():
+    assert ZeroPPConfig().second_moment_correction is False
+    with pytest.raises(TypeError, match="second_moment_correction"):
+        ZeroPPConfig(second_moment_correction="yes")
+
+
+def _estimate_worker(rank, world, aligned):
+    from lightning_zeropp import kernels as tk
+    from lightning_zeropp import qgz
+    from lightning_zeropp.comm import _flat_starts, exact_reduce_scatter
+    from lightning_zeropp.ledger import CommLedger
+    from lightning_zeropp.topology import ProcessGroups, Topology
+
+    dist.init_process_group("gloo")
+    topo = Topology(world, N, rank)
+    groups = ProcessGroups.build(topo)
+    config = ZeroPPConfig(ranks_per_node=N)
+    segments = [1000, 37, 600, 3, 360]  # odd sizes: tails shorter than a block
+    chunk = sum(segments)
+    blocks = tk.Blocks.of_segments(segments, config.gradient_block_size) if aligned else None
+    starts = blocks.starts if aligned else _flat_starts(chunk, config.gradient_block_size)
+    gen = torch.Generator().manual_seed(rank)
+    scale = torch.ones(world * chunk)
+    scale[::50] = 8.0  # some outliers, as gradients have
+    total = torch.zeros(2)
+    for call in range(4):
+        x = torch.randn(world * chunk, generator=gen) * scale
+        plan = qgz.Reduction.of(topo, config, chunk, dist.ReduceOp.AVG, None, call=call, blocks=blocks)
+        noise = torch.zeros(len(starts) - 1)
+        out, exact = torch.empty(chunk), torch.empty(chunk)
+        exact_reduce_scatter(exact, x.clone(), dist.ReduceOp.AVG, None, groups, CommLedger(topo))
+        qgz.quantized_reduce_scatter(out, x, plan, groups, CommLedger(topo), None, noise, 1 / 12)
+        lengths = torch.tensor(starts).diff()
+        assert (noise > 0).all()
+        total[0] += float((noise * lengths).sum())
+        total[1] += float((out - exact).square().sum())
+    groups.destroy()
+    dist.destroy_process_group()
+    return total.tolist()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("aligned", [True, False], ids=["parameter-aligned", "flat"])
+def test_the_estimate_matches_the_true_squared_error(aligned):
+    results = spawn(_estimate_worker, W, aligned)
+    estimate = sum(r[0] for r in results)
+    true = sum(r[1] for r in results)
+    assert 0.85 < estimate / true < 1.15, (estimate, true)
+
+
+def _block_amax(flat: torch.Tensor, block: int) -> torch.Tensor:
+    """Each element's block maximum of ``|flat|``, in blocks of ``block`` from its start (a shard's aligned blocks)."""
+    n = flat.numel()
+    padded = torch.nn.functional.pad(flat.abs(), (0, -n % block)).view(-1, block)
+    return padded.amax(1).repeat_interleave(block)[:n]
+
+
+def _fabric_worker(rank, world, init_path, steps, clip_at):
+    import torch.nn.functional as F
+    from lightning.fabric import Fabric
+
+    from lightning_zeropp.fabric import ZeroPPStrategy as FabricZeroPP
+    from lightning_zeropp.testing.models import TinyTransformer
+
+    torch.manual_seed(0)
+    fabric = Fabric(accelerator="cpu", devices=world, precision="32-true",
+                    strategy=FabricZeroPP(ranks_per_node=N, second_moment_correction=True))  # fmt: skip
+    fabric.launch()
+    net = TinyTransformer(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_embd=32, mlp_hidden=64, dropout=0.0)
+    net.load_state_dict(torch.load(init_path, weights_only=True))
+    model = fabric.setup_module(net)
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95)))
+    moments = fabric.strategy.comms.moments
+    b2 = 0.95
+    block = fabric.strategy.zeropp_config.gradient_block_size
+    params = [p for p in model.parameters() if p.requires_grad]
+    seen: dict[str, list[float]] = {"sigma": [], "pre": [], "first": [], "clipped": []}
+    state = {"before": None, "unclipped": None}
+
+    def local(t):
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    def pre_hook(opt, args, kwargs):  # runs after the correction, right before the update
+        for p in params:
+            v = opt.state.get(p, {}).get("exp_avg_sq")
+            if v is None:
+                continue
+            g = local(p.grad).double()
+            entry_sigma = None
+            for entry, param, start, length in moments._parameters():
+                if param is p:
+                    entry_sigma = entry.per_element(start, length, g.numel()).view_as(g).double()
+            expected = noise_factor("nearest", False) * K * (N * _block_amax(g.flatten(), block) / 7) ** 2 / W**2
+            if state["unclipped"] is None:  # not clipped: the estimate, element by element
+                seen["sigma"].append(float(((entry_sigma.flatten() - expected) / expected.clamp_min(1e-30)).abs()
+                                           .max()))  # fmt: skip
+            sigma = entry_sigma
+            if state["unclipped"] is not None:
+                sigma = sigma * (g.square().sum() / state["unclipped"][id(p)].square().sum())
+            before = state["before"][id(p)]
+            shift = (1 - b2) / b2
+            want = torch.maximum(before - shift * sigma, FLOOR * before - (1 - FLOOR) * shift * g.square())
+            key = "clipped" if state["unclipped"] is not None else "pre"
+            seen[key].append(float((local(v).double() - want).abs().max() / want.abs().max()))
+
+    optimizer.register_step_pre_hook(pre_hook)
+    x = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1))  # the same on every rank
+    for step in range(steps):
+        loss = F.cross_entropy(model(x).view(-1, 64), x.roll(-1, 1).reshape(-1))
+        fabric.backward(loss)
+        state["unclipped"] = None
+        if step == clip_at:
+            state["unclipped"] = {id(p): local(p.grad).detach().clone().double() for p in params}
+            fabric.clip_gradients(model, optimizer, max_norm=1e-3)
+        if step == 0:
+            grads = {id(p): local(p.grad).detach().clone().double() for p in params}
+            sigmas = {}
+            for entry, param, start, length in moments._parameters():
+                g = grads[id(param)]
+                sigmas[id(param)] = entry.per_element(start, length, g.numel()).view_as(g).double()
+        optimizer.step()
+        if step == 0:  # the first step made the state: corrected right after it
+            for p in params:
+                g, sigma = grads[id(p)], sigmas[id(p)]
+                v1 = (1 - b2) * g.square()
+                want = torch.maximum(v1 - (1 - b2) * sigma, FLOOR * v1)
+                got = local(optimizer.state[p]["exp_avg_sq"]).double()
+                seen["first"].append(float((got - want).abs().max() / want.abs().max()))
+        state["before"] = {id(p): local(optimizer.state[p]["exp_avg_sq"]).detach().clone().double() for p in params}
+        optimizer.zero_grad()
+    return {k: max(v) if v else None for k, v in seen.items()} | {"corrected": moments.corrected,
+                                                                     "params": len(params)}  # fmt: skip
+
+
+@pytest.mark.multiprocess
+def test_each_element_gets_its_blocks_variance_and_adam_the_corrected_second_moment(tmp_path):
+    from lightning_zeropp.testing.models import TinyTransformer
+
+    torch.manual_seed(0)
+    net = TinyTransformer(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_embd=32, mlp_hidden=64, dropout=0.0)
+    init_path = str(tmp_path / "init.pt")
+    torch.save(net.state_dict(), init_path)
+    steps = 4
+    for rank, r in enumerate(spawn(_fabric_worker, W, init_path, steps, 2)):
+        assert r["corrected"] == steps * r["params"], (rank, r)
+        assert r["sigma"] < 0.05, (rank, r)  # INT8's error on the first hop, nothing more
+        assert r["first"] < 1e-6, (rank, r)
+        assert r["pre"] < 1e-6, (rank, r)
+        assert r["clipped"] < 1e-6, (rank, r)
+
+
+def _trainer_worker(rank, world, init_path, data_path, steps):
+    from lightning.pytorch import Callback
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_zeropp.testing.distributed import lightning_trainer
+    from lightning_zeropp.testing.models import TinyLM
+
+    class AdamTinyLM(TinyLM):
+        def configure_optimizers(self):
+            optimizer = torch.optim.AdamW(self.parameters(), lr=1e-3, betas=(0.9, 0.95))
+            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    class Order(Callback):
+        """Before the clipping (Lightning's hook) nothing is corrected yet; right before the update (the optimizer's
+        pre-hook) every parameter is, and the gradients are clipped already."""
+
+        def __init__(self):
+            self.rows, self.count, self.optimizer = [], 0, None
+
+        def on_train_start(self, trainer, pl_module):
+            self.optimizer = trainer.optimizers[0]
+            self.optimizer.register_step_pre_hook(self.pre_update)
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            self.count = trainer.strategy.comms.moments.corrected
+
+        def pre_update(self, optimizer, args, kwargs):
+            grads = [p.grad.to_local() for group in optimizer.param_groups for p in group["params"]
+                     if p.grad is not None]  # fmt: skip
+            local = float(sum(g.square().sum() for g in grads))
+            total = torch.tensor(local)
+            torch.distributed.all_reduce(total)
+            params = sum(len(g["params"]) for g in optimizer.param_groups)
+            self.rows.append((self.count, self.strategy_count() - self.count, params, float(total.sqrt())))
+
+        def strategy_count(self):
+            return self._strategy.comms.moments.corrected
+
+        def setup(self, trainer, pl_module, stage):
+            self._strategy = trainer.strategy
+
+    x, y = torch.load(data_path, weights_only=True)
+    loader = DataLoader(TensorDataset(x[rank::world], y[rank::world]), batch_size=2, shuffle=False)
+    order = Order()
+    strategy = ZeroPPStrategy(ranks_per_node=N, second_moment_correction=True)
+    trainer = lightning_trainer(world, strategy, max_steps=steps, callbacks=[order], gradient_clip_val=1e-3,
+                                use_distributed_sampler=False)  # fmt: skip
+    module = AdamTinyLM(init_path)
+    trainer.fit(module, loader)
+    step_attr = vars(order.optimizer).get("step")
+    return {"rows": order.rows, "scheduler_wrapper": step_attr is not None
+            and "_update_after_closure" not in step_attr.__qualname__}  # fmt: skip
+
+
+@pytest.mark.multiprocess
+def test_the_trainer_corrects_between_the_clipping_and_the_update(tmp_path):
+    from lightning_zeropp.testing.workers import save_inputs
+
+    steps = 3
+    init_path, data_path, _, _ = save_inputs(tmp_path, W * 2 * steps)
+    for rank, r in enumerate(spawn(_trainer_worker, W, init_path, data_path, steps)):
+        assert len(r["rows"]) == steps, (rank, r)
+        for step, (before, corrected, params, norm) in enumerate(r["rows"]):
+            assert before == step * params, (rank, r)  # nothing of this step corrected at Lightning's hook
+            # every parameter, once per step, after Lightning's hook (the first step's right after its update)
+            assert corrected == (params if step else 0), (rank, r)
+            assert norm <= 1e-3 * 1.001, (rank, r)  # and after the clipping
+        assert r["scheduler_wrapper"], (rank, r)
