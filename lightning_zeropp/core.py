@@ -137,6 +137,12 @@ class ZeroPPCore:
             raise ValueError(
                 f"ZeroPPStrategy does not support `precision={precision!r}`; use one of {SUPPORTED_PRECISIONS}."
             )
+        if self.config.second_moment_correction and precision == "16-true":
+            raise ValueError(
+                "ZeroPPStrategy: `second_moment_correction=True` cannot follow fp16 gradients (`precision='16-true'`):"
+                " FSDP divides them after the reduction, outside qgZ, so the noise estimate would be off by that"
+                " factor. Use bf16-mixed, bf16-true or 32-true, or leave the correction off."
+            )
         tk.check_backend(self.config.kernel_backend, device)
         check_kernels(self.config, device.type)
 

@@ -9,7 +9,7 @@
   step's variance is scaled by the clipping.
 - The Trainer: the correction runs once per step between the clipping and the update, an LR scheduler's wrapper of
   ``optimizer.step`` survives, and the loss is that of the closure.
-- The arguments: refused without qgZ and with HYBRID_SHARD; a warning for an optimizer without ``exp_avg_sq``.
+- The arguments: refused without qgZ, with HYBRID_SHARD and with fp16 gradients; a warning for an optimizer without ``exp_avg_sq``.
 """
 
 from __future__ import annotations
@@ -42,6 +42,16 @@ def test_noise_factor():
 def test_refused_where_there_is_no_qgz_noise_to_take_out(kwargs, match):
     with pytest.raises(ValueError, match=match):
         ZeroPPConfig(second_moment_correction=True, **kwargs)
+
+
+def test_refused_with_fp16_gradients_whose_division_follows_the_reduction():
+    from lightning_zeropp.core import ZeroPPCore
+
+    core = ZeroPPCore(ZeroPPConfig(second_moment_correction=True))
+    for precision in ("32-true", "bf16-mixed", "bf16-true"):
+        core.check_device(precision, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"cannot follow fp16 gradients \(`precision='16-true'`\)"):
+        core.check_device("16-true", torch.device("cpu"))
 
 
 def test_default_off_and_type_checked():
