@@ -22,8 +22,8 @@ follow the run's trajectory, each fed the same qgZ gradient ``q`` in its first m
 Each is compared with an Adam state fed ``e`` in both moments (the exact-fed shadow), over the second half's steps:
 the length of each update's component along the shadow's (``sum u * s / sum s^2``: the effective learning rate, which
 noise orthogonal to the exact update does not lengthen; 1 is exact), the ratio of the directions' norms, and their
-relative distance, for small coordinates (``|e|`` below 1/8 of the block's largest) and the rest. The estimator's calibration is
-``sum sigma^2 / sum (q - e)^2`` (1 is unbiased) by class; the floor's share is where it bound.
+relative distance, for small coordinates (``|e|`` below 1/8 of the block's largest) and the rest. The estimator's
+calibration is ``sum sigma^2 / sum (q - e)^2`` (1 is unbiased) by class; the floor's share is where it bound.
 
     python benchmarks/adam_noise.py [--steps 150] [--topology 2x2] [--seed 1] [--json FILE]
 """

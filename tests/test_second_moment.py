@@ -7,9 +7,10 @@
   variance each element gets is ``K (N amax / 7)^2 / 12 / W^2`` of its own block; ``exp_avg_sq`` right before each
   update is the corrected one (the floor included), the first step's is corrected right after it, and a clipped
   step's variance is scaled by the clipping.
-- The Trainer: the correction runs once per step between the clipping and the update, an LR scheduler's wrapper of
-  ``optimizer.step`` survives, and the loss is that of the closure.
-- The arguments: refused without qgZ, with HYBRID_SHARD and with fp16 gradients; a warning for an optimizer without ``exp_avg_sq``.
+- The Trainer: the correction runs once per step between the clipping and the update, and an LR scheduler's wrapper
+  of ``optimizer.step`` survives.
+- The arguments: refused without qgZ, with HYBRID_SHARD and with fp16 gradients; a warning for an optimizer without
+  ``betas`` (SGD), whose state is left alone.
 """
 
 from __future__ import annotations
@@ -58,6 +59,53 @@ def test_default_off_and_type_checked():
     assert ZeroPPConfig().second_moment_correction is False
     with pytest.raises(TypeError, match="second_moment_correction"):
         ZeroPPConfig(second_moment_correction="yes")
+
+
+def _one_parameter(correction, values, length, starts):
+    """``correction`` made to see one unit holding one plain parameter of ``length`` elements, its chunk's blocks
+    starting at ``starts`` with noise ``values`` (what the units of a sharded model give it)."""
+    from lightning_zeropp.moments import _UnitNoise
+
+    param = torch.nn.Parameter(torch.zeros(length))
+    entry = _UnitNoise(None, tuple(starts), torch.tensor(values), used=True)
+    correction._units["unit"] = entry
+    correction._parameters = lambda: iter([(entry, param, 0, length)])
+    return param
+
+
+def test_an_optimizer_without_betas_is_left_alone_with_a_warning():
+    from lightning_zeropp.moments import SecondMomentCorrection
+
+    correction = SecondMomentCorrection(1 / 12)
+    param = _one_parameter(correction, [1.0, 2.0], 4, [0, 2, 4])
+    param.grad = torch.ones(4)
+    optimizer = torch.optim.SGD([param], lr=0.1, momentum=0.9)
+    optimizer.step()
+    state = {k: v.clone() for k, v in optimizer.state[param].items()}
+    with pytest.warns(UserWarning, match=r"SGD has neither, so nothing is corrected"):
+        correction.before_update(optimizer)
+    correction.after_update(optimizer)
+    assert all(torch.equal(state[k], optimizer.state[param][k]) for k in state)
+    assert correction.corrected == 0
+
+
+def test_blocks_expand_to_their_elements_and_the_floor_holds():
+    from lightning_zeropp.moments import SecondMomentCorrection
+
+    correction = SecondMomentCorrection(1 / 12)
+    param = _one_parameter(correction, [0.5, 100.0, 0.25], 5, [0, 2, 4, 5])
+    param.grad = torch.ones(5)
+    optimizer = torch.optim.AdamW([param], lr=0.1, betas=(0.9, 0.8))
+    optimizer.step()
+    v = optimizer.state[param]["exp_avg_sq"].clone()
+    correction.before_update(optimizer)
+    shift = 0.2 / 0.8
+    sigma = torch.tensor([0.5, 0.5, 100.0, 100.0, 0.25])
+    want = torch.maximum(v - shift * sigma, FLOOR * v - (1 - FLOOR) * shift * param.grad.square())
+    assert torch.allclose(optimizer.state[param]["exp_avg_sq"], want)
+    assert (want[2:4] == FLOOR * v[2:4] - (1 - FLOOR) * shift).all()  # floored where the noise swamps the gradient
+    correction.after_update(optimizer)
+    assert (correction._units["unit"].values == 0).all()
 
 
 def _estimate_worker(rank, world, aligned):
