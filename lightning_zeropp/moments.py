@@ -86,7 +86,7 @@ class SecondMomentCorrection:
         self._units: dict[str, _UnitNoise] = {}
         self._norms: dict[int, torch.Tensor] = {}  # id(param) -> squared norm of its gradient after the backward
         self._pending: list[tuple[torch.Tensor, torch.Tensor, float]] = []
-        self._warned = False
+        self._warnings: set[str] = set()
         self.corrected = 0  # parameters corrected so far (for tests and the log)
 
     def buffer(self, unit: UnitBlocks | None, chunk: int, starts: tuple[int, ...], device: torch.device) -> Any:
@@ -109,8 +109,18 @@ class SecondMomentCorrection:
         for entry in self._units.values():
             if not entry.used:
                 continue
+            chunk = entry.starts[-1]
+            params = unit_fsdp_parameters(entry.unit.module)
+            if sum(length for _, length in params) != chunk:  # FSDP reduced only the parameters that got gradients
+                params = [(p, length) for p, length in params if p.grad is not None]
+            if sum(length for _, length in params) != chunk:
+                self._warn_once(
+                    f"ZeroPPStrategy: the gradient reduction of unit {entry.unit.name!r} held {chunk} elements per"
+                    " rank, which no set of its parameters accounts for; its second moments are not corrected."
+                )
+                continue
             start = 0
-            for param, length in unit_fsdp_parameters(entry.unit.module):
+            for param, length in params:
                 yield entry, param, start, length
                 start += length
 
@@ -163,13 +173,17 @@ class SecondMomentCorrection:
                 floor = FLOOR * v - (1 - FLOOR) * shift * g2
                 torch.maximum(lowered, floor, out=v)
                 self.corrected += 1
-        if not found and not self._warned and any(e.used for e in self._units.values()):
-            self._warned = True
-            rank_zero_warn(
+        if not found and any(e.used for e in self._units.values()):
+            self._warn_once(
                 "ZeroPPStrategy: `second_moment_correction=True` corrects Adam-family optimizers (their `betas` and"
                 f" `exp_avg_sq`), but {type(optimizer).__name__} has neither, so nothing is corrected. Turn it off,"
                 " or use Adam / AdamW."
             )
+
+    def _warn_once(self, message: str) -> None:
+        if message not in self._warnings:
+            self._warnings.add(message)
+            rank_zero_warn(message)
 
     def after_update(self, optimizer: torch.optim.Optimizer) -> None:
         """Corrects the parameters whose ``exp_avg_sq`` this step created (the first step: ``v = (1 - b2) g^2`` with the

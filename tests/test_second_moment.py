@@ -322,3 +322,22 @@ def test_the_trainer_corrects_between_the_clipping_and_the_update(tmp_path):
             assert corrected == (params if step else 0), (rank, r)
             assert norm <= 1e-3 * 1.001, (rank, r)  # and after the clipping
         assert r["scheduler_wrapper"], (rank, r)
+
+
+def test_a_reduction_of_the_parameters_with_gradients_alone_maps_to_them(monkeypatch):
+    """FSDP reduces only the parameters that got a gradient: the chunk then skips the others."""
+    from types import SimpleNamespace
+
+    from lightning_zeropp.compat import torch as compat
+    from lightning_zeropp.moments import SecondMomentCorrection
+
+    a, b = torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(2))
+    monkeypatch.setattr(compat, "unit_fsdp_parameters", lambda module: [(a, 4), (b, 2)])
+    unit = SimpleNamespace(name="unit", module=None)
+    correction = SecondMomentCorrection(1 / 12)
+    correction.buffer(unit, 2, (0, 2), torch.device("cpu")).fill_(3.0)
+    b.grad = torch.ones(2)
+    assert [(p is b, start, length) for _, p, start, length in correction._parameters()] == [(True, 0, 2)]
+    correction.buffer(unit, 5, (0, 5), torch.device("cpu"))  # no set of parameters holds 5 elements
+    with pytest.warns(UserWarning, match=r"held 5 elements per rank, which no set of its parameters accounts for"):
+        assert list(correction._parameters()) == []
