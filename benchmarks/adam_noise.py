@@ -25,7 +25,11 @@ noise orthogonal to the exact update does not lengthen; 1 is exact), the ratio o
 relative distance, for small coordinates (``|e|`` below 1/8 of the block's largest) and the rest. The estimator's
 calibration is ``sum sigma^2 / sum (q - e)^2`` (1 is unbiased) by class; the floor's share is where it bound.
 
-    python benchmarks/adam_noise.py [--steps 150] [--topology 2x2] [--seed 1] [--json FILE]
+    python benchmarks/adam_noise.py [--steps 150] [--topology 2x2] [--seeds 1 2 3] [--configs qgz qgz_sr] [--json FILE]
+
+``--configs`` takes ``small_coordinates.py``'s configurations (``qgz``: the defaults; ``qgz_sr``, ``qgz_feedback``,
+...); the estimate uses the runtime's factor for each (``moments.noise_factor``: 1/12, 1/6 with stochastic rounding,
+twice that with error feedback).
 """
 
 from __future__ import annotations
@@ -51,7 +55,8 @@ class NoiseCapture:
     """Wraps qgZ's step 5 (``qgz._finish``) in this process: from the K received pieces of each stage, the noise
     variance estimates of the output's coordinates, by the output's storage, for every code and for codes != 0."""
 
-    def __init__(self) -> None:
+    def __init__(self, factor: float = 1 / 12) -> None:
+        self.factor = factor  # the variance of one element's error in squared scales (moments.noise_factor)
         self.by_output: dict[int, tuple[Any, Any]] = {}
 
     def install(self) -> None:
@@ -79,7 +84,7 @@ class NoiseCapture:
                 if size % g.block_size:
                     lengths[-1] = size % g.block_size
             scales = recv[:, offset : offset + 4 * count].contiguous().view(torch.float32)  # (K, count)
-            step2 = torch.repeat_interleave(scales.double().square(), lengths, dim=1) / 12  # (K, size)
+            step2 = torch.repeat_interleave(scales.double().square(), lengths, dim=1) * capture.factor  # (K, size)
             m2 = float(plan.multiplier) ** 2
             every = step2.sum(0) * m2
             nonzero = (step2 * (values != 0)).sum(0) * m2
@@ -138,7 +143,7 @@ def torch_max(a, b):
     return torch.maximum(a, b)
 
 
-def _worker(rank: int, world_size: int, per_node: int, steps: int, model: dict, seed: int) -> dict:
+def _worker(rank: int, world_size: int, per_node: int, steps: int, model: dict, seed: int, config: str) -> dict:
     import small_coordinates as sc
 
     sc.quiet()
@@ -152,8 +157,11 @@ def _worker(rank: int, world_size: int, per_node: int, steps: int, model: dict, 
     from lightning_zeropp.collectives import split_reduce_op
     from lightning_zeropp.fabric import ZeroPPStrategy
     from lightning_zeropp.ledger import CommLedger
+    from lightning_zeropp.moments import noise_factor
 
-    capture = NoiseCapture()
+    kwargs = sc.CONFIGS[config]
+    capture = NoiseCapture(noise_factor(kwargs.get("gradient_rounding", "nearest"),
+                                        bool(kwargs.get("gradient_error_feedback"))))  # fmt: skip
     capture.install()
     states: dict[str, Moments] = {}
     ids: dict[tuple[str, int], Any] = {}
@@ -209,7 +217,7 @@ def _worker(rank: int, world_size: int, per_node: int, steps: int, model: dict, 
     windows = ByteWindows(load_corpus(max_bytes=world_size * steps * sc.BATCH * (model["block_size"] + 1)),
                           model["block_size"])  # fmt: skip
     fabric = Fabric(accelerator="cpu", devices=world_size, precision="32-true",
-                    strategy=ZeroPPStrategy(ranks_per_node=per_node))  # fmt: skip
+                    strategy=ZeroPPStrategy(ranks_per_node=per_node, **kwargs))  # fmt: skip
     fabric.launch()
     module = GPTModule(**model, learning_rate=sc.LR, warmup_steps=0)
     module.configure_model()
@@ -258,33 +266,36 @@ def _f(v: float | None, spec: str = ".4f") -> str:
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| seed | AdamW's v fed | step along exact-fed's, small | rest | step length vs exact-fed, small | rest |"
+        "| qgZ | seed | AdamW's v fed | step along exact-fed's, small | rest | step length vs exact-fed, small | rest |"
         " direction error, small | rest | floor bound, small | rest |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         for v, r in row["summary"]["variants"].items():
             lines.append(
-                f"| {row['seed']} | {v} | {_f(r['small']['along'])} | {_f(r['rest']['along'])} |"
+                f"| {row.get('config', 'qgz')} | {row['seed']} | {v} | {_f(r['small']['along'])} |"
+                f" {_f(r['rest']['along'])} |"
                 f" {_f(r['small']['norm_ratio'])} | {_f(r['rest']['norm_ratio'])} |"
                 f" {_f(r['small']['rel_err'])} | {_f(r['rest']['rel_err'])} | {_f(r['small']['floored'], '.3f')} |"
                 f" {_f(r['rest']['floored'], '.3f')} |"
             )
-    lines += ["", "| seed | estimate / true squared error | small | rest |", "|---|---|---|---|"]
+    lines += ["", "| qgZ | seed | estimate / true squared error | small | rest |", "|---|---|---|---|---|"]
     for row in rows:
         cal = row["summary"]["calibration"]
         for k in ("every_code", "codes_nonzero"):
-            lines.append(f"| {row['seed']} | {k} | {_f(cal['small'][k], '.3f')} | {_f(cal['rest'][k], '.3f')} |")
+            lines.append(f"| {row.get('config', 'qgz')} | {row['seed']} | {k} | {_f(cal['small'][k], '.3f')} |"
+                         f" {_f(cal['rest'][k], '.3f')} |")  # fmt: skip
     return "\n".join(lines)
 
 
-def measure(steps: int, nodes: int, per_node: int, model: dict, seed: int) -> dict:
+def measure(steps: int, nodes: int, per_node: int, model: dict, seed: int, config: str = "qgz") -> dict:
     from lightning_zeropp.spawn import run_local_ranks
 
-    results = run_local_ranks(_worker, nodes * per_node, per_node, steps, model, seed,
+    results = run_local_ranks(_worker, nodes * per_node, per_node, steps, model, seed, config,
                               sys_path=[str(EXAMPLE), str(BENCH)], timeout=3600)  # fmt: skip
     return {
-        "seed": seed, "steps": steps, "nodes": nodes, "ranks_per_node": per_node, "model": model, "floor": FLOOR,
+        "config": config, "seed": seed, "steps": steps, "nodes": nodes, "ranks_per_node": per_node, "model": model,
+        "floor": FLOOR,
         "summary": summarize(results), "losses": results[0]["losses"], "norm_by_step": results[0]["norm_by_step"],
     }  # fmt: skip
 
@@ -296,10 +307,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--topology", default="2x2", help="NODESxRANKS_PER_NODE")
     parser.add_argument("--seeds", type=int, nargs="+", default=[1])
+    parser.add_argument("--configs", nargs="+", default=["qgz"], choices=list(sc.CONFIGS),
+                        help="small_coordinates.py's configurations (qgz: the defaults)")  # fmt: skip
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     nodes, per_node = (int(v) for v in args.topology.split("x"))
-    rows = [measure(args.steps, nodes, per_node, dict(sc.MODEL), seed) for seed in args.seeds]
+    rows = [measure(args.steps, nodes, per_node, dict(sc.MODEL), seed, c) for c in args.configs for seed in args.seeds]
     print(table(rows))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))

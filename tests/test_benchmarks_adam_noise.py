@@ -56,4 +56,4 @@ def test_summary_pools_ranks_and_the_table_names_every_variant():
     assert out["calibration"]["rest"] == {"every_code": pytest.approx(1.0), "codes_nonzero": pytest.approx(0.5)}
     text = probe.table([{"seed": 1, "summary": out}])
     for v in probe.VARIANTS:
-        assert f"| 1 | {v} | 0.9900 |" in text
+        assert f"| qgz | 1 | {v} | 0.9900 |" in text
