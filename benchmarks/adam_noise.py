@@ -69,8 +69,8 @@ class NoiseCapture:
         original = qgz._finish
         capture = self
 
-        def finish(plan, stage, inter, out):
-            original(plan, stage, inter, out)
+        def finish(plan, stage, inter, out, *rest):
+            original(plan, stage, inter, out, *rest)
             g = plan.gradients
             bits, size, blocks = g.inter_bits, stage.size, stage.blocks
             recv = inter.recv.view(-1, inter.recv.shape[-1])

@@ -9,10 +9,11 @@ What: the rank that sums the K pieces of a chunk (qgZ's last step) holds each pi
 rounded to nearest has an error of variance about ``s_k^2 / 12`` per element (uniform over one step), so the reduced
 coordinate's noise variance is ``multiplier^2 * factor * sum_k s_k^2`` with ``factor`` 1/12 (1/6 with stochastic
 rounding, which spreads over a whole step; twice that with error feedback, whose error each step is the difference
-of two residuals). One fp32 per block is accumulated over a step's reductions: no byte on the wire, ``4 /
+of two residuals). With rotated blocks (``gradient_rotation``) the rounding happens in rotated coordinates and the
+inverse rotation spreads it: an element keeps ``1 / P`` of its power-of-two piece's variance. One fp32 per block is accumulated over a step's reductions: no byte on the wire, ``4 /
 gradient_block_size`` bytes per element of the rank's shard. ``benchmarks/adam_noise.py`` measured the estimate at
-0.97-1.02 of the true squared error, and AdamW fed ``g^2 - var`` step along the exact-fed direction at 1.000 of its
-length (0.988-0.994 without).
+0.97-1.03 of the true squared error (nearest, stochastic rounding, error feedback), and AdamW fed ``g^2 - var`` step
+along the exact-fed direction at 1.000-1.002 of its length (0.977-0.994 without).
 
 Where: right before the optimizer's update (after the closure's backward and any gradient clipping), for every
 parameter whose state holds ``exp_avg_sq`` and whose group has ``betas``, ``exp_avg_sq`` is lowered so that the update
@@ -46,7 +47,7 @@ def noise_factor(rounding: str, feedback: bool) -> float:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (the tensor itself otherwise), sharing its storage."""
-    return t._local_tensor if hasattr(t, "_local_tensor") else t
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 @dataclass
@@ -101,7 +102,7 @@ class SecondMomentCorrection:
         entry.used = True
         return entry.values
 
-    def _parameters(self):
+    def reduced_parameters(self):
         """``(entry, param, start, length)`` for every trained parameter of every unit reduced this step: its place in
         the unit's gradient chunk (the padded shards of the trained parameters, one after another)."""
         from .compat.torch import unit_fsdp_parameters
@@ -128,13 +129,12 @@ class SecondMomentCorrection:
         """Notes each parameter's squared gradient norm, so that a rescaling before the update (clipping) rescales
         the variance alike. Called after every backward (the last one of an accumulation counts)."""
         grads, params = [], []
-        for _, param, _, _ in self._parameters():
+        for _, param, _, _ in self.reduced_parameters():
             if param.grad is not None:
                 grads.append(_local(param.grad))
                 params.append(param)
-        if grads:
-            for param, norm in zip(params, torch._foreach_norm(grads), strict=True):
-                self._norms[id(param)] = norm.float().square()
+        for param, grad in zip(params, grads, strict=True):
+            self._norms[id(param)] = grad.float().square().sum()
 
     def before_update(self, optimizer: torch.optim.Optimizer) -> None:
         """Lowers ``exp_avg_sq`` of every parameter reduced this step (see the module docstring); a parameter without
@@ -142,7 +142,7 @@ class SecondMomentCorrection:
         groups = {id(p): g for g in optimizer.param_groups for p in g["params"]}
         found = False
         with torch.no_grad():
-            for entry, param, start, length in self._parameters():
+            for entry, param, start, length in self.reduced_parameters():
                 group = groups.get(id(param))
                 if group is None or param.grad is None:
                     continue

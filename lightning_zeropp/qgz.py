@@ -251,12 +251,27 @@ def _finish(plan: Reduction, stage: Stage, inter: _Hop, out: torch.Tensor, noise
         offset = stage.blocks.scale_offset(bits) if stage.blocks is not None else tk.scale_offset(stage.size, bits)
         scales = inter.recv[:, offset : offset + 4 * count].view(torch.float32)  # (K, count)
         first = plan.first_block(stage)
-        noise[first : first + count] += scales.square().sum(0) * (noise_factor * plan.multiplier**2)
+        variance = scales.square().sum(0)
+        if plan.rotation_seed(stage) is not None:
+            variance = variance * _unrotated_share(stage, g.block_size, variance.device)
+        noise[first : first + count] += variance * (noise_factor * plan.multiplier**2)
     tk.dequantize_reduce(
         inter.recv, stage.size, g.inter_bits, g.block_size, multiplier=plan.multiplier,
         out=out[stage.start : stage.start + stage.size], blocks=stage.blocks, backend=plan.backend,
         rotation_seed=plan.rotation_seed(stage),
     )  # fmt: skip
+
+
+def _unrotated_share(stage: Stage, block_size: int, device: torch.device) -> torch.Tensor:
+    """Per block of ``stage``, the share of a rotated block's rounding variance that reaches an element after the
+    inverse rotation: a block is rotated in power-of-two pieces (its length in binary), whose unnormalized inverse
+    divides by the piece's size, so an element of a piece of ``P`` keeps ``1 / P``; the block's mean, ``pieces /
+    length``, is what its one value holds (``1 / block_size`` for a whole power-of-two block)."""
+    if stage.blocks is not None:
+        lengths = [b - a for a, b in zip(stage.blocks.starts, stage.blocks.starts[1:])]
+    else:
+        lengths = [block_size] * (stage.size // block_size) + ([stage.size % block_size] if stage.size % block_size else [])
+    return torch.tensor([bin(n).count("1") / n for n in lengths], device=device)
 
 
 def stages(

@@ -1,7 +1,8 @@
 """``second_moment_correction``: qgZ's rounding noise taken out of Adam's second moment (lightning_zeropp.moments).
 
 - The estimate: on 2 x 2 gloo ranks with made-up gradients, each block's noise variance from the received scales
-  against the true squared error of qgZ's output (pooled: close to 1), in parameter-aligned and flat blocks.
+  against the true squared error of qgZ's output (pooled: close to 1), in parameter-aligned and flat blocks, with
+  stochastic rounding and with rotated blocks (whose inverse spreads a piece's error over it).
 - The wiring, per parameter and element: in a Fabric run on 2 x 2 ranks where every rank has the same data (so each
   node's partial sum is N times the reduced gradient, and each block's scale is known from the gradient itself), the
   variance each element gets is ``K (N amax / 7)^2 / 12 / W^2`` of its own block; ``exp_avg_sq`` right before each
@@ -69,7 +70,7 @@ def _one_parameter(correction, values, length, starts):
     param = torch.nn.Parameter(torch.zeros(length))
     entry = _UnitNoise(None, tuple(starts), torch.tensor(values), used=True)
     correction._units["unit"] = entry
-    correction._parameters = lambda: iter([(entry, param, 0, length)])
+    correction.reduced_parameters = lambda: iter([(entry, param, 0, length)])
     return param
 
 
@@ -108,7 +109,7 @@ def test_blocks_expand_to_their_elements_and_the_floor_holds():
     assert (correction._units["unit"].values == 0).all()
 
 
-def _estimate_worker(rank, world, aligned):
+def _estimate_worker(rank, world, aligned, kwargs):
     from lightning_zeropp import kernels as tk
     from lightning_zeropp import qgz
     from lightning_zeropp.comm import _flat_starts, exact_reduce_scatter
@@ -118,7 +119,7 @@ def _estimate_worker(rank, world, aligned):
     dist.init_process_group("gloo")
     topo = Topology(world, N, rank)
     groups = ProcessGroups.build(topo)
-    config = ZeroPPConfig(ranks_per_node=N)
+    config = ZeroPPConfig(ranks_per_node=N, **kwargs)
     segments = [1000, 37, 600, 3, 360]  # odd sizes: tails shorter than a block
     chunk = sum(segments)
     blocks = tk.Blocks.of_segments(segments, config.gradient_block_size) if aligned else None
@@ -133,7 +134,8 @@ def _estimate_worker(rank, world, aligned):
         noise = torch.zeros(len(starts) - 1)
         out, exact = torch.empty(chunk), torch.empty(chunk)
         exact_reduce_scatter(exact, x.clone(), dist.ReduceOp.AVG, None, groups, CommLedger(topo))
-        qgz.quantized_reduce_scatter(out, x, plan, groups, CommLedger(topo), None, noise, 1 / 12)
+        factor = noise_factor(config.gradient_rounding, False)
+        qgz.quantized_reduce_scatter(out, x, plan, groups, CommLedger(topo), None, noise, factor)
         lengths = torch.tensor(starts).diff()
         assert (noise > 0).all()
         total[0] += float((noise * lengths).sum())
@@ -144,9 +146,19 @@ def _estimate_worker(rank, world, aligned):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("aligned", [True, False], ids=["parameter-aligned", "flat"])
-def test_the_estimate_matches_the_true_squared_error(aligned):
-    results = spawn(_estimate_worker, W, aligned)
+@pytest.mark.parametrize(
+    ("aligned", "kwargs"),
+    [
+        (True, {}),
+        (False, {}),
+        (True, dict(gradient_rounding="stochastic")),
+        (True, dict(gradient_rotation="hadamard")),
+        (False, dict(gradient_rotation="hadamard")),
+    ],
+    ids=["parameter-aligned", "flat", "stochastic", "rotated", "rotated-flat"],
+)
+def test_the_estimate_matches_the_true_squared_error(aligned, kwargs):
+    results = spawn(_estimate_worker, W, aligned, kwargs)
     estimate = sum(r[0] for r in results)
     true = sum(r[1] for r in results)
     assert 0.85 < estimate / true < 1.15, (estimate, true)
@@ -191,7 +203,7 @@ def _fabric_worker(rank, world, init_path, steps, clip_at):
                 continue
             g = local(p.grad).double()
             entry_sigma = None
-            for entry, param, start, length in moments._parameters():
+            for entry, param, start, length in moments.reduced_parameters():
                 if param is p:
                     entry_sigma = entry.per_element(start, length, g.numel()).view_as(g).double()
             expected = noise_factor("nearest", False) * K * (N * _block_amax(g.flatten(), block) / 7) ** 2 / W**2
@@ -219,7 +231,7 @@ def _fabric_worker(rank, world, init_path, steps, clip_at):
         if step == 0:
             grads = {id(p): local(p.grad).detach().clone().double() for p in params}
             sigmas = {}
-            for entry, param, start, length in moments._parameters():
+            for entry, param, start, length in moments.reduced_parameters():
                 g = grads[id(param)]
                 sigmas[id(param)] = entry.per_element(start, length, g.numel()).view_as(g).double()
         optimizer.step()
@@ -337,7 +349,7 @@ def test_a_reduction_of_the_parameters_with_gradients_alone_maps_to_them(monkeyp
     correction = SecondMomentCorrection(1 / 12)
     correction.buffer(unit, 2, (0, 2), torch.device("cpu")).fill_(3.0)
     b.grad = torch.ones(2)
-    assert [(p is b, start, length) for _, p, start, length in correction._parameters()] == [(True, 0, 2)]
+    assert [(p is b, start, length) for _, p, start, length in correction.reduced_parameters()] == [(True, 0, 2)]
     correction.buffer(unit, 5, (0, 5), torch.device("cpu"))  # no set of parameters holds 5 elements
     with pytest.warns(UserWarning, match=r"held 5 elements per rank, which no set of its parameters accounts for"):
-        assert list(correction._parameters()) == []
+        assert list(correction.reduced_parameters()) == []
