@@ -10,8 +10,9 @@ rounded to nearest has an error of variance about ``s_k^2 / 12`` per element (un
 coordinate's noise variance is ``multiplier^2 * factor * sum_k s_k^2`` with ``factor`` 1/12 (1/6 with stochastic
 rounding, which spreads over a whole step; twice that with error feedback, whose error each step is the difference
 of two residuals). With rotated blocks (``gradient_rotation``) the rounding happens in rotated coordinates and the
-inverse rotation spreads it: an element keeps ``1 / P`` of its power-of-two piece's variance. One fp32 per block is accumulated over a step's reductions: no byte on the wire, ``4 /
-gradient_block_size`` bytes per element of the rank's shard. ``benchmarks/adam_noise.py`` measured the estimate at
+inverse rotation spreads it: an element keeps ``1 / P`` of its power-of-two piece's variance. One fp32 per block is
+accumulated over a step's reductions: no byte on the wire, ``4 / gradient_block_size`` bytes per element of the rank's
+shard. ``benchmarks/adam_noise.py`` measured the estimate at
 0.97-1.03 of the true squared error (nearest, stochastic rounding, error feedback), and AdamW fed ``g^2 - var`` step
 along the exact-fed direction at 1.000-1.002 of its length (0.977-0.994 without).
 

@@ -270,7 +270,8 @@ def _unrotated_share(stage: Stage, block_size: int, device: torch.device) -> tor
     if stage.blocks is not None:
         lengths = [b - a for a, b in zip(stage.blocks.starts, stage.blocks.starts[1:])]
     else:
-        lengths = [block_size] * (stage.size // block_size) + ([stage.size % block_size] if stage.size % block_size else [])
+        tail = [stage.size % block_size] if stage.size % block_size else []
+        lengths = [block_size] * (stage.size // block_size) + tail
     return torch.tensor([bin(n).count("1") / n for n in lengths], device=device)
 
 
