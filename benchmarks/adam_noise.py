@@ -84,7 +84,10 @@ class NoiseCapture:
                 if size % g.block_size:
                     lengths[-1] = size % g.block_size
             scales = recv[:, offset : offset + 4 * count].contiguous().view(torch.float32)  # (K, count)
-            step2 = torch.repeat_interleave(scales.double().square(), lengths, dim=1) * capture.factor  # (K, size)
+            squares = scales.double().square()
+            if plan.rotation_seed(stage) is not None:  # as the runtime: the inverse rotation spreads the error
+                squares = squares * qgz._unrotated_share(stage, g.block_size, squares.device).double()
+            step2 = torch.repeat_interleave(squares, lengths, dim=1) * capture.factor  # (K, size)
             m2 = float(plan.multiplier) ** 2
             every = step2.sum(0) * m2
             nonzero = (step2 * (values != 0)).sum(0) * m2
