@@ -341,10 +341,9 @@ def verdict(rows: list[Row], cluster: Cluster, margin: float = MARGIN) -> Verdic
 
 
 def long_run_advice(rows: list[Row], choice: Row, gpu_memory_gib: float) -> str:
-    """For a ZeRO++ verdict (the defaults, or with feedback or weight deltas), for runs where the last 0.1% of loss
-    matters: ``second_moment_correction=True`` with Adam-family optimizers (no bytes; nothing to predict), and what
-    adding ``gradient_bits=8`` (:data:`LONG_RUN`) would cost with others; "" otherwise, or where either row was not
-    planned. It changes only the inter-node gradient hop, so its cost is the difference between the
+    """For a ZeRO++ verdict (the defaults, or with feedback or weight deltas): what adding ``gradient_bits=8``
+    (:data:`LONG_RUN`) would cost, for runs where the last 0.1% of loss matters; "" otherwise, or where either row
+    was not planned. It changes only the inter-node gradient hop, so its cost is the difference between the
     ``zeropp+qgz8`` and ``zeropp`` rows, added to the choice's."""
     by_name = {r.config: r for r in rows}
     long_run, base = by_name.get(LONG_RUN), by_name.get("zeropp")
@@ -355,8 +354,7 @@ def long_run_advice(rows: list[Row], choice: Row, gpu_memory_gib: float) -> str:
     extra_s, extra_gb = long_run.step_s - base.step_s, long_run.inter_node_gb - base.inter_node_gb
     memory = choice.memory_gib["total"] + long_run.memory_gib["total"] - base.memory_gib["total"]
     words = (
-        "if the last 0.1% of loss matters: with Adam or AdamW add second_moment_correction=True (no bytes more,"
-        " docs/accuracy.md); with another optimizer add gradient_bits=8 (INT8 gradients across nodes):"
+        f"if the last 0.1% of loss matters, add gradient_bits=8 (INT8 gradients across nodes, docs/accuracy.md):"
         f" predicted step {extra_s / choice.step_s:+.0%} ({choice.step_s + extra_s:.3g} s),"
         f" cross-node bytes {(choice.inter_node_gb + extra_gb) / choice.inter_node_gb:.2f}x"
     )

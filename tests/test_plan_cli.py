@@ -279,7 +279,6 @@ def test_a_zeropp_verdict_says_what_the_long_run_setting_costs(capsys):
     deltas, qgz8 = _planned("zeropp+deltas", 0.8, 1.0), _planned(LONG_RUN, 1.2, 6.5, memory=10.5)
     rows = [zero3, zeropp, deltas, qgz8]
     advice = long_run_advice(rows, zeropp, 80.0)
-    assert "with Adam or AdamW add second_moment_correction=True (no bytes more" in advice
     assert "add gradient_bits=8" in advice and "predicted step +20% (1.2 s)" in advice
     assert "cross-node bytes 1.08x" in advice and "docs/accuracy.md" in advice and "GiB" not in advice
     advice = long_run_advice(rows, deltas, 80.0)  # +0.2 s on 0.8 s, +0.5 GB on 1.0 GB
