@@ -23,6 +23,12 @@ floor keeps a step at most ``1 / sqrt(FLOOR)`` longer than without the correctio
 coordinate's own square. Gradients rescaled after the backward (clipping by norm) scale the variance by the same
 factor (each parameter's squared norm before and after). A parameter whose state the step itself creates (the first
 step) is corrected right after that step. The estimates are dropped after every optimizer step.
+
+Cost: the norms are one fused pass over the gradients after the backward and one before the update; the lowering is
+four element-wise passes over a parameter's shard (``v + shift g^2``, its share, the cap, the subtraction), the cap
+broadcast from the blocks without expanding them to elements where the blocks start at the parameter's start
+(parameter-aligned blocks; flat blocks expand). On one CPU thread, over the example GPT's 0.81 M elements of one
+rank's shard, it takes 2.6-3.2 ms, about one AdamW step (2.5-2.9 ms).
 """
 
 from __future__ import annotations
@@ -60,6 +66,7 @@ class _UnitNoise:
     values: torch.Tensor
     used: bool = False
     _spans: dict[tuple[int, int], tuple[int, int, torch.Tensor]] = field(default_factory=dict)
+    _uniform: dict[tuple[int, int], tuple[int, int, int] | None] = field(default_factory=dict)
 
     def per_element(self, start: int, length: int, numel: int) -> torch.Tensor:
         """The variance of elements ``[start, start + numel)`` of the chunk (a parameter's shard, whose padded segment
@@ -74,6 +81,57 @@ class _UnitNoise:
             self._spans[key] = (first, first + len(bounds) - 1, lengths)
         first, last, lengths = self._spans[key]
         return torch.repeat_interleave(self.values[first:last], lengths, output_size=length)[:numel]
+
+    def blocks_of(self, start: int, length: int) -> tuple[int, int, int] | None:
+        """``(first, count, size)`` where the segment ``[start, start + length)`` is cut into blocks ``first ..
+        first + count - 1`` of ``size`` elements from its start (the last one may be shorter), as parameter-aligned
+        blocks are; None where its blocks are not (flat blocks straddling the segment's start)."""
+        key = (start, length)
+        if key not in self._uniform:
+            end = start + length
+            first = bisect.bisect_left(self.starts, start)
+            last = bisect.bisect_left(self.starts, end)
+            inside = self.starts[first:last]
+            size = (inside[1] - inside[0]) if len(inside) > 1 else length
+            uniform = bool(inside) and inside[0] == start and inside == tuple(range(start, end, size))
+            self._uniform[key] = (first, len(inside), size) if uniform and size > 0 else None
+        return self._uniform[key]
+
+
+def _lower(
+    v: torch.Tensor,
+    grad: torch.Tensor,
+    entry: _UnitNoise,
+    start: int,
+    length: int,
+    shift: float,
+    ratio: torch.Tensor | None,
+) -> None:
+    """``v <- max(v - shift * var, FLOOR * v - (1 - FLOOR) * shift * g^2)``, written as ``v - min(shift * var,
+    (1 - FLOOR) * (v + shift * g^2))``: four passes over the shard, the variance broadcast from its blocks (never
+    expanded to elements) where they are cut from the parameter's start, as parameter-aligned blocks are."""
+    g = grad if grad.dtype == v.dtype else grad.to(v.dtype)
+    room = torch.addcmul(v, g, g, value=shift).mul_(1 - FLOOR)
+    blocks = entry.blocks_of(start, length)
+    if blocks is not None and v.is_contiguous():
+        first, count, size = blocks
+        cap = entry.values[first : first + count].to(v.device, v.dtype) * shift
+        if ratio is not None:
+            cap = cap * ratio.to(v.dtype)
+        flat, numel = room.view(-1), room.numel()
+        whole = numel // size
+        if whole:
+            head = flat[: whole * size].view(whole, size)
+            torch.minimum(head, cap[:whole].unsqueeze(1), out=head)
+        if numel > whole * size:
+            tail = flat[whole * size :]
+            torch.minimum(tail, cap[whole], out=tail)
+    else:
+        variance = entry.per_element(start, length, grad.numel()).view_as(grad).to(v.device, v.dtype) * shift
+        if ratio is not None:
+            variance = variance * ratio.to(v.dtype)
+        torch.minimum(room, variance, out=room)
+    v.sub_(room)
 
 
 class SecondMomentCorrection:
@@ -127,53 +185,58 @@ class SecondMomentCorrection:
                 start += length
 
     def after_backward(self) -> None:
-        """Notes each parameter's squared gradient norm, so that a rescaling before the update (clipping) rescales
-        the variance alike. Called after every backward (the last one of an accumulation counts)."""
+        """Notes each parameter's squared gradient norm, so that a rescaling before the update (clipping) rescales the
+        variance alike. Called after every backward (the last one of an accumulation counts)."""
         grads, params = [], []
         for _, param, _, _ in self.reduced_parameters():
             if param.grad is not None:
                 grads.append(_local(param.grad))
                 params.append(param)
-        for param, grad in zip(params, grads, strict=True):
-            self._norms[id(param)] = grad.float().square().sum()
+        if not grads:
+            return
+        for param, norm in zip(params, torch._foreach_norm(grads), strict=True):
+            self._norms[id(param)] = norm.float().square()
 
     def before_update(self, optimizer: torch.optim.Optimizer) -> None:
         """Lowers ``exp_avg_sq`` of every parameter reduced this step (see the module docstring); a parameter without
         optimizer state yet is corrected by :meth:`after_update`."""
         groups = {id(p): g for g in optimizer.param_groups for p in g["params"]}
         found = False
+        todo = []
+        for entry, param, start, length in self.reduced_parameters():
+            group = groups.get(id(param))
+            if group is None or param.grad is None or not group.get("betas"):
+                continue
+            found = True
+            b2 = float(group["betas"][1])
+            if 0.0 < b2 < 1.0:
+                todo.append((entry, param, start, length, b2, _local(param.grad)))
+        if not todo:
+            self._no_betas(found, optimizer)
+            return
         with torch.no_grad():
-            for entry, param, start, length in self.reduced_parameters():
-                group = groups.get(id(param))
-                if group is None or param.grad is None:
-                    continue
-                betas = group.get("betas")
-                if not betas:
-                    continue
-                found = True
-                b2 = float(betas[1])
-                if not 0.0 < b2 < 1.0:
-                    continue
-                grad = _local(param.grad)
-                variance = entry.per_element(start, length, grad.numel()).view_as(grad).to(grad.device)
-                before = self._norms.get(id(param))
-                if before is not None:  # the gradient rescaled since the backward (clipping): the noise too
-                    now = grad.float().square().sum()
-                    variance = variance * torch.where(before > 0, now / before, torch.zeros_like(now))
-                state = optimizer.state.get(param, {})
-                v = state.get("exp_avg_sq")
+            # the gradient rescaled since the backward (clipping by norm): its noise too, by the same factor
+            noted = [self._norms.get(id(param)) for _, param, *_ in todo]
+            grads = [t[-1] for t, before in zip(todo, noted, strict=True) if before is not None]
+            now = iter(torch._foreach_norm(grads) if grads else ())
+            ratios: list[torch.Tensor | None] = []
+            for before in noted:
+                after = next(now).float().square() if before is not None else None
+                ratios.append(None if before is None else torch.where(before > 0, after / before, 0.0))
+            for (entry, param, start, length, b2, grad), ratio in zip(todo, ratios, strict=True):
+                v = optimizer.state.get(param, {}).get("exp_avg_sq")
                 if v is None:
-                    self._pending.append((param, variance, b2))
+                    variance = entry.per_element(start, length, grad.numel()).view_as(grad)
+                    self._pending.append((param, variance if ratio is None else variance * ratio, b2))
                     continue
                 v = _local(v)
                 if v.shape != grad.shape or not v.is_floating_point():
                     continue
-                shift = (1 - b2) / b2
-                g2 = grad.to(v.dtype).square()
-                lowered = v - shift * variance.to(v.dtype)
-                floor = FLOOR * v - (1 - FLOOR) * shift * g2
-                torch.maximum(lowered, floor, out=v)
+                _lower(v, grad, entry, start, length, (1 - b2) / b2, ratio)
                 self.corrected += 1
+        self._no_betas(found, optimizer)
+
+    def _no_betas(self, found: bool, optimizer: torch.optim.Optimizer) -> None:
         if not found and any(e.used for e in self._units.values()):
             self._warn_once(
                 "ZeroPPStrategy: `second_moment_correction=True` corrects Adam-family optimizers (their `betas` and"

@@ -109,6 +109,40 @@ def test_blocks_expand_to_their_elements_and_the_floor_holds():
     assert (correction._units["unit"].values == 0).all()
 
 
+@pytest.mark.parametrize(
+    "starts, start, length, shape",
+    [
+        ((0, 8, 16, 20, 28, 36, 37), 8, 12, (12,)),  # a parameter's blocks from its start, a shorter tail
+        ((0, 8, 16, 20, 28, 36, 37), 20, 17, (4, 4)),  # the padded segment longer than the shard (16 of 17)
+        ((0, 8, 16, 20, 28, 36, 37), 20, 17, (2, 3)),  # a shard that ends inside a whole block
+        ((0, 8, 16, 24, 32, 37), 4, 20, (20,)),  # flat blocks straddling the segment's start: expanded instead
+        ((0, 5), 0, 5, (5,)),  # one block
+    ],
+)
+@pytest.mark.parametrize("ratio", [None, 0.3])
+def test_the_broadcast_update_is_the_elementwise_formula(starts, start, length, shape, ratio):
+    """``_lower`` (the variance broadcast from its blocks where they follow the parameter) against the formula on
+    the variance expanded element by element, for every layout a shard can have in its unit's chunk."""
+    from lightning_zeropp.moments import _lower, _UnitNoise
+
+    gen = torch.Generator().manual_seed(len(starts) + start)
+    entry = _UnitNoise(None, starts, torch.rand(len(starts) - 1, generator=gen) * 4)
+    grad = torch.randn(shape, generator=gen)
+    v = torch.rand(shape, generator=gen) * 0.4  # so that the floor binds at some elements and not at others
+    shift = 0.05 / 0.95
+    sigma = entry.per_element(start, length, grad.numel()).view(shape)
+    if ratio is not None:
+        sigma = sigma * ratio
+    want = torch.maximum(v - shift * sigma, FLOOR * v - (1 - FLOOR) * shift * grad.square())
+    aligned = entry.blocks_of(start, length) is not None
+    assert aligned == (start != 4), "the layouts whose blocks start at the parameter's start take the broadcast"
+    floored = want == FLOOR * v - (1 - FLOOR) * shift * grad.square()
+    if grad.numel() >= 12 and ratio is None:
+        assert floored.any() and not floored.all()
+    _lower(v, grad, entry, start, length, shift, None if ratio is None else torch.tensor(ratio))
+    torch.testing.assert_close(v, want)
+
+
 def _estimate_worker(rank, world, aligned, kwargs):
     from lightning_zeropp import kernels as tk
     from lightning_zeropp import qgz
