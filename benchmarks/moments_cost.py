@@ -1,0 +1,102 @@
+"""What the second-moment correction costs per optimizer step, next to the AdamW step it corrects.
+
+One process, one CPU thread: one rank's shard of the example GPT (or a larger one) laid out as the strategy lays a
+unit's gradient chunk (each parameter's padded shard, parameter-aligned blocks of ``gradient_block_size``), random
+gradients and noise estimates, AdamW (foreach) with state. Per repeat: the correction's ``after_backward`` (the
+norms), ``before_update`` (the lowering of ``exp_avg_sq``), then ``optimizer.step()``; the best of ``--repeats``. The
+bytes each moves are what it reads and writes of the shard; no collective is involved (the correction sends nothing).
+
+    python benchmarks/moments_cost.py [--n-embd 256] [--n-layer 4] [--world 4] [--repeats 15] [--json FILE]
+
+The example's units (``lightning_zeropp.costs.gpt_units``): vocabulary 256, 128 positions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from lightning_zeropp.costs import gpt_units
+from lightning_zeropp.kernels.layout import Blocks
+from lightning_zeropp.moments import SecondMomentCorrection, _UnitNoise
+
+
+def measure(n_embd: int, n_layer: int, world: int, block: int, repeats: int, alignment: str) -> dict:
+    torch.manual_seed(0)
+    correction = SecondMomentCorrection(1 / 12)
+    items, params = [], []
+    for index, unit in enumerate(gpt_units(256, 128, n_layer, n_embd)):
+        lengths = list(unit.shards(world))
+        chunk = sum(lengths)
+        if alignment == "parameter":
+            starts = Blocks.of_segments(lengths, block).starts
+        else:
+            starts = (*range(0, chunk, block), chunk)
+        entry = _UnitNoise(None, tuple(starts), torch.rand(len(starts) - 1), used=True)
+        correction._units[f"unit{index}"] = entry
+        offset = 0
+        for length in lengths:
+            param = torch.nn.Parameter(torch.zeros(length))
+            param.grad = torch.randn(length)
+            params.append(param)
+            items.append((entry, param, offset, length))
+            offset += length
+    correction.reduced_parameters = lambda: iter(items)
+    optimizer = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), foreach=True)
+    optimizer.step()  # the state exists: every later step is corrected before its update
+    best = {"norms_ms": float("inf"), "lowering_ms": float("inf"), "adamw_ms": float("inf")}
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        correction.after_backward()
+        t1 = time.perf_counter()
+        correction.before_update(optimizer)
+        t2 = time.perf_counter()
+        optimizer.step()
+        t3 = time.perf_counter()
+        for entry in correction._units.values():
+            entry.used = True
+        for key, seconds in zip(best, (t1 - t0, t2 - t1, t3 - t2), strict=True):
+            best[key] = min(best[key], seconds * 1e3)
+    elements = sum(p.numel() for p in params)
+    return dict(n_embd=n_embd, n_layer=n_layer, world=world, alignment=alignment, shard_elements=elements,
+                parameters=len(params), corrected=correction.corrected, **best,
+                ratio=(best["norms_ms"] + best["lowering_ms"]) / best["adamw_ms"])  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--n-embd", type=int, nargs="+", default=[256, 1024])
+    parser.add_argument("--n-layer", type=int, default=4)
+    parser.add_argument("--world", type=int, default=4)
+    parser.add_argument("--block", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    rows = [
+        measure(n_embd, args.n_layer, args.world, args.block, args.repeats, alignment)
+        for n_embd in args.n_embd
+        for alignment in ("parameter", "flat")
+    ]
+    print("| n_embd | blocks | shard elements | norms ms | lowering ms | AdamW step ms | correction / AdamW |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['n_embd']} | {r['alignment']} | {r['shard_elements']:,} | {r['norms_ms']:.2f} |"
+              f" {r['lowering_ms']:.2f} | {r['adamw_ms']:.2f} | {r['ratio']:.2f} |")  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"command": "python benchmarks/moments_cost.py " + " ".join(_argv()), "rows": rows}, f, indent=1)
+        print(f"wrote {args.json}")
+
+
+def _argv() -> list[str]:
+    import sys
+
+    return sys.argv[1:]
+
+
+if __name__ == "__main__":
+    main()
