@@ -49,13 +49,14 @@ from plots import cluster_png, try_plot  # noqa: E402
 
 FSDP_BASELINE = "fsdp"  # Lightning's ModelParallelStrategy, fully_shard per block (benchmarks/fsdp_baseline.py)
 # The long-run accuracy candidates (benchmarks/convergence.py's zeropp+rot, zeropp+sr, zeropp+ef1, zeropp-qgz8,
-# zeropp+smc): their step time beside the defaults'. Not comm_volume.py's rows: rotation, rounding and the second-moment
+# zeropp+smc) and ZeRO++ without the second-moment correction: their step time beside the defaults'. Not comm_volume.py's rows: rotation, rounding and the second-moment
 # correction send the defaults' bytes, kind by kind; the INT8 hop sends twice the defaults' cross-node gradient bytes.
 CANDIDATES = {
     "zeropp_rot": dict(gradient_rotation="hadamard"),
     "zeropp_sr": dict(gradient_rounding="stochastic"),
     "zeropp_qgz8": dict(gradient_bits=8),  # the inter-node gradient hop in INT8: 1.195x the defaults' cross-node bytes
-    "zeropp_smc": dict(second_moment_correction=True),  # the defaults' bytes; a pass over AdamW's state per step
+    "zeropp_smc": dict(second_moment_correction=True),  # what "auto" (the default) does here; the same bytes
+    "zeropp_nosmc": dict(second_moment_correction=False),  # ZeRO++ without the correction (the defaults before it)
 }
 STRATEGIES = {**ZEROPP_CONFIGS, **CANDIDATES}
 CONFIG_NAMES = (*STRATEGIES, FSDP_BASELINE)  # hsdp among them: the baseline users would pick instead

@@ -70,8 +70,8 @@ class ZeroPPComms:
         self.deltas = WeightDeltas(config, self.topology, ledger) if self.plan.forward.kind == "node_copy" else None
         g = self.plan.gradients
         self.moments = (
-            SecondMomentCorrection(noise_factor(g.rounding, g.feedback is not None))
-            if config.second_moment_correction and self.use_qgz and self.topology.num_nodes > 1
+            SecondMomentCorrection(noise_factor(g.rounding, g.feedback is not None), config.second_moment_correction)
+            if g.second_moment and self.use_qgz and self.topology.num_nodes > 1
             else None
         )
         rank_zero_info(self.describe())
@@ -257,6 +257,7 @@ class ZeroPPComms:
     def persistent_nbytes(self) -> dict[str, int]:
         """Memory the collectives keep on this rank across steps, by what it holds (bytes)."""
         out = {"error_feedback": self.feedback.nbytes if self.feedback is not None else 0}
+        out["second_moment_noise"] = self.moments.nbytes if self.moments is not None else 0
         deltas = self.deltas.nbytes() if self.deltas is not None else {"node_copy": 0, "tracked_copy": 0}
         out.update({f"weight_deltas_{k}": v for k, v in deltas.items()})
         return out

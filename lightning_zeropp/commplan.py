@@ -67,9 +67,11 @@ class GradientReduction:
     """The gradient reduction: ``exact`` (FSDP's reduce-scatter over ``group``), ``two_hop`` (qgZ) or ``hsdp_rail``
     (reduce-scatter in the node, exact, then all-reduce across nodes: exact, or quantized where ``inter_bits`` is
     set). For ``two_hop``: the bits per hop, the block size, the pipeline pieces, the rounding, the feedback (None:
-    off), the rotation, and ``until_step`` (0: throughout; else quantized for the first that many optimizer steps, exact
-    after). A quantized rail has the same fields but ``intra_bits`` and ``pieces`` (its pieces are the K rail ranks'),
-    and ``gather_bits``: the reduced pieces' width on the rail's all-gather (8: INT8 blocks, 16: bf16)."""
+    off), the rotation, ``until_step`` (0: throughout; else quantized for the first that many optimizer steps, exact
+    after) and ``second_moment`` (the inter-node hop's noise taken out of an Adam-family optimizer's second moment,
+    :mod:`~lightning_zeropp.moments`). A quantized rail has the same fields but ``intra_bits``, ``pieces`` (its
+    pieces are the K rail ranks') and ``second_moment``, and ``gather_bits``: the reduced pieces' width on the rail's
+    all-gather (8: INT8 blocks, 16: bf16)."""
 
     kind: GradientKind
     group: Group
@@ -82,6 +84,7 @@ class GradientReduction:
     rotation: str = "none"
     until_step: int = 0
     gather_bits: int | None = None
+    second_moment: bool = False
 
     @property
     def stochastic(self) -> bool:
@@ -184,6 +187,7 @@ class CommPlan:
             steps = f" for the first {g.until_step} steps" if g.until_step else ""
             extras = ", error feedback" if g.feedback is not None else ""
             extras += ", Hadamard-rotated blocks" if g.rotation == "hadamard" else ""
+            extras += ", Adam second-moment correction" if g.second_moment else ""
             parts.append(
                 f"qgZ INT{g.intra_bits} -> INT{g.inter_bits} gradients{steps} ({g.pieces} pieces, {g.rounding}"
                 f" rounding{extras})"
@@ -204,8 +208,9 @@ def reshard_after_forward(hpz_partition_size: int, world_size: int) -> bool | in
     return hpz_partition_size
 
 
-def resolve(config: ZeroPPConfig, topology: Topology) -> CommPlan:
-    """The plan of ``config`` on ``topology`` (whose ``hpz_partition_size`` is ``config.resolve``'s)."""
+def resolve(config: ZeroPPConfig, topology: Topology, precision: str | None = None) -> CommPlan:
+    """The plan of ``config`` on ``topology`` (whose ``hpz_partition_size`` is ``config.resolve``'s), with gradients
+    in ``precision`` (None: not known yet, taken as not fp16)."""
     c, K, N, W, R = (
         config,
         topology.num_nodes,
@@ -241,7 +246,7 @@ def resolve(config: ZeroPPConfig, topology: Topology) -> CommPlan:
         gradients = GradientReduction("hsdp_rail", "node")
         notes.append(("gradients", "quantize_gradients=False"))
     elif c.quantize_gradients and not hybrid and K > 1:
-        gradients = two_hop(c)
+        gradients = two_hop(c, precision)
     else:
         gradients = GradientReduction("exact", shard)
         if c.quantize_gradients:
@@ -253,8 +258,10 @@ def resolve(config: ZeroPPConfig, topology: Topology) -> CommPlan:
                     tuple(notes))  # fmt: skip
 
 
-def two_hop(config: ZeroPPConfig) -> GradientReduction:
-    """qgZ's reduction as ``config`` sets it, whatever the topology (with one node its inter-node hop is empty)."""
+def two_hop(config: ZeroPPConfig, precision: str | None = None) -> GradientReduction:
+    """qgZ's reduction as ``config`` sets it, whatever the topology (with one node its inter-node hop is empty). The
+    second-moment correction runs unless it is off, or "auto" with fp16 gradients (which FSDP divides after the
+    reduction, outside qgZ: the estimate would be off by that factor; True is refused there)."""
     c = config
     feedback = (
         Feedback(c.error_feedback_bits, c.error_feedback_decay, c.error_feedback_reset)
@@ -263,7 +270,8 @@ def two_hop(config: ZeroPPConfig) -> GradientReduction:
     )
     return GradientReduction(
         "two_hop", "world", c.intra_node_gradient_bits, c.gradient_bits, c.gradient_block_size, c.gradient_pieces,
-        c.gradient_rounding, feedback, c.gradient_rotation, c.quantize_gradients_steps,
+        c.gradient_rounding, feedback, c.gradient_rotation, c.quantize_gradients_steps, None,
+        c.second_moment_correction is True or (c.second_moment_correction == "auto" and precision != "16-true"),
     )  # fmt: skip
 
 

@@ -137,7 +137,7 @@ class ZeroPPCore:
             raise ValueError(
                 f"ZeroPPStrategy does not support `precision={precision!r}`; use one of {SUPPORTED_PRECISIONS}."
             )
-        if self.config.second_moment_correction and precision == "16-true":
+        if self.config.second_moment_correction is True and precision == "16-true":
             raise ValueError(
                 "ZeroPPStrategy: `second_moment_correction=True` cannot follow fp16 gradients (`precision='16-true'`):"
                 " FSDP divides them after the reduction, outside qgZ, so the noise estimate would be off by that"
@@ -146,9 +146,12 @@ class ZeroPPCore:
         tk.check_backend(self.config.kernel_backend, device)
         check_kernels(self.config, device.type)
 
-    def connect(self, world_size: int, local_world_size: int, rank: int, device_type: str) -> DeviceMesh:
+    def connect(
+        self, world_size: int, local_world_size: int, rank: int, device_type: str, precision: str | None = None
+    ) -> DeviceMesh:
         """Topology, mesh, ledger, process groups and collectives for a job of ``world_size`` ranks launched
-        ``local_world_size`` per machine; kept as they are when called again for the same job (fit, then validate)."""
+        ``local_world_size`` per machine, training in ``precision`` (what the plan's "auto" settings read); kept as
+        they are when called again for the same job (fit, then validate)."""
         ranks_per_node, hpz_size = self.config.resolve(world_size, local_world_size)
         topology = Topology(world_size, ranks_per_node, rank, hpz_size)
         if topology != self._topology:
@@ -158,7 +161,7 @@ class ZeroPPCore:
                     " so some hpZ groups span two nodes and their backward all-gather crosses nodes. Use a divisor of"
                     f" {ranks_per_node} to keep it inside a node."
                 )
-            plan = resolve(self.config, topology)
+            plan = resolve(self.config, topology, precision)
             self.mesh = self._build_mesh(topology, plan, device_type)
             self._topology = topology
             self.release()
@@ -442,8 +445,13 @@ class FrontDoor:
             strategy.cluster_environment, strategy.num_nodes, strategy.num_processes, self.front_door
         )
         strategy.setup_distributed()
+        plugin = getattr(strategy, "precision_plugin", None) or getattr(strategy, "precision", None)  # Trainer, Fabric
         mesh = self._core.connect(
-            strategy.world_size, strategy.num_processes, strategy.global_rank, strategy.root_device.type
+            strategy.world_size,
+            strategy.num_processes,
+            strategy.global_rank,
+            strategy.root_device.type,
+            str(plugin.precision) if plugin is not None else None,
         )
         strategy.set_device_mesh(mesh)
 
@@ -511,11 +519,13 @@ class FrontDoor:
     @property
     def persistent_memory(self) -> dict[str, int]:
         """Bytes the collectives keep on this rank across steps: ``error_feedback`` (qgZ residuals),
+        ``second_moment_noise`` (the second-moment correction's noise estimates, one fp32 per gradient block),
         ``weight_deltas_node_copy`` (this rank's slice of its node's copy, M / R elements in the compute dtype) and
         ``weight_deltas_tracked_copy`` (what the other nodes hold of this rank's shard, M / W elements)."""
         comms = self._core.comms
         if comms is None:
-            return {"error_feedback": 0, "weight_deltas_node_copy": 0, "weight_deltas_tracked_copy": 0}
+            return {"error_feedback": 0, "second_moment_noise": 0, "weight_deltas_node_copy": 0,
+                    "weight_deltas_tracked_copy": 0}  # fmt: skip
         return comms.persistent_nbytes()
 
     def teardown(self) -> None:

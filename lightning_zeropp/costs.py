@@ -83,10 +83,10 @@ def parameters(units: Iterable[Unit]) -> int:
     return sum(u.numel for u in units)
 
 
-def _plan(config: ZeroPPConfig, world: int, ranks_per_node: int) -> CommPlan:
+def _plan(config: ZeroPPConfig, world: int, ranks_per_node: int, precision: str | None = None) -> CommPlan:
     """The job's plan (the same for every rank: rank 0's)."""
     ranks_per_node, hpz = config.resolve(world, ranks_per_node)
-    return resolve(config, Topology(world, ranks_per_node, 0, hpz))
+    return resolve(config, Topology(world, ranks_per_node, 0, hpz), precision)
 
 
 # ------------------------------------------------------------------------------------------------ bytes
@@ -311,17 +311,21 @@ def persistent_memory(
     rank: int | None = None,
 ) -> dict[str, int]:
     """What ``strategy.persistent_memory`` reports on ``rank`` after a step (None: the rank that keeps most): the
-    error feedback residuals and the weight deltas' node copy and tracked copy, in bytes. Only quantized HSDP's
+    error feedback residuals, the second-moment correction's noise estimates, and the weight deltas' node copy and
+    tracked copy, in bytes. Only quantized HSDP's
     gather residual (the owner's piece) differs between ranks."""
     _, e, _ = ELEMENT_BYTES[precision]
-    plan = _plan(config, world, ranks_per_node)
+    plan = _plan(config, world, ranks_per_node, precision)
     K, N, W, R = plan.num_nodes, plan.ranks_per_node, world, plan.hpz_partition_size
     g = plan.gradients
     feedback = g.feedback
-    out = {"error_feedback": 0, "weight_deltas_node_copy": 0, "weight_deltas_tracked_copy": 0}
+    out = {"error_feedback": 0, "second_moment_noise": 0, "weight_deltas_node_copy": 0, "weight_deltas_tracked_copy": 0}
     for unit in units:
         segments = unit.shards(W)
         C = sum(segments)
+        if g.kind == "two_hop" and g.second_moment and K > 1:  # one fp32 per block of the gradient chunk
+            blocks = sum(-(-n // g.block_size) for n in segments) if plan.aligned else -(-C // g.block_size)
+            out["second_moment_noise"] += 4 * blocks
         if feedback is not None:
             if g.quantized_rail:  # one row per rail piece: the node shard once; and the owner's gathered piece
                 cut = _rail_pieces(tuple(unit.shards(N)), K, g.block_size, plan.aligned)

@@ -139,21 +139,30 @@ class SecondMomentCorrection:
 
     Args:
         factor: the variance of one element's error in squared block scales (:func:`noise_factor`).
+        setting: the argument as the user gave it: ``True`` warns when the optimizer has nothing to correct;
+            ``"auto"`` stands down silently then (no accumulation, its buffers freed, for the rest of the job).
     """
 
-    def __init__(self, factor: float) -> None:
+    def __init__(self, factor: float, setting: bool | str = True) -> None:
         self.factor = factor
+        self.setting = setting
+        self.stood_down = False  # "auto" met an optimizer without betas / exp_avg_sq
         self._units: dict[str, _UnitNoise] = {}
         self._norms: dict[int, torch.Tensor] = {}  # id(param) -> squared norm of its gradient after the backward
         self._pending: list[tuple[torch.Tensor, torch.Tensor, float]] = []
         self._warnings: set[str] = set()
         self.corrected = 0  # parameters corrected so far (for tests and the log)
 
+    @property
+    def nbytes(self) -> int:
+        """The accumulators this rank keeps across steps: one fp32 per gradient block of each unit's chunk."""
+        return sum(e.values.numel() * e.values.element_size() for e in self._units.values())
+
     def buffer(self, unit: UnitBlocks | None, chunk: int, starts: tuple[int, ...], device: torch.device) -> Any:
         """The per-block accumulator of ``unit``'s reduction of ``chunk`` elements in blocks starting at ``starts``
         (what :func:`lightning_zeropp.qgz.quantized_reduce_scatter` adds into), or None where the blocks cannot be
         mapped to parameters (no unit)."""
-        if unit is None:
+        if unit is None or self.stood_down:
             return None
         entry = self._units.get(unit.name)
         if entry is None or entry.starts != starts or entry.values.device != device:
@@ -201,10 +210,11 @@ class SecondMomentCorrection:
         """Lowers ``exp_avg_sq`` of every parameter reduced this step (see the module docstring); a parameter without
         optimizer state yet is corrected by :meth:`after_update`."""
         groups = {id(p): g for g in optimizer.param_groups for p in g["params"]}
-        found = False
+        found, elsewhere = False, False
         todo = []
         for entry, param, start, length in self.reduced_parameters():
             group = groups.get(id(param))
+            elsewhere |= group is None  # another optimizer's parameter
             if group is None or param.grad is None or not group.get("betas"):
                 continue
             found = True
@@ -212,7 +222,7 @@ class SecondMomentCorrection:
             if 0.0 < b2 < 1.0:
                 todo.append((entry, param, start, length, b2, _local(param.grad)))
         if not todo:
-            self._no_betas(found, optimizer)
+            self._no_betas(found or elsewhere, optimizer)
             return
         with torch.no_grad():
             # the gradient rescaled since the backward (clipping by norm): its noise too, by the same factor
@@ -234,10 +244,18 @@ class SecondMomentCorrection:
                     continue
                 _lower(v, grad, entry, start, length, (1 - b2) / b2, ratio)
                 self.corrected += 1
-        self._no_betas(found, optimizer)
+        self._no_betas(found or elsewhere, optimizer)
 
     def _no_betas(self, found: bool, optimizer: torch.optim.Optimizer) -> None:
-        if not found and any(e.used for e in self._units.values()):
+        """Where ``optimizer`` holds every parameter reduced this step and none has betas: a warning (True), or
+        (``"auto"``) the correction stands down for the rest of the job."""
+        if found or not any(e.used for e in self._units.values()):
+            return
+        if self.setting == "auto":  # nothing to correct in this optimizer: stop estimating
+            self.stood_down = True
+            self._units.clear()
+            self._norms.clear()
+        else:
             self._warn_once(
                 "ZeroPPStrategy: `second_moment_correction=True` corrects Adam-family optimizers (their `betas` and"
                 f" `exp_avg_sq`), but {type(optimizer).__name__} has neither, so nothing is corrected. Turn it off,"

@@ -61,9 +61,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
 """The configurations every plan compares, by the names the README and the benchmarks use."""
 
 LONG_RUN = "zeropp+qgz8"
-"""The setting for long runs where the last 0.1% of loss matters (qgZ's inter-node hop in INT8: at 500 steps the
-defaults' late loss gap, +0.091%, went to -0.006%; docs/accuracy.md). It sends more than the defaults, so the verdict
-never picks it for speed; when the verdict is ZeRO++, the plan says what it would cost instead."""
+"""The setting for long runs where the last 0.1% of loss matters and the optimizer is not Adam-family (qgZ's
+inter-node hop in INT8: at 500 steps the late loss gap of ZeRO++ without the second-moment correction, +0.091%, went
+to -0.006%; docs/accuracy.md). It sends more than the defaults, so the verdict never picks it for speed; when the
+verdict is ZeRO++, the plan says what it would cost instead."""
 
 RING_KINDS = {"weight_all_gather", "weight_all_gather_backward", "gradient_reduce_scatter"}
 """Collectives FSDP (or qwZ) runs over all ranks as one ring (HSDP: inside the node); the rest are all-to-alls, rail
@@ -186,12 +187,13 @@ def memory_parts(
     kept from a unit's forward to its backward); two units unsharded (the one computing and the one prefetched); the
     quantized collectives' buffers (:func:`~lightning_zeropp.costs.collective_buffers`);
     activations (``34 x tokens x width`` bytes per layer, as Korthikanti et al. count them with attention scores
-    fused away; with checkpointing, one layer's plus every layer's input); the feedback residual and weight deltas'
-    copies (``strategy.persistent_memory``)."""
+    fused away; with checkpointing, one layer's plus every layer's input); the feedback residual, the second-moment
+    correction's noise estimates (none where the optimizer keeps fewer than Adam's two states: "auto" stands down) and
+    weight deltas' copies (``strategy.persistent_memory``)."""
     stored, e, _ = ELEMENT_BYTES[workload.precision]
     W, N = cluster.world, cluster.gpus_per_node
     _, R = config.resolve(W, N)
-    plan = resolve(config, Topology(W, N, 0, R))
+    plan = resolve(config, Topology(W, N, 0, R), workload.precision)
     S = N if plan.hybrid else W
     shard = sum(sum(u.shards(S)) for u in units)
     layers = max(len(units) - 1, 1)
@@ -209,6 +211,8 @@ def memory_parts(
         "activations": activations,
     }
     out.update(persistent_memory(units, config, W, N, workload.precision))
+    if workload.optimizer_states < 2 and config.second_moment_correction == "auto":  # no Adam: it stands down
+        out["second_moment_noise"] = 0
     return out
 
 
@@ -291,8 +295,9 @@ def lossy(name: str) -> bool:
     return plan.forward.kind != "exact" or plan.quantizes_gradients_at(0)
 
 
-def verdict(rows: list[Row], cluster: Cluster, margin: float = MARGIN) -> Verdict:
-    """The configuration to use, from the plan's rows (in :data:`CONFIGS` order, the first ZeRO-3).
+def verdict(rows: list[Row], cluster: Cluster, margin: float = MARGIN, adam: bool = True) -> Verdict:
+    """The configuration to use, from the plan's rows (in :data:`CONFIGS` order, the first ZeRO-3); ``adam``: the
+    optimizer keeps Adam's two states (what the long-run advice depends on).
 
     Starting from the first that fits, each later one replaces the choice only if it fits and its step is more than
     ``margin`` shorter than the choice's (:data:`MARGIN`). On one node nothing crosses nodes, so nothing lossy is
@@ -336,25 +341,34 @@ def verdict(rows: list[Row], cluster: Cluster, margin: float = MARGIN) -> Verdic
     if lossy(choice.config):
         reason.append("lossy: compare its loss curve with zero3's early in a run (docs/accuracy.md)")
     python, alias, yaml = strategy_code(choice.config, cluster)
+    advice = long_run_advice(rows, choice, cluster.gpu_memory_gib, adam)
     return Verdict(choice.config, LABELS.get(choice.config, choice.config), "; ".join(reason), choice.speedup, margin,
-                   passed_over, python, alias, yaml, long_run_advice(rows, choice, cluster.gpu_memory_gib))  # fmt: skip
+                   passed_over, python, alias, yaml, advice)  # fmt: skip
 
 
-def long_run_advice(rows: list[Row], choice: Row, gpu_memory_gib: float) -> str:
-    """For a ZeRO++ verdict (the defaults, or with feedback or weight deltas): what adding ``gradient_bits=8``
-    (:data:`LONG_RUN`) would cost, for runs where the last 0.1% of loss matters; "" otherwise, or where either row
-    was not planned. It changes only the inter-node gradient hop, so its cost is the difference between the
-    ``zeropp+qgz8`` and ``zeropp`` rows, added to the choice's."""
+def long_run_advice(rows: list[Row], choice: Row, gpu_memory_gib: float, adam: bool = True) -> str:
+    """For a ZeRO++ verdict (the defaults, or with feedback or weight deltas), for runs where the last 0.1% of loss
+    matters: with an Adam-family optimizer (``adam``), that the defaults already take qgZ's noise out of its second
+    moment (nothing to add, nothing to predict); with another, what adding ``gradient_bits=8`` (:data:`LONG_RUN`)
+    would cost. "" for other verdicts, or where either row was not planned. ``gradient_bits=8`` changes only the
+    inter-node gradient hop, so its cost is the difference between the ``zeropp+qgz8`` and ``zeropp`` rows, added to
+    the choice's."""
     by_name = {r.config: r for r in rows}
     long_run, base = by_name.get(LONG_RUN), by_name.get("zeropp")
     if long_run is None or base is None or choice is long_run or not choice.config.startswith("zeropp"):
         return ""
     if choice.inter_node_gb <= 0:  # nothing crosses nodes: nothing for it to change
         return ""
+    if adam:
+        return (
+            "the defaults take qgZ's rounding noise out of Adam's second moment (second_moment_correction='auto'),"
+            " which keeps the loss gap from growing with training, at no byte more: nothing to add (docs/accuracy.md)"
+        )
     extra_s, extra_gb = long_run.step_s - base.step_s, long_run.inter_node_gb - base.inter_node_gb
     memory = choice.memory_gib["total"] + long_run.memory_gib["total"] - base.memory_gib["total"]
     words = (
-        f"if the last 0.1% of loss matters, add gradient_bits=8 (INT8 gradients across nodes, docs/accuracy.md):"
+        "if the last 0.1% of loss matters, add gradient_bits=8 (INT8 gradients across nodes; with an optimizer"
+        " without Adam's second moment the defaults cannot correct qgZ's noise, docs/accuracy.md):"
         f" predicted step {extra_s / choice.step_s:+.0%} ({choice.step_s + extra_s:.3g} s),"
         f" cross-node bytes {(choice.inter_node_gb + extra_gb) / choice.inter_node_gb:.2f}x"
     )
@@ -520,7 +534,12 @@ def _litgpt_model(name: str) -> Model:
 MEMORY_GROUPS = {
     "sharded state": ("parameters", "gradients", "optimizer"),
     "hpZ copy": ("hpz_copy",),
-    "feedback / deltas": ("error_feedback", "weight_deltas_node_copy", "weight_deltas_tracked_copy"),
+    "feedback / deltas": (
+        "error_feedback",
+        "second_moment_noise",
+        "weight_deltas_node_copy",
+        "weight_deltas_tracked_copy",
+    ),
     "activations, buffers": ("activations", "unsharded_units", "collective_buffers"),
 }
 """How the table groups the memory parts (the JSON keeps each part)."""
@@ -758,7 +777,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
             except ValueError as e:
                 unplanned.append(f"{name}: {e}")
         rows = plan(model.units, cluster, workload, configs, n_embd=model.width)
-        choice = verdict(rows, cluster, args.margin)
+        choice = verdict(rows, cluster, args.margin, adam=workload.optimizer_states >= 2)
     except ValueError as e:  # InputError, or a check deeper down (ZeroPPConfig, costs): one line, no traceback
         parser().error(str(e).replace("\n", " "))
     print(header(args, model, cluster, workload) + "\n")

@@ -140,6 +140,9 @@ def test_bytes_and_memory_equal_the_measured_ledgers():
     assert _measured_mismatches(rows) == []
     assert any(r["persistent_memory"]["weight_deltas_node_copy"] > 0 for r in rows)  # measured inside the run
     assert any(r["persistent_memory"]["error_feedback"] > 0 for r in rows if r["config"] == "qhsdp_ef")
+    # the defaults' second-moment correction keeps one fp32 per gradient block: measured, and planned alike
+    assert all(r["persistent_memory"]["second_moment_noise"] > 0 for r in rows if r["config"] == "zeropp")
+    assert all(r["persistent_memory"]["second_moment_noise"] == 0 for r in rows if r["config"].startswith("qhsdp"))
     # the busiest rank differs from rank 0 somewhere (a rail piece that is not rank 0's), or every rank is rank 0
     rail_rows = [r for r in rows if r["config"].startswith("qhsdp")]
     assert any(len({json.dumps(p["per_kind"]) for p in r["per_rank"]}) > 1 for r in rail_rows)

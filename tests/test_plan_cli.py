@@ -278,17 +278,23 @@ def test_a_zeropp_verdict_says_what_the_long_run_setting_costs(capsys):
     zero3, zeropp = _planned("zero3", 4.0, 30.0), _planned("zeropp", 1.0, 6.0)
     deltas, qgz8 = _planned("zeropp+deltas", 0.8, 1.0), _planned(LONG_RUN, 1.2, 6.5, memory=10.5)
     rows = [zero3, zeropp, deltas, qgz8]
-    advice = long_run_advice(rows, zeropp, 80.0)
+    advice = long_run_advice(rows, zeropp, 80.0, adam=False)
     assert "add gradient_bits=8" in advice and "predicted step +20% (1.2 s)" in advice
     assert "cross-node bytes 1.08x" in advice and "docs/accuracy.md" in advice and "GiB" not in advice
-    advice = long_run_advice(rows, deltas, 80.0)  # +0.2 s on 0.8 s, +0.5 GB on 1.0 GB
+    advice = long_run_advice(rows, deltas, 80.0, adam=False)  # +0.2 s on 0.8 s, +0.5 GB on 1.0 GB
     assert "predicted step +25% (1 s)" in advice and "cross-node bytes 1.50x" in advice
-    assert long_run_advice(rows, zeropp, 10.2).endswith("; but it needs 10.5 GiB per GPU of 10.2")
-    assert long_run_advice(rows, zero3, 80.0) == "" and long_run_advice(rows, qgz8, 80.0) == ""
-    assert long_run_advice([zero3, zeropp, deltas], deltas, 80.0) == ""
+    assert long_run_advice(rows, zeropp, 10.2, adam=False).endswith("; but it needs 10.5 GiB per GPU of 10.2")
+    # Adam: the defaults' correction already does it, no bytes more: nothing to add, nothing predicted
+    advice = long_run_advice(rows, zeropp, 10.2)
+    assert "second_moment_correction='auto'" in advice and "nothing to add" in advice and "predicted" not in advice
+    for adam in (True, False):
+        assert long_run_advice(rows, zero3, 80.0, adam) == "" and long_run_advice(rows, qgz8, 80.0, adam) == ""
+        assert long_run_advice([zero3, zeropp, deltas], deltas, 80.0, adam) == ""
     for row in rows:
         row.speedup = zero3.step_s / row.step_s
-    v = verdict(rows, Cluster(4, 8, 100.0, 3600.0))
+    v = verdict(rows, Cluster(4, 8, 100.0, 3600.0), adam=False)
     assert v.config == "zeropp+deltas" and "  long runs: if the last 0.1% of loss matters" in verdict_text(v)
+    v = verdict(rows, Cluster(4, 8, 100.0, 3600.0))
+    assert "  long runs: the defaults take qgZ's rounding noise out of Adam's second moment" in verdict_text(v)
     v = verdict(rows, Cluster(1, 8, 100.0, 3600.0))  # one node: ZeRO-3, nothing to add
     assert v.config == "zero3" and v.long_run == "" and "long runs" not in verdict_text(v)

@@ -56,10 +56,36 @@ def test_refused_with_fp16_gradients_whose_division_follows_the_reduction():
         core.check_device("16-true", torch.device("cpu"))
 
 
-def test_default_off_and_type_checked():
-    assert ZeroPPConfig().second_moment_correction is False
-    with pytest.raises(TypeError, match="second_moment_correction"):
-        ZeroPPConfig(second_moment_correction="yes")
+def test_default_auto_and_type_checked():
+    assert ZeroPPConfig().second_moment_correction == "auto"
+    for bad in ("yes", 1, None):
+        with pytest.raises(TypeError, match="second_moment_correction"):
+            ZeroPPConfig(second_moment_correction=bad)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "nodes", "precision", "on"),
+    [
+        (dict(), 2, "bf16-mixed", True),
+        (dict(), 4, "32-true", True),
+        (dict(), 2, None, True),  # precision not known yet: not fp16
+        (dict(), 2, "16-true", False),  # fp16 gradients: FSDP divides them after qgZ
+        (dict(), 1, "bf16-mixed", False),  # one node: no inter-node hop, no noise
+        (dict(quantize_gradients=False), 2, "bf16-mixed", False),
+        (dict(sharding_strategy="HYBRID_SHARD", quantize_weights=False), 2, "bf16-mixed", False),  # quantized HSDP
+        (dict(second_moment_correction=False), 2, "bf16-mixed", False),
+        (dict(second_moment_correction=True), 2, "bf16-mixed", True),
+    ],
+)
+def test_auto_is_on_wherever_qgz_crosses_nodes_with_gradients_it_can_follow(kwargs, nodes, precision, on):
+    """``"auto"`` resolves in the plan, which the runtime and the planner share; it never refuses."""
+    from lightning_zeropp.commplan import resolve
+    from lightning_zeropp.topology import Topology
+
+    config = ZeroPPConfig(ranks_per_node=2, **kwargs)
+    plan = resolve(config, Topology(2 * nodes, 2, 0, config.resolve(2 * nodes, 2)[1]), precision)
+    assert (plan.gradients.kind == "two_hop" and plan.gradients.second_moment) == on
+    assert ("second-moment correction" in plan.describe()) == on
 
 
 def _one_parameter(correction, values, length, starts):
@@ -72,6 +98,27 @@ def _one_parameter(correction, values, length, starts):
     correction._units["unit"] = entry
     correction.reduced_parameters = lambda: iter([(entry, param, 0, length)])
     return param
+
+
+def test_auto_stands_down_silently_for_an_optimizer_without_betas(recwarn):
+    """``"auto"`` with SGD: nothing corrected, no warning, no estimate kept or made from then on; but an optimizer
+    without betas that holds only some of the reduced parameters (a second optimizer beside Adam) changes nothing."""
+    from lightning_zeropp.moments import SecondMomentCorrection
+
+    correction = SecondMomentCorrection(1 / 12, "auto")
+    param = _one_parameter(correction, [1.0, 2.0], 4, [0, 2, 4])
+    other = torch.nn.Parameter(torch.zeros(3))
+    items = [(correction._units["unit"], param, 0, 4), (correction._units["unit"], other, 4, 3)]
+    correction.reduced_parameters = lambda: iter(items)
+    param.grad, other.grad = torch.ones(4), torch.ones(3)
+    sgd = torch.optim.SGD([param], lr=0.1, momentum=0.9)
+    correction.before_update(sgd)  # `other` is another optimizer's: not a reason to stand down
+    assert not correction.stood_down and correction.nbytes > 0
+    items.pop()
+    correction.before_update(sgd)
+    assert correction.stood_down and correction.nbytes == 0 and correction.corrected == 0
+    assert correction.buffer(object(), 4, (0, 2, 4), torch.device("cpu")) is None  # no accumulation from now on
+    assert not [w for w in recwarn if "nothing is corrected" in str(w.message)]
 
 
 def test_an_optimizer_without_betas_is_left_alone_with_a_warning():
