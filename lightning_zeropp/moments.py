@@ -24,7 +24,7 @@ coordinate's own square. Gradients rescaled after the backward (clipping by norm
 factor (each parameter's squared norm before and after). A parameter whose state the step itself creates (the first
 step) is corrected right after that step. The estimates are dropped after every optimizer step.
 
-Cost: the norms are one fused pass over the gradients after the backward and one before the update; the lowering is
+Cost: the norms are one pass over the gradients after the backward and one before the update; the lowering is
 four element-wise passes over a parameter's shard (``v + shift g^2``, its share, the cap, the subtraction), the cap
 broadcast from the blocks without expanding them to elements where the blocks start at the parameter's start
 (parameter-aligned blocks; flat blocks expand). On one CPU thread, over the example GPT's 0.81 M elements of one
@@ -96,6 +96,11 @@ class _UnitNoise:
             uniform = bool(inside) and inside[0] == start and inside == tuple(range(start, end, size))
             self._uniform[key] = (first, len(inside), size) if uniform and size > 0 else None
         return self._uniform[key]
+
+
+def _squared_norm(grad: torch.Tensor) -> torch.Tensor:
+    """``sum(grad^2)`` in fp32, in one pass without a temporary."""
+    return torch.linalg.vector_norm(grad, dtype=torch.float32).square()
 
 
 def _lower(
@@ -203,8 +208,8 @@ class SecondMomentCorrection:
                 params.append(param)
         if not grads:
             return
-        for param, norm in zip(params, torch._foreach_norm(grads), strict=True):
-            self._norms[id(param)] = norm.float().square()
+        for param, grad in zip(params, grads, strict=True):
+            self._norms[id(param)] = _squared_norm(grad)
 
     def before_update(self, optimizer: torch.optim.Optimizer) -> None:
         """Lowers ``exp_avg_sq`` of every parameter reduced this step (see the module docstring); a parameter without
@@ -227,11 +232,9 @@ class SecondMomentCorrection:
         with torch.no_grad():
             # the gradient rescaled since the backward (clipping by norm): its noise too, by the same factor
             noted = [self._norms.get(id(param)) for _, param, *_ in todo]
-            grads = [t[-1] for t, before in zip(todo, noted, strict=True) if before is not None]
-            now = iter(torch._foreach_norm(grads) if grads else ())
             ratios: list[torch.Tensor | None] = []
-            for before in noted:
-                after = next(now).float().square() if before is not None else None
+            for (*_, grad), before in zip(todo, noted, strict=True):
+                after = _squared_norm(grad) if before is not None else None
                 ratios.append(None if before is None else torch.where(before > 0, after / before, 0.0))
             for (entry, param, start, length, b2, grad), ratio in zip(todo, ratios, strict=True):
                 v = optimizer.state.get(param, {}).get("exp_avg_sq")
