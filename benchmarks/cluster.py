@@ -49,8 +49,9 @@ from plots import cluster_png, try_plot  # noqa: E402
 
 FSDP_BASELINE = "fsdp"  # Lightning's ModelParallelStrategy, fully_shard per block (benchmarks/fsdp_baseline.py)
 # The long-run accuracy candidates (benchmarks/convergence.py's zeropp+rot, zeropp+sr, zeropp+ef1, zeropp-qgz8,
-# zeropp+smc) and ZeRO++ without the second-moment correction: their step time beside the defaults'. Not comm_volume.py's rows: rotation, rounding and the second-moment
-# correction send the defaults' bytes, kind by kind; the INT8 hop sends twice the defaults' cross-node gradient bytes.
+# zeropp+smc) and ZeRO++ without the second-moment correction: their step time beside the defaults'. Not
+# comm_volume.py's rows: rotation, rounding and the second-moment correction send the defaults' bytes, kind by kind;
+# the INT8 hop sends twice the defaults' cross-node gradient bytes.
 CANDIDATES = {
     "zeropp_rot": dict(gradient_rotation="hadamard"),
     "zeropp_sr": dict(gradient_rounding="stochastic"),

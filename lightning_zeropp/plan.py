@@ -681,7 +681,12 @@ def parser() -> argparse.ArgumentParser:
     w = _ShowDefaults(p.add_argument_group("workload"))
     w.add_argument("--tokens", type=int, default=4096, help="tokens per GPU per optimizer step")
     w.add_argument("--precision", default="bf16-mixed", choices=sorted(ELEMENT_BYTES), help="Lightning's precision")
-    w.add_argument("--optimizer-states", type=int, default=2, help="fp32 values per parameter (Adam: 2, SGD: 1)")
+    w.add_argument(
+        "--optimizer-states",
+        type=int,
+        default=2,
+        help="fp32 values per parameter (Adam: 2, SGD: 1; below 2: no second moment to correct)",
+    )
     w.add_argument("--no-activation-checkpointing", action="store_true", help="plan without it (default: with)")
     w.add_argument("--efficiency", type=float, default=EFFICIENCY, help="compute's fraction of peak (fitted on the"
                    " paper's V100 table: measure yours)")  # fmt: skip
