@@ -12,6 +12,9 @@
   of ``optimizer.step`` survives.
 - The arguments: refused without qgZ, with HYBRID_SHARD and with fp16 gradients; a warning for an optimizer without
   ``betas`` (SGD), whose state is left alone.
+- The default, ``"auto"``: resolved in the plan (on across nodes with bf16 / fp32 gradients in FULL_SHARD; off with
+  fp16, HSDP, one node, no qgZ); through the Trainer it corrects AdamW every step and stands down silently for SGD.
+- The broadcast update (the cap from parameter-aligned blocks) against the element-wise formula on every layout.
 """
 
 from __future__ import annotations
@@ -415,6 +418,56 @@ def test_the_trainer_corrects_between_the_clipping_and_the_update(tmp_path):
             assert corrected == (params if step else 0), (rank, r)
             assert norm <= 1e-3 * 1.001, (rank, r)  # and after the clipping
         assert r["scheduler_wrapper"], (rank, r)
+
+
+def _default_worker(rank, world, init_path, data_path, steps, optimizer_name):
+    import warnings
+
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_zeropp.testing.distributed import lightning_trainer
+    from lightning_zeropp.testing.models import TinyLM
+
+    class Module(TinyLM):
+        def configure_optimizers(self):
+            if optimizer_name == "sgd":
+                return torch.optim.SGD(self.parameters(), lr=1e-2, momentum=0.9)
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    x, y = torch.load(data_path, weights_only=True)
+    loader = DataLoader(TensorDataset(x[rank::world], y[rank::world]), batch_size=2, shuffle=False)
+    strategy = ZeroPPStrategy(ranks_per_node=N)  # the defaults: second_moment_correction="auto"
+    trainer = lightning_trainer(world, strategy, max_steps=steps, use_distributed_sampler=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(Module(init_path), loader)
+    moments = strategy.comms.moments
+    return {
+        "warned": [str(w.message) for w in caught if "second_moment_correction" in str(w.message)],
+        "corrected": moments.corrected,
+        "stood_down": moments.stood_down,
+        "noise_bytes": strategy.persistent_memory["second_moment_noise"],
+        "params": sum(1 for p in trainer.lightning_module.parameters() if p.requires_grad),
+        "line": strategy.comms.describe(),
+    }
+
+
+@pytest.mark.multiprocess
+def test_the_default_corrects_adamw_and_stands_down_silently_for_sgd(tmp_path):
+    """What a user gets without choosing, through the Trainer on 2 x 2 ranks: AdamW corrected every step after the
+    first (the first step's right after its update: every step, all parameters), its estimates kept (and counted in
+    persistent_memory); SGD: nothing corrected, no warning, no estimate kept."""
+    from lightning_zeropp.testing.workers import save_inputs
+
+    steps = 3
+    init_path, data_path, _, _ = save_inputs(tmp_path, W * 2 * steps)
+    for rank, r in enumerate(spawn(_default_worker, W, init_path, data_path, steps, "adamw")):
+        assert r["corrected"] == steps * r["params"] and not r["stood_down"], (rank, r)
+        assert r["noise_bytes"] > 0 and not r["warned"], (rank, r)
+        assert "Adam second-moment correction" in r["line"], (rank, r)
+    for rank, r in enumerate(spawn(_default_worker, W, init_path, data_path, steps, "sgd")):
+        assert r["corrected"] == 0 and r["stood_down"], (rank, r)
+        assert r["noise_bytes"] == 0 and not r["warned"], (rank, r)
 
 
 def test_a_reduction_of_the_parameters_with_gradients_alone_maps_to_them(monkeypatch):
