@@ -420,7 +420,7 @@ def test_the_trainer_corrects_between_the_clipping_and_the_update(tmp_path):
         assert r["scheduler_wrapper"], (rank, r)
 
 
-def _default_worker(rank, world, init_path, data_path, steps, optimizer_name):
+def _default_worker(rank, world, init_path, data_path, steps, optimizer_name, precision="32-true"):
     import warnings
 
     from torch.utils.data import DataLoader, TensorDataset
@@ -437,11 +437,15 @@ def _default_worker(rank, world, init_path, data_path, steps, optimizer_name):
     x, y = torch.load(data_path, weights_only=True)
     loader = DataLoader(TensorDataset(x[rank::world], y[rank::world]), batch_size=2, shuffle=False)
     strategy = ZeroPPStrategy(ranks_per_node=N)  # the defaults: second_moment_correction="auto"
-    trainer = lightning_trainer(world, strategy, max_steps=steps, use_distributed_sampler=False)
+    trainer = lightning_trainer(world, strategy, max_steps=steps, use_distributed_sampler=False, precision=precision)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(Module(init_path), loader)
     moments = strategy.comms.moments
+    if moments is None:  # off in the plan (fp16 gradients)
+        return {"moments": None, "line": strategy.comms.describe(), "warned": [str(w.message) for w in caught
+                if "second_moment_correction" in str(w.message)], "noise_bytes": strategy.persistent_memory[
+                "second_moment_noise"]}  # fmt: skip
     return {
         "warned": [str(w.message) for w in caught if "second_moment_correction" in str(w.message)],
         "corrected": moments.corrected,
@@ -456,7 +460,7 @@ def _default_worker(rank, world, init_path, data_path, steps, optimizer_name):
 def test_the_default_corrects_adamw_and_stands_down_silently_for_sgd(tmp_path):
     """What a user gets without choosing, through the Trainer on 2 x 2 ranks: AdamW corrected every step after the
     first (the first step's right after its update: every step, all parameters), its estimates kept (and counted in
-    persistent_memory); SGD: nothing corrected, no warning, no estimate kept."""
+    persistent_memory); SGD: nothing corrected, no warning, no estimate kept; fp16 gradients: off from the start."""
     from lightning_zeropp.testing.workers import save_inputs
 
     steps = 3
@@ -468,6 +472,10 @@ def test_the_default_corrects_adamw_and_stands_down_silently_for_sgd(tmp_path):
     for rank, r in enumerate(spawn(_default_worker, W, init_path, data_path, steps, "sgd")):
         assert r["corrected"] == 0 and r["stood_down"], (rank, r)
         assert r["noise_bytes"] == 0 and not r["warned"], (rank, r)
+    # fp16 gradients: the Trainer's precision reaches the plan, which leaves the correction out (True is refused)
+    for rank, r in enumerate(spawn(_default_worker, W, init_path, data_path, 1, "adamw", "16-true")):
+        assert r["moments"] is None and r["noise_bytes"] == 0 and not r["warned"], (rank, r)
+        assert "qgZ INT8 -> INT4" in r["line"] and "second-moment" not in r["line"], (rank, r)
 
 
 def test_a_reduction_of_the_parameters_with_gradients_alone_maps_to_them(monkeypatch):
