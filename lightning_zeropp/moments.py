@@ -22,7 +22,9 @@ parameter whose state holds ``exp_avg_sq`` and whose group has ``betas``, ``exp_
 floor keeps a step at most ``1 / sqrt(FLOOR)`` longer than without the correction, where the estimate exceeds the
 coordinate's own square. Gradients rescaled after the backward (clipping by norm) scale the variance by the same
 factor (each parameter's squared norm before and after). A parameter whose state the step itself creates (the first
-step) is corrected right after that step. The estimates are dropped after every optimizer step.
+step) is corrected right after that step. The estimates hold until the next reduction after an optimizer step
+starts the next step's: so that several optimizers stepping after one backward (manual optimization, Fabric) each
+correct their own parameters, and none is corrected twice for one step's noise.
 
 Cost: the norms are one pass over the gradients after the backward and one before the update; the lowering is
 four element-wise passes over a parameter's shard (``v + shift g^2``, its share, the cap, the subtraction), the cap
@@ -155,6 +157,8 @@ class SecondMomentCorrection:
         self._units: dict[str, _UnitNoise] = {}
         self._norms: dict[int, torch.Tensor] = {}  # id(param) -> squared norm of its gradient after the backward
         self._pending: list[tuple[torch.Tensor, torch.Tensor, float]] = []
+        self._done: set[int] = set()  # id(param) corrected for the current estimates
+        self._stepped = False  # an optimizer stepped since the last reduction: the next one starts a new step
         self._warnings: set[str] = set()
         self.corrected = 0  # parameters corrected so far (for tests and the log)
 
@@ -169,9 +173,17 @@ class SecondMomentCorrection:
         mapped to parameters (no unit)."""
         if unit is None or self.stood_down:
             return None
+        if self._stepped:  # the first reduction since an optimizer step: the previous step's estimates are done with
+            self._stepped = False
+            self._norms.clear()
+            self._done.clear()
+            for other in self._units.values():
+                other.used = False
         entry = self._units.get(unit.name)
         if entry is None or entry.starts != starts or entry.values.device != device:
             entry = self._units[unit.name] = _UnitNoise(unit, starts, torch.zeros(len(starts) - 1, device=device))
+        elif not entry.used:  # the unit's first reduction of this step (later ones, micro-batches', add to it)
+            entry.values.zero_()
         entry.used = True
         return entry.values
 
@@ -223,6 +235,9 @@ class SecondMomentCorrection:
             if group is None or param.grad is None or not group.get("betas"):
                 continue
             found = True
+            if id(param) in self._done:  # this optimizer stepped again on the same gradients: once is the noise's
+                continue
+            self._done.add(id(param))
             b2 = float(group["betas"][1])
             if 0.0 < b2 < 1.0:
                 todo.append((entry, param, start, length, b2, _local(param.grad)))
@@ -272,7 +287,8 @@ class SecondMomentCorrection:
 
     def after_update(self, optimizer: torch.optim.Optimizer) -> None:
         """Corrects the parameters whose ``exp_avg_sq`` this step created (the first step: ``v = (1 - b2) g^2`` with the
-        noise in it, lowered for the steps after), then drops this step's estimates."""
+        noise in it, lowered for the steps after). The step's estimates stay for another optimizer stepping after the
+        same backward; the next reduction replaces them."""
         with torch.no_grad():
             for param, variance, b2 in self._pending:
                 v = optimizer.state.get(param, {}).get("exp_avg_sq")
@@ -283,7 +299,4 @@ class SecondMomentCorrection:
                     torch.maximum(v - (1 - b2) * variance.to(v.dtype), FLOOR * v, out=v)
                     self.corrected += 1
         self._pending.clear()
-        self._norms.clear()
-        for entry in self._units.values():
-            entry.values.zero_()
-            entry.used = False
+        self._stepped = True

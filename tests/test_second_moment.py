@@ -156,7 +156,56 @@ def test_blocks_expand_to_their_elements_and_the_floor_holds():
     assert torch.allclose(optimizer.state[param]["exp_avg_sq"], want)
     assert (want[2:4] == FLOOR * v[2:4] - (1 - FLOOR) * shift).all()  # floored where the noise swamps the gradient
     correction.after_update(optimizer)
-    assert (correction._units["unit"].values == 0).all()
+    entry = correction._units["unit"]
+    assert entry.values.tolist() == [0.5, 100.0, 0.25]  # kept for another optimizer stepping on the same backward
+    # the next step's first reduction starts from zero
+    assert correction.buffer(_Unit("unit"), 5, (0, 2, 4, 5), torch.device("cpu")) is entry.values
+    assert (entry.values == 0).all() and entry.used
+
+
+class _Unit:
+    def __init__(self, name):
+        self.name = name
+
+
+def test_every_optimizer_stepping_after_one_backward_corrects_its_own_parameters_once():
+    """Two Adam optimizers stepping after one backward (manual optimization, Fabric): each corrects its own
+    parameters with the step's estimates, none twice (an optimizer stepping again on the same gradients changes
+    nothing more); the next step's reduction starts new estimates and every parameter is corrected again."""
+    from lightning_zeropp.moments import SecondMomentCorrection
+
+    correction = SecondMomentCorrection(1 / 12, "auto")
+    unit = _Unit("unit")
+    starts = (0, 2, 4, 6, 7)  # two parameters of 4 and 3 elements, parameter-aligned blocks of 2
+    a, b = torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(3))
+    correction.reduced_parameters = lambda: iter(
+        [(correction._units["unit"], a, 0, 4), (correction._units["unit"], b, 4, 3)]
+    )
+    first, second = torch.optim.AdamW([a], lr=0.1), torch.optim.Adam([b], lr=0.1)
+    shift = 0.001 / 0.999
+    for step in range(3):
+        values = correction.buffer(unit, 7, starts, torch.device("cpu"))
+        added = torch.tensor([1e-3, 2e-3, 3e-3, 4e-3]) * (step + 1)  # what the step's reduction adds
+        values += added
+        sigmas = {a: added[[0, 0, 1, 1]], b: added[[2, 2, 3]]}  # each element its block's
+        a.grad, b.grad = torch.full((4,), 0.5), torch.full((3,), 0.25)
+        correction.after_backward()
+        for optimizer, param in ((first, a), (second, b)):
+            before = optimizer.state[param]["exp_avg_sq"].clone() if step else None
+            correction.before_update(optimizer)
+            if step:  # lowered by the step's own variance, this optimizer's parameter only
+                sigma = sigmas[param]
+                want = torch.maximum(before - shift * sigma, FLOOR * before - (1 - FLOOR) * shift * param.grad**2)
+                assert torch.allclose(optimizer.state[param]["exp_avg_sq"], want), (step, param.numel())
+            optimizer.step()
+            correction.after_update(optimizer)
+        assert correction.corrected == 2 * (step + 1), step
+        again = {p: o.state[p]["exp_avg_sq"].clone() for o, p in ((first, a), (second, b))}
+        for optimizer in (first, second):  # stepping again without a backward: the noise was taken out once
+            correction.before_update(optimizer)
+            correction.after_update(optimizer)
+        assert correction.corrected == 2 * (step + 1), step
+        assert all(torch.equal(again[p], o.state[p]["exp_avg_sq"]) for o, p in ((first, a), (second, b)))
 
 
 @pytest.mark.parametrize(
@@ -495,3 +544,55 @@ def test_a_reduction_of_the_parameters_with_gradients_alone_maps_to_them(monkeyp
     correction.buffer(unit, 5, (0, 5), torch.device("cpu"))  # no set of parameters holds 5 elements
     with pytest.warns(UserWarning, match=r"held 5 elements per rank, which no set of its parameters accounts for"):
         assert list(correction.reduced_parameters()) == []
+
+
+def _two_optimizers_worker(rank, world, init_path, data_path, steps):
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_zeropp.testing.distributed import lightning_trainer
+    from lightning_zeropp.testing.models import TinyLM
+
+    class TwoOptimizers(TinyLM):
+        """Manual optimization: one backward, then one AdamW for the matrices and one Adam for the rest."""
+
+        def __init__(self, init_path):
+            super().__init__(init_path)
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            loss = self.loss(batch)
+            self.manual_backward(loss)
+            for optimizer in self.optimizers():
+                optimizer.step()
+            for optimizer in self.optimizers():
+                optimizer.zero_grad()
+            return loss
+
+        def configure_optimizers(self):
+            matrices = [p for p in self.parameters() if p.dim() >= 2]
+            rest = [p for p in self.parameters() if p.dim() < 2]
+            return torch.optim.AdamW(matrices, lr=1e-3), torch.optim.Adam(rest, lr=1e-3)
+
+    x, y = torch.load(data_path, weights_only=True)
+    loader = DataLoader(TensorDataset(x[rank::world], y[rank::world]), batch_size=2, shuffle=False)
+    strategy = ZeroPPStrategy(ranks_per_node=N)  # the defaults
+    trainer = lightning_trainer(world, strategy, max_steps=steps, use_distributed_sampler=False)
+    module = TwoOptimizers(init_path)
+    trainer.fit(module, loader)
+    sizes = [sum(len(g["params"]) for g in o.param_groups) for o in trainer.optimizers]
+    return {"corrected": strategy.comms.moments.corrected, "sizes": sizes}
+
+
+@pytest.mark.multiprocess
+def test_the_default_corrects_every_optimizer_that_steps_after_one_backward(tmp_path):
+    """Manual optimization with two Adam-family optimizers after one backward, through the Trainer on 2 x 2 ranks:
+    every parameter of both corrected once per step (the second optimizer found no estimates when the first step's
+    update dropped them)."""
+    from lightning_zeropp.testing.workers import save_inputs
+
+    batches = 2  # manual optimization: each optimizer's step counts toward max_steps
+    init_path, data_path, _, _ = save_inputs(tmp_path, W * 2 * batches)
+    for rank, r in enumerate(spawn(_two_optimizers_worker, W, init_path, data_path, 2 * batches)):
+        first, second = r["sizes"]
+        assert first and second, (rank, r)
+        assert r["corrected"] == batches * (first + second), (rank, r)
