@@ -16,18 +16,19 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from types import SimpleNamespace
 
 import torch
 
 from lightning_zeropp.costs import gpt_units
 from lightning_zeropp.kernels.layout import Blocks
-from lightning_zeropp.moments import SecondMomentCorrection, _UnitNoise
+from lightning_zeropp.moments import SecondMomentCorrection
 
 
 def measure(n_embd: int, n_layer: int, world: int, block: int, repeats: int, alignment: str) -> dict:
     torch.manual_seed(0)
     correction = SecondMomentCorrection(1 / 12)
-    items, params = [], []
+    items, params, reductions = [], [], []
     for index, unit in enumerate(gpt_units(256, 128, n_layer, n_embd)):
         lengths = list(unit.shards(world))
         chunk = sum(lengths)
@@ -35,8 +36,10 @@ def measure(n_embd: int, n_layer: int, world: int, block: int, repeats: int, ali
             starts = Blocks.of_segments(lengths, block).starts
         else:
             starts = (*range(0, chunk, block), chunk)
-        entry = _UnitNoise(None, tuple(starts), torch.rand(len(starts) - 1), used=True)
-        correction._units[f"unit{index}"] = entry
+        reduced = SimpleNamespace(name=f"unit{index}")  # what a reduction hands the correction: its unit's name
+        reductions.append((reduced, chunk, tuple(starts), torch.rand(len(starts) - 1)))
+        correction.buffer(reduced, chunk, tuple(starts), torch.device("cpu"))
+        entry = correction._units[reduced.name]
         offset = 0
         for length in lengths:
             param = torch.nn.Parameter(torch.zeros(length))
@@ -48,7 +51,10 @@ def measure(n_embd: int, n_layer: int, world: int, block: int, repeats: int, ali
     optimizer = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), foreach=True)
     optimizer.step()  # the state exists: every later step is corrected before its update
     best = {"norms_ms": float("inf"), "lowering_ms": float("inf"), "adamw_ms": float("inf")}
+    correction.after_update(optimizer)
     for _ in range(repeats):
+        for reduced, chunk, starts, noise in reductions:  # a step's reductions: each unit's estimates, fresh
+            correction.buffer(reduced, chunk, starts, torch.device("cpu")).copy_(noise)
         t0 = time.perf_counter()
         correction.after_backward()
         t1 = time.perf_counter()
@@ -56,8 +62,7 @@ def measure(n_embd: int, n_layer: int, world: int, block: int, repeats: int, ali
         t2 = time.perf_counter()
         optimizer.step()
         t3 = time.perf_counter()
-        for entry in correction._units.values():
-            entry.used = True
+        correction.after_update(optimizer)
         for key, seconds in zip(best, (t1 - t0, t2 - t1, t3 - t2), strict=True):
             best[key] = min(best[key], seconds * 1e3)
     elements = sum(p.numel() for p in params)
