@@ -112,6 +112,7 @@ RUNS: dict[str, dict[str, Any] | Callable[[int], dict[str, Any]]] = {
     "zeropp+rot+ef1": dict(gradient_rotation="hadamard", gradient_error_feedback=True, error_feedback_decay=1.0),
     "zeropp-qgz8": dict(gradient_bits=8),
     "zeropp+smc": dict(second_moment_correction=True),
+    "zeropp+ef1+smc": dict(gradient_error_feedback=True, error_feedback_decay=1.0, second_moment_correction=True),
     "hsdp": dict(sharding_strategy="HYBRID_SHARD", quantize_weights=False, quantize_gradients=False),
     "qhsdp": dict(sharding_strategy="HYBRID_SHARD", quantize_weights=False, quantize_gradients=True),
     "qhsdp-bf16": dict(sharding_strategy="HYBRID_SHARD", quantize_weights=False, quantize_gradients=True,
