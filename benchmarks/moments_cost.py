@@ -19,13 +19,17 @@ import time
 from types import SimpleNamespace
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from lightning_zeropp import moments
 from lightning_zeropp.costs import gpt_units
 from lightning_zeropp.kernels.layout import Blocks
 from lightning_zeropp.moments import SecondMomentCorrection
 
 
-def measure(n_embd: int, n_layer: int, world: int, block: int, repeats: int, alignment: str) -> dict:
+def _setup(n_embd: int, n_layer: int, world: int, block: int, alignment: str):
+    """The correction, a step's reductions, AdamW with state (its first step taken) and the parameters, as a rank of
+    ``world`` holds the example GPT's units."""
     torch.manual_seed(0)
     correction = SecondMomentCorrection(1 / 12)
     items, params, reductions = [], [], []
@@ -50,11 +54,58 @@ def measure(n_embd: int, n_layer: int, world: int, block: int, repeats: int, ali
     correction.reduced_parameters = lambda: iter(items)
     optimizer = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), foreach=True)
     optimizer.step()  # the state exists: every later step is corrected before its update
-    best = {"norms_ms": float("inf"), "lowering_ms": float("inf"), "adamw_ms": float("inf")}
     correction.after_update(optimizer)
+    return correction, reductions, optimizer, params
+
+
+def _fresh(correction: SecondMomentCorrection, reductions: list) -> None:
+    for reduced, chunk, starts, noise in reductions:  # a step's reductions: each unit's estimates, fresh
+        correction.buffer(reduced, chunk, starts, torch.device("cpu")).copy_(noise)
+
+
+class _Ops(TorchDispatchMode):
+    """Counts the operators that compute (each at least one kernel launch on a GPU); views launch nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += not func.is_view
+        return func(*args, **(kwargs or {}))
+
+
+def count_ops(n_embd: int, n_layer: int, world: int, block: int, alignment: str, per_parameter: bool) -> dict:
+    """The operators a step of the correction dispatches (the norms after the backward, the lowering) once its first
+    step is done, lowering one parameter at a time (the CPU's way) or a unit at a time (the GPUs' way), each run on
+    this CPU: each operator that computes is at least one kernel launch on a GPU."""
+    correction, reductions, optimizer, params = _setup(n_embd, n_layer, world, block, alignment)
+    saved = set(moments.PER_PARAMETER)
+    moments.PER_PARAMETER.clear()
+    moments.PER_PARAMETER.update({"cpu"} if per_parameter else set())
+    try:
+        for _ in range(2):  # the second step counts: the first builds what later steps reuse (block owners)
+            _fresh(correction, reductions)
+            correction.after_backward()
+            correction.before_update(optimizer)
+            optimizer.step()
+            correction.after_update(optimizer)
+        _fresh(correction, reductions)
+        with _Ops() as ops:
+            correction.after_backward()
+            correction.before_update(optimizer)
+    finally:
+        moments.PER_PARAMETER.clear()
+        moments.PER_PARAMETER.update(saved)
+    return dict(n_embd=n_embd, alignment=alignment, parameters=len(params), units=len(reductions),
+                lowering="per parameter" if per_parameter else "per unit", ops=ops.count)  # fmt: skip
+
+
+def measure(n_embd: int, n_layer: int, world: int, block: int, repeats: int, alignment: str) -> dict:
+    correction, reductions, optimizer, params = _setup(n_embd, n_layer, world, block, alignment)
+    best = {"norms_ms": float("inf"), "lowering_ms": float("inf"), "adamw_ms": float("inf")}
     for _ in range(repeats):
-        for reduced, chunk, starts, noise in reductions:  # a step's reductions: each unit's estimates, fresh
-            correction.buffer(reduced, chunk, starts, torch.device("cpu")).copy_(noise)
+        _fresh(correction, reductions)
         t0 = time.perf_counter()
         correction.after_backward()
         t1 = time.perf_counter()
@@ -78,9 +129,24 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=4)
     parser.add_argument("--block", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--ops", action="store_true", help="count the operators of one step instead of timing")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.ops:
+        rows = [
+            count_ops(n_embd, args.n_layer, args.world, args.block, alignment, per_parameter)
+            for n_embd in args.n_embd
+            for alignment in ("parameter", "flat")
+            for per_parameter in (True, False)
+        ]
+        print("| n_embd | blocks | parameters | units | lowering | operators per step |")
+        print("|---|---|---|---|---|---|")
+        for r in rows:
+            cells = (r["n_embd"], r["alignment"], r["parameters"], r["units"], r["lowering"], r["ops"])
+            print("| " + " | ".join(str(c) for c in cells) + " |")
+        _write(args.json, rows)
+        return
     rows = [
         measure(n_embd, args.n_layer, args.world, args.block, args.repeats, alignment)
         for n_embd in args.n_embd
@@ -91,10 +157,14 @@ def main() -> None:
     for r in rows:
         print(f"| {r['n_embd']} | {r['alignment']} | {r['shard_elements']:,} | {r['norms_ms']:.2f} |"
               f" {r['lowering_ms']:.2f} | {r['adamw_ms']:.2f} | {r['ratio']:.2f} |")  # fmt: skip
-    if args.json:
-        with open(args.json, "w") as f:
+    _write(args.json, rows)
+
+
+def _write(path: str | None, rows: list[dict]) -> None:
+    if path:
+        with open(path, "w") as f:
             json.dump({"command": "python benchmarks/moments_cost.py " + " ".join(_argv()), "rows": rows}, f, indent=1)
-        print(f"wrote {args.json}")
+        print(f"wrote {path}")
 
 
 def _argv() -> list[str]:

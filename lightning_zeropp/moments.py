@@ -26,11 +26,13 @@ step) is corrected right after that step. The estimates hold until the next redu
 starts the next step's: so that several optimizers stepping after one backward (manual optimization, Fabric) each
 correct their own parameters, and none is corrected twice for one step's noise.
 
-Cost: the norms are one pass over the gradients after the backward and one before the update; the lowering is
-four element-wise passes over a parameter's shard (``v + shift g^2``, its share, the cap, the subtraction), the cap
-broadcast from the blocks without expanding them to elements where the blocks start at the parameter's start
-(parameter-aligned blocks; flat blocks expand). On one CPU thread, over the example GPT's 0.81 M elements of one
-rank's shard, it takes 2.6-3.2 ms, about one AdamW step (2.5-2.9 ms).
+Cost: the norms are one multi-tensor pass over the gradients after the backward and one before the update; the
+lowering is four element-wise passes over a parameter's shard (``v + shift g^2``, its share, the cap, the
+subtraction). On a CPU each parameter is lowered alone, the cap broadcast from the blocks without expanding them to
+elements where the blocks start at the parameter's start (parameter-aligned blocks; flat blocks expand): over the
+example GPT's 0.81 M elements of one rank's shard it takes 2.6-3.2 ms on one thread, about one AdamW step (2.5-2.9
+ms). On a GPU a unit's parameters are lowered together in multi-tensor passes, the blocks expanded once: about 12
+launches per unit in place of about 6 per parameter (``PER_PARAMETER``).
 """
 
 from __future__ import annotations
@@ -45,6 +47,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from .blocks import UnitBlocks
 
 FLOOR = 0.5  # the corrected second moment never falls below this share of the uncorrected one
+PER_PARAMETER = {"cpu"}
+"""Devices whose shards are lowered one parameter at a time (:func:`_lower`, the blocks broadcast, never expanded):
+on a CPU a call costs microseconds and the passes over memory are what counts. Elsewhere (GPUs) a unit's parameters
+are lowered together (:func:`_lower_unit`): a fixed number of launches per unit in place of about five per
+parameter, for one expansion of the blocks (``benchmarks/moments_cost.py --ops`` counts both)."""
 
 
 def noise_factor(rounding: str, feedback: bool) -> float:
@@ -69,6 +76,8 @@ class _UnitNoise:
     used: bool = False
     _spans: dict[tuple[int, int], tuple[int, int, torch.Tensor]] = field(default_factory=dict)
     _uniform: dict[tuple[int, int], tuple[int, int, int] | None] = field(default_factory=dict)
+    _lengths: torch.Tensor | None = None
+    _owners: dict[tuple, torch.Tensor] = field(default_factory=dict)
 
     def per_element(self, start: int, length: int, numel: int) -> torch.Tensor:
         """The variance of elements ``[start, start + numel)`` of the chunk (a parameter's shard, whose padded segment
@@ -83,6 +92,23 @@ class _UnitNoise:
             self._spans[key] = (first, first + len(bounds) - 1, lengths)
         first, last, lengths = self._spans[key]
         return torch.repeat_interleave(self.values[first:last], lengths, output_size=length)[:numel]
+
+    def expand(self, blocks: torch.Tensor) -> torch.Tensor:
+        """One value per block (``blocks``: the variances or a scaled copy) to one per element of the chunk."""
+        if self._lengths is None or self._lengths.device != blocks.device:
+            self._lengths = torch.tensor(self.starts, device=blocks.device).diff()
+        return torch.repeat_interleave(blocks, self._lengths, output_size=self.starts[-1])
+
+    def owners(self, spans: tuple[tuple[int, int], ...], device: torch.device) -> torch.Tensor:
+        """For each block, the index of the span ``(first, count)`` of blocks that holds it, ``len(spans)`` for the
+        blocks of none: built once on the host for a set of spans (each step corrects the same parameters)."""
+        key = (spans, device)
+        if key not in self._owners:
+            owner = torch.full((len(self.starts) - 1,), len(spans), dtype=torch.long)
+            for index, (first, count) in enumerate(spans):
+                owner[first : first + count] = index
+            self._owners[key] = owner.to(device)
+        return self._owners[key]
 
     def blocks_of(self, start: int, length: int) -> tuple[int, int, int] | None:
         """``(first, count, size)`` where the segment ``[start, start + length)`` is cut into blocks ``first ..
@@ -139,6 +165,52 @@ def _lower(
             variance = variance * ratio.to(v.dtype)
         torch.minimum(room, variance, out=room)
     v.sub_(room)
+
+
+def _lower_unit(
+    entry: _UnitNoise, items: list[tuple[torch.Tensor, torch.Tensor, int, int, float, torch.Tensor | None]]
+):
+    """:func:`_lower` for the parameters of one unit at once, ``items`` ``(v, grad, start, length, shift, ratio)``: a
+    fixed number of passes whatever their count, each one launch on a GPU (``torch._foreach_*``), where :func:`_lower`
+    pays about five per parameter. The blocks' variances are scaled (shift, clipping ratio) block by block, as
+    :func:`_lower` scales them, and expanded to the unit's elements once (4 bytes per element of the rank's shard,
+    transient); each parameter's cap is a view of it. Same operations, same order: :func:`_lower`'s result bit for
+    bit. Parameters whose blocks do not start at their own start (flat blocks) take :func:`_lower`."""
+    by_dtype: dict[tuple[torch.dtype, torch.device], list] = {}
+    for v, grad, start, length, shift, ratio in items:
+        blocks = entry.blocks_of(start, length)
+        if blocks is None:
+            _lower(v, grad, entry, start, length, shift, ratio)
+        else:
+            by_dtype.setdefault((v.dtype, v.device), []).append((v, grad, start, blocks, shift, ratio))
+    for (dtype, device), group in by_dtype.items():
+        owner = entry.owners(tuple(blocks[:2] for *_, blocks, _, _ in group), device)
+        scaled = entry.values.to(device, dtype)
+        shifts = [shift for *_, shift, _ in group]
+        if len(set(shifts)) == 1:
+            scaled = scaled * shifts[0]
+        else:
+            scaled = scaled * torch.tensor([*shifts, 1.0], dtype=dtype, device=device)[owner]
+        ratios = [ratio for *_, ratio in group]
+        if any(r is not None for r in ratios):
+            one = torch.ones((), dtype=torch.float32, device=device)
+            each = torch.stack([*(one if r is None else r.to(device) for r in ratios), one]).to(dtype)
+            scaled = scaled * each[owner]
+        expanded = entry.expand(scaled)
+        vs = [v for v, *_ in group]
+        grads = [g if g.dtype == dtype else g.to(dtype) for _, g, *_ in group]
+        caps = [
+            expanded[start : start + g.numel()].view_as(g) for (_, _, start, *_), g in zip(group, grads, strict=True)
+        ]
+        rooms = torch._foreach_addcmul(vs, grads, grads, shifts)
+        torch._foreach_mul_(rooms, 1 - FLOOR)
+        torch._foreach_minimum_(rooms, caps)
+        torch._foreach_sub_(vs, rooms)
+
+
+def _squared_norms(grads: list[torch.Tensor]) -> torch.Tensor:
+    """``sum(grad^2)`` of each gradient in fp32, one value each, in one multi-tensor pass."""
+    return torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square()
 
 
 class SecondMomentCorrection:
@@ -220,8 +292,9 @@ class SecondMomentCorrection:
                 params.append(param)
         if not grads:
             return
-        for param, grad in zip(params, grads, strict=True):
-            self._norms[id(param)] = _squared_norm(grad)
+        norms = _squared_norms(grads)
+        for index, param in enumerate(params):
+            self._norms[id(param)] = norms[index]
 
     def before_update(self, optimizer: torch.optim.Optimizer) -> None:
         """Lowers ``exp_avg_sq`` of every parameter reduced this step (see the module docstring); a parameter without
@@ -246,11 +319,15 @@ class SecondMomentCorrection:
             return
         with torch.no_grad():
             # the gradient rescaled since the backward (clipping by norm): its noise too, by the same factor
-            noted = [self._norms.get(id(param)) for _, param, *_ in todo]
-            ratios: list[torch.Tensor | None] = []
-            for (*_, grad), before in zip(todo, noted, strict=True):
-                after = _squared_norm(grad) if before is not None else None
-                ratios.append(None if before is None else torch.where(before > 0, after / before, 0.0))
+            noted = [i for i, (_, param, *_) in enumerate(todo) if id(param) in self._norms]
+            ratios: list[torch.Tensor | None] = [None] * len(todo)
+            if noted:
+                before = torch.stack([self._norms[id(todo[i][1])] for i in noted])
+                after = _squared_norms([todo[i][-1] for i in noted])
+                scale = torch.where(before > 0, after / before, 0.0)
+                for k, i in enumerate(noted):
+                    ratios[i] = scale[k]
+            by_unit: dict[int, tuple[_UnitNoise, list]] = {}
             for (entry, param, start, length, b2, grad), ratio in zip(todo, ratios, strict=True):
                 v = optimizer.state.get(param, {}).get("exp_avg_sq")
                 if v is None:
@@ -260,8 +337,14 @@ class SecondMomentCorrection:
                 v = _local(v)
                 if v.shape != grad.shape or not v.is_floating_point():
                     continue
-                _lower(v, grad, entry, start, length, (1 - b2) / b2, ratio)
-                self.corrected += 1
+                by_unit.setdefault(id(entry), (entry, []))[1].append((v, grad, start, length, (1 - b2) / b2, ratio))
+            for entry, items in by_unit.values():
+                if items[0][0].device.type in PER_PARAMETER:
+                    for v, grad, start, length, shift, ratio in items:
+                        _lower(v, grad, entry, start, length, shift, ratio)
+                else:
+                    _lower_unit(entry, items)
+                self.corrected += len(items)
         self._no_betas(found or elsewhere, optimizer)
 
     def _no_betas(self, found: bool, optimizer: torch.optim.Optimizer) -> None:

@@ -140,7 +140,17 @@ def test_an_optimizer_without_betas_is_left_alone_with_a_warning():
     assert correction.corrected == 0
 
 
-def test_blocks_expand_to_their_elements_and_the_floor_holds():
+@pytest.fixture(params=["per parameter", "per unit"])
+def lowering(request, monkeypatch):
+    """Both ways to lower ``exp_avg_sq``: one parameter at a time (the CPU's) and a unit at a time (the GPUs'), both
+    run here on the CPU."""
+    from lightning_zeropp import moments
+
+    monkeypatch.setattr(moments, "PER_PARAMETER", {"cpu"} if request.param == "per parameter" else set())
+    return request.param
+
+
+def test_blocks_expand_to_their_elements_and_the_floor_holds(lowering):
     from lightning_zeropp.moments import SecondMomentCorrection
 
     correction = SecondMomentCorrection(1 / 12)
@@ -168,7 +178,7 @@ class _Unit:
         self.name = name
 
 
-def test_every_optimizer_stepping_after_one_backward_corrects_its_own_parameters_once():
+def test_every_optimizer_stepping_after_one_backward_corrects_its_own_parameters_once(lowering):
     """Two Adam optimizers stepping after one backward (manual optimization, Fabric): each corrects its own
     parameters with the step's estimates, none twice (an optimizer stepping again on the same gradients changes
     nothing more); the next step's reduction starts new estimates and every parameter is corrected again."""
@@ -240,6 +250,50 @@ def test_the_broadcast_update_is_the_elementwise_formula(starts, start, length, 
         assert floored.any() and not floored.all()
     _lower(v, grad, entry, start, length, shift, None if ratio is None else torch.tensor(ratio))
     torch.testing.assert_close(v, want)
+
+
+def test_a_unit_lowered_at_once_is_each_parameter_lowered_alone_bit_for_bit():
+    """``_lower_unit`` (a unit's parameters in multi-tensor passes, the GPUs' way) against ``_lower`` called for each
+    parameter (the CPU's way), bit for bit: parameter-aligned blocks with short tails, a padded shard, a parameter
+    with no clipping ratio next to clipped ones (a ratio of 0 among them), two optimizer groups' shifts, an fp32 and a
+    bf16 state, a parameter left out (another optimizer's) and one whose flat blocks straddle its start."""
+    from lightning_zeropp.kernels.layout import Blocks
+    from lightning_zeropp.moments import _lower, _lower_unit, _UnitNoise
+
+    gen = torch.Generator().manual_seed(3)
+    segments = [40, 7, 130, 12, 65, 9]  # the padded shards in the unit's chunk
+    starts = Blocks.of_segments(segments, 16).starts
+    entry = _UnitNoise(None, tuple(starts), torch.rand(len(starts) - 1, generator=gen) * 3)
+    offsets = [sum(segments[:i]) for i in range(len(segments))]
+    shapes = [(5, 8), (7,), (128,), (3, 4), (65,), (9,)]  # the third's shard (128) is shorter than its segment
+    ratios = [torch.tensor(0.7), None, torch.tensor(0.0), torch.tensor(1.3), None, torch.tensor(0.5)]
+    shifts = [0.05 / 0.95, 0.05 / 0.95, 0.001 / 0.999, 0.05 / 0.95, 0.001 / 0.999, 0.05 / 0.95]
+    dtypes = [torch.float32, torch.float32, torch.float32, torch.bfloat16, torch.float32, torch.bfloat16]
+    items = []
+    for shape, start, length, ratio, shift, dtype in zip(
+        shapes, offsets, segments, ratios, shifts, dtypes, strict=True
+    ):
+        grad = torch.randn(shape, generator=gen)
+        v = (torch.rand(shape, generator=gen) * 0.4).to(dtype)  # the floor binds at some elements only
+        items.append((v, grad, start, length, shift, ratio))
+    del items[4]  # another optimizer's parameter: its blocks' variance is in the unit, its state is not lowered here
+    flat = _UnitNoise(None, (0, 16, 32, 48), torch.rand(3, generator=gen))  # blocks straddling a shard's start
+    straddled = (torch.rand(20, generator=gen), torch.randn(20, generator=gen), 8, 24, 0.05 / 0.95, None)
+
+    want = [item[0].clone() for item in items]
+    for v, (_, grad, start, length, shift, ratio) in zip(want, items, strict=True):
+        _lower(v, grad, entry, start, length, shift, ratio)
+    want_flat = straddled[0].clone()
+    _lower(want_flat, straddled[1], flat, *straddled[2:])
+    for _ in range(2):  # the second call reuses the blocks' owners the first built
+        got = [(item[0].clone(), *item[1:]) for item in items]
+        _lower_unit(entry, got)
+        for (v, *_), expected in zip(got, want, strict=True):
+            assert v.dtype == expected.dtype and torch.equal(v, expected)
+        got_flat = (straddled[0].clone(), *straddled[1:])
+        _lower_unit(flat, [got_flat])
+        assert torch.equal(got_flat[0], want_flat)
+    assert not torch.equal(want[0], items[0][0]) and torch.equal(want[2], items[2][0])  # ratio 0: unchanged
 
 
 def _estimate_worker(rank, world, aligned, kwargs):
