@@ -76,7 +76,6 @@ class _UnitNoise:
     used: bool = False
     _spans: dict[tuple[int, int], tuple[int, int, torch.Tensor]] = field(default_factory=dict)
     _uniform: dict[tuple[int, int], tuple[int, int, int] | None] = field(default_factory=dict)
-    _lengths: torch.Tensor | None = None
     _owners: dict[tuple, torch.Tensor] = field(default_factory=dict)
 
     def per_element(self, start: int, length: int, numel: int) -> torch.Tensor:
@@ -92,12 +91,6 @@ class _UnitNoise:
             self._spans[key] = (first, first + len(bounds) - 1, lengths)
         first, last, lengths = self._spans[key]
         return torch.repeat_interleave(self.values[first:last], lengths, output_size=length)[:numel]
-
-    def expand(self, blocks: torch.Tensor) -> torch.Tensor:
-        """One value per block (``blocks``: the variances or a scaled copy) to one per element of the chunk."""
-        if self._lengths is None or self._lengths.device != blocks.device:
-            self._lengths = torch.tensor(self.starts, device=blocks.device).diff()
-        return torch.repeat_interleave(blocks, self._lengths, output_size=self.starts[-1])
 
     def owners(self, spans: tuple[tuple[int, int], ...], device: torch.device) -> torch.Tensor:
         """For each block, the index of the span ``(first, count)`` of blocks that holds it, ``len(spans)`` for the
@@ -169,22 +162,28 @@ def _lower(
 
 def _lower_unit(
     entry: _UnitNoise, items: list[tuple[torch.Tensor, torch.Tensor, int, int, float, torch.Tensor | None]]
-):
+) -> None:
     """:func:`_lower` for the parameters of one unit at once, ``items`` ``(v, grad, start, length, shift, ratio)``: a
     fixed number of passes whatever their count, each one launch on a GPU (``torch._foreach_*``), where :func:`_lower`
     pays about five per parameter. The blocks' variances are scaled (shift, clipping ratio) block by block, as
-    :func:`_lower` scales them, and expanded to the unit's elements once (4 bytes per element of the rank's shard,
-    transient); each parameter's cap is a view of it. Same operations, same order: :func:`_lower`'s result bit for
-    bit. Parameters whose blocks do not start at their own start (flat blocks) take :func:`_lower`."""
+    :func:`_lower` scales them, and each block is written out ``B`` times, ``B`` the blocks' size (one pass, 4 bytes
+    per element of the rank's shard plus the short blocks' padding, transient). A parameter's blocks of ``B``
+    elements from its start (its last one shorter) put its element ``j`` at ``first * B + j`` there: its cap is a
+    view. Same operations, same order: :func:`_lower`'s result bit for bit. Parameters whose blocks are cut otherwise
+    (flat blocks straddling their start, another size) take :func:`_lower`."""
+    spans = {id(item): entry.blocks_of(item[2], item[3]) for item in items}
+    sizes = [size for span in spans.values() if span is not None and span[1] > 1 for size in span[2:]]
+    B = max(sizes) if sizes else max((span[2] for span in spans.values() if span is not None), default=0)
     by_dtype: dict[tuple[torch.dtype, torch.device], list] = {}
-    for v, grad, start, length, shift, ratio in items:
-        blocks = entry.blocks_of(start, length)
-        if blocks is None:
+    for item in items:
+        v, grad, start, length, shift, ratio = item
+        span = spans[id(item)]
+        if span is None or (span[2] != B if span[1] > 1 else span[2] > B):
             _lower(v, grad, entry, start, length, shift, ratio)
         else:
-            by_dtype.setdefault((v.dtype, v.device), []).append((v, grad, start, blocks, shift, ratio))
+            by_dtype.setdefault((v.dtype, v.device), []).append((v, grad, span[0], span[:2], shift, ratio))
     for (dtype, device), group in by_dtype.items():
-        owner = entry.owners(tuple(blocks[:2] for *_, blocks, _, _ in group), device)
+        owner = entry.owners(tuple(span for *_, span, _, _ in group), device)
         scaled = entry.values.to(device, dtype)
         shifts = [shift for *_, shift, _ in group]
         if len(set(shifts)) == 1:
@@ -196,12 +195,10 @@ def _lower_unit(
             one = torch.ones((), dtype=torch.float32, device=device)
             each = torch.stack([*(one if r is None else r.to(device) for r in ratios), one]).to(dtype)
             scaled = scaled * each[owner]
-        expanded = entry.expand(scaled)
+        spread = scaled.unsqueeze(1).expand(-1, B).reshape(-1)  # block b's value at b * B ... b * B + B - 1
         vs = [v for v, *_ in group]
         grads = [g if g.dtype == dtype else g.to(dtype) for _, g, *_ in group]
-        caps = [
-            expanded[start : start + g.numel()].view_as(g) for (_, _, start, *_), g in zip(group, grads, strict=True)
-        ]
+        caps = [spread[first * B : first * B + g.numel()].view_as(g) for (_, _, first, *_), g in zip(group, grads)]
         rooms = torch._foreach_addcmul(vs, grads, grads, shifts)
         torch._foreach_mul_(rooms, 1 - FLOOR)
         torch._foreach_minimum_(rooms, caps)

@@ -256,7 +256,8 @@ def test_a_unit_lowered_at_once_is_each_parameter_lowered_alone_bit_for_bit():
     """``_lower_unit`` (a unit's parameters in multi-tensor passes, the GPUs' way) against ``_lower`` called for each
     parameter (the CPU's way), bit for bit: parameter-aligned blocks with short tails, a padded shard, a parameter
     with no clipping ratio next to clipped ones (a ratio of 0 among them), two optimizer groups' shifts, an fp32 and a
-    bf16 state, a parameter left out (another optimizer's) and one whose flat blocks straddle its start."""
+    bf16 state, a parameter left out (another optimizer's), one whose flat blocks straddle its start and one whose
+    blocks are of another size than its unit's others."""
     from lightning_zeropp.kernels.layout import Blocks
     from lightning_zeropp.moments import _lower, _lower_unit, _UnitNoise
 
@@ -279,12 +280,18 @@ def test_a_unit_lowered_at_once_is_each_parameter_lowered_alone_bit_for_bit():
     del items[4]  # another optimizer's parameter: its blocks' variance is in the unit, its state is not lowered here
     flat = _UnitNoise(None, (0, 16, 32, 48), torch.rand(3, generator=gen))  # blocks straddling a shard's start
     straddled = (torch.rand(20, generator=gen), torch.randn(20, generator=gen), 8, 24, 0.05 / 0.95, None)
+    mixed = _UnitNoise(None, (0, 16, 32, 40, 50, 60, 70), torch.rand(6, generator=gen))  # blocks of 16, then of 10
+    sized = [(torch.rand(n, generator=gen), torch.randn(n, generator=gen), s, n, 0.05 / 0.95, torch.tensor(0.9))
+             for s, n in ((0, 40), (40, 30))]  # fmt: skip
 
     want = [item[0].clone() for item in items]
     for v, (_, grad, start, length, shift, ratio) in zip(want, items, strict=True):
         _lower(v, grad, entry, start, length, shift, ratio)
     want_flat = straddled[0].clone()
     _lower(want_flat, straddled[1], flat, *straddled[2:])
+    want_sized = [item[0].clone() for item in sized]
+    for v, (_, grad, *rest) in zip(want_sized, sized, strict=True):
+        _lower(v, grad, mixed, *rest)
     for _ in range(2):  # the second call reuses the blocks' owners the first built
         got = [(item[0].clone(), *item[1:]) for item in items]
         _lower_unit(entry, got)
@@ -293,6 +300,9 @@ def test_a_unit_lowered_at_once_is_each_parameter_lowered_alone_bit_for_bit():
         got_flat = (straddled[0].clone(), *straddled[1:])
         _lower_unit(flat, [got_flat])
         assert torch.equal(got_flat[0], want_flat)
+        got_sized = [(item[0].clone(), *item[1:]) for item in sized]
+        _lower_unit(mixed, got_sized)
+        assert all(torch.equal(g[0], w) for g, w in zip(got_sized, want_sized, strict=True))
     assert not torch.equal(want[0], items[0][0]) and torch.equal(want[2], items[2][0])  # ratio 0: unchanged
 
 
