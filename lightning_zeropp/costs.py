@@ -247,6 +247,23 @@ def kernel_bytes(
     return total
 
 
+def correction_bytes(
+    units: list[Unit], config: ZeroPPConfig, world: int, ranks_per_node: int, precision: str = "bf16-mixed"
+) -> int:
+    """Device-memory bytes the second-moment correction reads and writes on a rank in one step, where it is on (qgZ
+    across nodes): per element of the rank's shard, the gradient read three times (its norm after the backward and
+    before the update, and the lowering) and 44 bytes of the fp32 ``exp_avg_sq`` and its transients (the blocks
+    written out 4; ``v + shift g^2`` 8, ``v`` read, the room written; its share 8; the cap 12; the subtraction 12), as
+    GPUs lower a unit at once (:func:`lightning_zeropp.moments._lower_unit`). An optimizer without ``betas`` makes
+    "auto" stand down: the planner leaves this out then (``Workload.optimizer_states`` < 2)."""
+    stored = ELEMENT_BYTES[precision][0]
+    plan = _plan(config, world, ranks_per_node, precision)
+    g = plan.gradients
+    if not (g.kind == "two_hop" and g.second_moment and plan.num_nodes > 1):
+        return 0
+    return sum(sum(unit.shards(world)) for unit in units) * (3 * stored + 44)
+
+
 def _rail_kernel_bytes(plan: CommPlan, segments: tuple[int, ...], er: int) -> int:
     """Quantized HSDP's kernels on one unit's node shard of ``C`` elements (``er`` bytes each), on rank 0 (the rail
     owner of piece 0): every piece quantized to INT4 (the shard in, K rows out); the K received rows of its piece

@@ -9,7 +9,8 @@ communication and step time, with the speedup over ZeRO-3.
 The time model, stated:
 
 - compute: ``6 x parameters x tokens`` FLOPs per GPU (8x with activation checkpointing: the forward runs twice) at
-  ``efficiency x peak``, plus the quantization kernels' reads and writes at the device memory's bandwidth;
+  ``efficiency x peak``, plus the quantization kernels' and the second-moment correction's reads and writes at the
+  device memory's bandwidth;
 - a collective over all ranks (FSDP's all-gathers and reduce-scatter, qwZ's all-gather) runs as a ring: the link
   into each node carries ``(W - 1)`` shards, every GPU's own link ``(W - 1)`` shards, concurrently, so it takes the
   longer of the two, plus one latency per ring step; an all-to-all (qgZ's hops, weight deltas) or an all-reduce on
@@ -41,6 +42,7 @@ from .costs import (
     ELEMENT_BYTES,
     Unit,
     collective_buffers,
+    correction_bytes,
     gpt_units,
     kernel_bytes,
     parameters,
@@ -168,10 +170,13 @@ def comm_seconds(units: list[Unit], config: ZeroPPConfig, cluster: Cluster, prec
 
 
 def compute_seconds(units: list[Unit], config: ZeroPPConfig, cluster: Cluster, workload: Workload) -> float:
-    """The model's FLOPs at ``efficiency`` x peak, plus the quantization kernels' bytes at the device memory's
-    bandwidth (they run on the compute stream, between the layers)."""
+    """The model's FLOPs at ``efficiency`` x peak, plus the quantization kernels' bytes and the second-moment
+    correction's at the device memory's bandwidth (they run on the compute stream, between the layers and before the
+    update; the correction's where the optimizer keeps Adam's two states)."""
     flops = step_flops(units, workload) / (cluster.peak_tflops * 1e12 * workload.efficiency)
     moved = kernel_bytes(units, config, cluster.world, cluster.gpus_per_node, workload.precision)
+    if workload.optimizer_states >= 2:  # without betas nothing is lowered ("auto" stands down; True warns)
+        moved += correction_bytes(units, config, cluster.world, cluster.gpus_per_node, workload.precision)
     return flops + moved / (cluster.hbm_gbps * 1e9)
 
 

@@ -65,6 +65,28 @@ def test_time_model_behaves():
     assert steps[3200.0]["zeropp"].speedup < steps[25.0]["zeropp"].speedup
 
 
+def test_the_correction_s_passes_are_in_the_compute_time_where_it_runs():
+    """The second-moment correction's bytes (the gradient read three times, 44 bytes of ``exp_avg_sq`` and its
+    transients per element of a rank's shard) are in ZeRO++'s compute time across nodes with Adam, and nowhere else:
+    not with SGD ("auto" stands down), not on one node, not with it off, not in ZeRO-3."""
+    from lightning_zeropp.costs import correction_bytes, kernel_bytes
+    from lightning_zeropp.plan import compute_seconds
+
+    cluster = Cluster(8, 8, 100.0, 2400.0)
+    shard = sum(sum(u.shards(cluster.world)) for u in SEVEN_B)
+    on = ZeroPPConfig(**CONFIGS["zeropp"])
+    assert correction_bytes(SEVEN_B, on, 64, 8, "bf16-mixed") == shard * (3 * 4 + 44)
+    for config, world in ((ZeroPPConfig(**CONFIGS["zero3"]), 64), (on, 8),
+                          (ZeroPPConfig(second_moment_correction=False), 64)):  # fmt: skip
+        assert correction_bytes(SEVEN_B, config, world, 8, "bf16-mixed") == 0
+    adam, sgd = Workload(4096), Workload(4096, optimizer_states=1)
+    extra = compute_seconds(SEVEN_B, on, cluster, adam) - compute_seconds(SEVEN_B, on, cluster, sgd)
+    assert extra == pytest.approx(shard * 56 / (cluster.hbm_gbps * 1e9), rel=1e-9)
+    assert 0 < extra < 0.01 * compute_seconds(SEVEN_B, on, cluster, adam)  # about 1 ms at 7B on 64 GPUs
+    kernels = kernel_bytes(SEVEN_B, on, 64, 8) / (cluster.hbm_gbps * 1e9)
+    assert extra < kernels  # less than qwZ's and qgZ's own kernels move
+
+
 def test_ring_and_all_to_all_costs():
     """A ring all-gather's time follows its shard x (W - 1) on the slower link; an all-to-all's, the node's share."""
     cluster = Cluster(2, 4, 80.0, 800.0, inter_latency_us=0.0, intra_latency_us=0.0)
