@@ -19,9 +19,9 @@ import time
 from types import SimpleNamespace
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_zeropp import moments
+from lightning_zeropp.compat.torch import TorchDispatchMode
 from lightning_zeropp.costs import gpt_units
 from lightning_zeropp.kernels.layout import Blocks
 from lightning_zeropp.moments import SecondMomentCorrection

@@ -45,6 +45,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from .blocks import UnitBlocks
+from .compat import torch as compat
 
 FLOOR = 0.5  # the corrected second moment never falls below this share of the uncorrected one
 PER_PARAMETER = {"cpu"}
@@ -199,15 +200,15 @@ def _lower_unit(
         vs = [v for v, *_ in group]
         grads = [g if g.dtype == dtype else g.to(dtype) for _, g, *_ in group]
         caps = [spread[first * B : first * B + g.numel()].view_as(g) for (_, _, first, *_), g in zip(group, grads)]
-        rooms = torch._foreach_addcmul(vs, grads, grads, shifts)
-        torch._foreach_mul_(rooms, 1 - FLOOR)
-        torch._foreach_minimum_(rooms, caps)
-        torch._foreach_sub_(vs, rooms)
+        rooms = compat.foreach_addcmul(vs, grads, grads, shifts)
+        compat.foreach_mul_(rooms, 1 - FLOOR)
+        compat.foreach_minimum_(rooms, caps)
+        compat.foreach_sub_(vs, rooms)
 
 
 def _squared_norms(grads: list[torch.Tensor]) -> torch.Tensor:
     """``sum(grad^2)`` of each gradient in fp32, one value each, in one multi-tensor pass."""
-    return torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square()
+    return torch.stack(compat.foreach_norm(grads, 2, dtype=torch.float32)).square()
 
 
 class SecondMomentCorrection:

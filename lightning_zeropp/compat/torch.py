@@ -24,6 +24,16 @@ require(TORCH_VERSION >= (2, 9), "torch", "FSDP2's custom all-gather and reduce-
 from torch.distributed._composable import checkpoint as _checkpoint_in_place  # noqa: E402
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter  # noqa: E402
 
+# Multi-tensor element-wise ops: one launch for a list of tensors on a GPU (torch.optim's foreach path uses them);
+# the second-moment correction lowers a unit's parameters with them.
+foreach_addcmul = torch._foreach_addcmul
+foreach_mul_ = torch._foreach_mul_
+foreach_minimum_ = torch._foreach_minimum_
+foreach_sub_ = torch._foreach_sub_
+foreach_norm = torch._foreach_norm
+# A mode that sees every operator dispatched (the benchmarks count the correction's with it).
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
 # torch 2.13 deprecates the *_into_tensor / *_tensor names; torch 2.11 and older lack the *_single ones.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -32,6 +42,12 @@ __all__ = [
     "AllGather",
     "ReduceScatter",
     "ForwardHooks",
+    "TorchDispatchMode",
+    "foreach_addcmul",
+    "foreach_minimum_",
+    "foreach_mul_",
+    "foreach_norm",
+    "foreach_sub_",
     "all_gather_single",
     "checkpoint_in_place",
     "in_backward",
