@@ -3,9 +3,10 @@
 #   1. kernel bit-exactness on CUDA against the torch twins (tests/test_kernels_gpu.py, and the rotated
 #      specializations' checks in tests/test_kernels_rotation.py),
 #   2. the bandwidth table (benchmarks/kernels.py: GB/s, % of device copy, x eager, x torch.compile),
-#   3. qgZ/qwZ kernel pipelines at production shapes and a short training run with kernel_backend="triton".
-# Each step has its own time limit and the script goes on past a failed step, so one run reports all three; it exits
-# non-zero if any failed. Results land in $OUT (default benchmarks/gpu_check/): at most 7 files.
+#   3. qgZ/qwZ kernel pipelines at production shapes and a short training run with kernel_backend="triton",
+#   4. the second-moment correction's step on the GPU, lowered per parameter and per unit (benchmarks/moments_cost.py).
+# Each step has its own time limit and the script goes on past a failed step, so one run reports all four; it exits
+# non-zero if any failed. Results land in $OUT (default benchmarks/gpu_check/): at most 8 files.
 # Runs from a checkout without installing: it links lightning_zeropp/kernels to triton_kernels/ (what the editable
 # install maps) when the package does not import.
 set -uo pipefail
@@ -60,6 +61,8 @@ step kernels_gpu "$TESTS_S" bash -c kernel_tests
 step kernels "${GPU_CHECK_BANDWIDTH_S:-200}" python benchmarks/kernels.py --sizes-mb ${GPU_CHECK_SIZES_MB:-16 256} \
   --reps 20 --json "$OUT/kernels.json"
 step gpu_smoke "${GPU_CHECK_SMOKE_S:-120}" python benchmarks/gpu_smoke.py --steps 30 --json "$OUT/gpu_smoke.json"
+step moments_cost "${GPU_CHECK_MOMENTS_S:-40}" python benchmarks/moments_cost.py --device cuda --both \
+  --n-embd 256 1024 2048 --repeats 10
 if [ ${#failed[@]} -gt 0 ]; then
   echo "gpu_check: FAILED: ${failed[*]}; results in $OUT" | tee -a "$OUT/summary.txt"
   exit 1

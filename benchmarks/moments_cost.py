@@ -1,12 +1,15 @@
 """What the second-moment correction costs per optimizer step, next to the AdamW step it corrects.
 
-One process, one CPU thread: one rank's shard of the example GPT (or a larger one) laid out as the strategy lays a
-unit's gradient chunk (each parameter's padded shard, parameter-aligned blocks of ``gradient_block_size``), random
-gradients and noise estimates, AdamW (foreach) with state. Per repeat: the correction's ``after_backward`` (the
-norms), ``before_update`` (the lowering of ``exp_avg_sq``), then ``optimizer.step()``; the best of ``--repeats``. The
-bytes each moves are what it reads and writes of the shard; no collective is involved (the correction sends nothing).
+One process, one CPU thread (or one GPU, ``--device cuda``): one rank's shard of the example GPT (or a larger one)
+laid out as the strategy lays a unit's gradient chunk (each parameter's padded shard, parameter-aligned blocks of
+``gradient_block_size``), random gradients and noise estimates, AdamW (foreach) with state. Per repeat: the
+correction's ``after_backward`` (the norms), ``before_update`` (the lowering of ``exp_avg_sq``), then
+``optimizer.step()``; the best of ``--repeats``. The bytes each moves are what it reads and writes of the shard; no
+collective is involved (the correction sends nothing).
 
     python benchmarks/moments_cost.py [--n-embd 256] [--n-layer 4] [--world 4] [--repeats 15] [--json FILE]
+    python benchmarks/moments_cost.py --device cuda --both      # a GPU: each way to lower, synchronized
+    python benchmarks/moments_cost.py --ops                     # the operators one step dispatches, each way
 
 The example's units (``lightning_zeropp.costs.gpt_units``): vocabulary 256, 128 positions.
 """
@@ -27,7 +30,7 @@ from lightning_zeropp.kernels.layout import Blocks
 from lightning_zeropp.moments import SecondMomentCorrection
 
 
-def _setup(n_embd: int, n_layer: int, world: int, block: int, alignment: str):
+def _setup(n_embd: int, n_layer: int, world: int, block: int, alignment: str, device: str = "cpu"):
     """The correction, a step's reductions, AdamW with state (its first step taken) and the parameters, as a rank of
     ``world`` holds the example GPT's units."""
     torch.manual_seed(0)
@@ -41,13 +44,13 @@ def _setup(n_embd: int, n_layer: int, world: int, block: int, alignment: str):
         else:
             starts = (*range(0, chunk, block), chunk)
         reduced = SimpleNamespace(name=f"unit{index}")  # what a reduction hands the correction: its unit's name
-        reductions.append((reduced, chunk, tuple(starts), torch.rand(len(starts) - 1)))
-        correction.buffer(reduced, chunk, tuple(starts), torch.device("cpu"))
+        reductions.append((reduced, chunk, tuple(starts), torch.rand(len(starts) - 1, device=device)))
+        correction.buffer(reduced, chunk, tuple(starts), torch.device(device))
         entry = correction._units[reduced.name]
         offset = 0
         for length in lengths:
-            param = torch.nn.Parameter(torch.zeros(length))
-            param.grad = torch.randn(length)
+            param = torch.nn.Parameter(torch.zeros(length, device=device))
+            param.grad = torch.randn(length, device=device)
             params.append(param)
             items.append((entry, param, offset, length))
             offset += length
@@ -60,7 +63,7 @@ def _setup(n_embd: int, n_layer: int, world: int, block: int, alignment: str):
 
 def _fresh(correction: SecondMomentCorrection, reductions: list) -> None:
     for reduced, chunk, starts, noise in reductions:  # a step's reductions: each unit's estimates, fresh
-        correction.buffer(reduced, chunk, starts, torch.device("cpu")).copy_(noise)
+        correction.buffer(reduced, chunk, starts, noise.device).copy_(noise)
 
 
 class _Ops(TorchDispatchMode):
@@ -101,23 +104,48 @@ def count_ops(n_embd: int, n_layer: int, world: int, block: int, alignment: str,
                 lowering="per parameter" if per_parameter else "per unit", ops=ops.count)  # fmt: skip
 
 
-def measure(n_embd: int, n_layer: int, world: int, block: int, repeats: int, alignment: str) -> dict:
-    correction, reductions, optimizer, params = _setup(n_embd, n_layer, world, block, alignment)
+def measure(
+    n_embd: int,
+    n_layer: int,
+    world: int,
+    block: int,
+    repeats: int,
+    alignment: str,
+    device: str = "cpu",
+    per_parameter: bool | None = None,
+) -> dict:
+    """The best of ``repeats`` steps' times of each part; ``per_parameter`` None: the device's own way to lower."""
+    correction, reductions, optimizer, params = _setup(n_embd, n_layer, world, block, alignment, device)
+    saved = set(moments.PER_PARAMETER)
+    if per_parameter is not None:
+        moments.PER_PARAMETER.clear()
+        moments.PER_PARAMETER.update({torch.device(device).type} if per_parameter else set())
+    way = "per parameter" if torch.device(device).type in moments.PER_PARAMETER else "per unit"
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     best = {"norms_ms": float("inf"), "lowering_ms": float("inf"), "adamw_ms": float("inf")}
-    for _ in range(repeats):
-        _fresh(correction, reductions)
-        t0 = time.perf_counter()
-        correction.after_backward()
-        t1 = time.perf_counter()
-        correction.before_update(optimizer)
-        t2 = time.perf_counter()
-        optimizer.step()
-        t3 = time.perf_counter()
-        correction.after_update(optimizer)
-        for key, seconds in zip(best, (t1 - t0, t2 - t1, t3 - t2), strict=True):
-            best[key] = min(best[key], seconds * 1e3)
+    try:
+        for _ in range(repeats):
+            _fresh(correction, reductions)
+            sync()
+            t0 = time.perf_counter()
+            correction.after_backward()
+            sync()
+            t1 = time.perf_counter()
+            correction.before_update(optimizer)
+            sync()
+            t2 = time.perf_counter()
+            optimizer.step()
+            sync()
+            t3 = time.perf_counter()
+            correction.after_update(optimizer)
+            for key, seconds in zip(best, (t1 - t0, t2 - t1, t3 - t2), strict=True):
+                best[key] = min(best[key], seconds * 1e3)
+    finally:
+        moments.PER_PARAMETER.clear()
+        moments.PER_PARAMETER.update(saved)
     elements = sum(p.numel() for p in params)
     return dict(n_embd=n_embd, n_layer=n_layer, world=world, alignment=alignment, shard_elements=elements,
+                device=device, lowering=way,
                 parameters=len(params), corrected=correction.corrected, **best,
                 ratio=(best["norms_ms"] + best["lowering_ms"]) / best["adamw_ms"])  # fmt: skip
 
@@ -130,6 +158,8 @@ def main() -> None:
     parser.add_argument("--block", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--ops", action="store_true", help="count the operators of one step instead of timing")
+    parser.add_argument("--device", default="cpu", help="where the shard lies (cuda: synchronized around each part)")
+    parser.add_argument("--both", action="store_true", help="time both ways to lower (per parameter, per unit)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -147,15 +177,20 @@ def main() -> None:
             print("| " + " | ".join(str(c) for c in cells) + " |")
         _write(args.json, rows)
         return
+    ways = (True, False) if args.both else (None,)
     rows = [
-        measure(n_embd, args.n_layer, args.world, args.block, args.repeats, alignment)
+        measure(n_embd, args.n_layer, args.world, args.block, args.repeats, alignment, args.device, way)
         for n_embd in args.n_embd
         for alignment in ("parameter", "flat")
+        for way in ways
     ]
-    print("| n_embd | blocks | shard elements | norms ms | lowering ms | AdamW step ms | correction / AdamW |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"device: {args.device}")
+    print(
+        "| n_embd | blocks | lowering | shard elements | norms ms | lowering ms | AdamW step ms | correction / AdamW |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['n_embd']} | {r['alignment']} | {r['shard_elements']:,} | {r['norms_ms']:.2f} |"
+        print(f"| {r['n_embd']} | {r['alignment']} | {r['lowering']} | {r['shard_elements']:,} | {r['norms_ms']:.2f} |"
               f" {r['lowering_ms']:.2f} | {r['adamw_ms']:.2f} | {r['ratio']:.2f} |")  # fmt: skip
     _write(args.json, rows)
 

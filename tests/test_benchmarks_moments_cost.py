@@ -12,8 +12,10 @@ bench = load_script(ROOT / "benchmarks" / "moments_cost.py", "moments_cost_bench
 
 
 @pytest.mark.parametrize("alignment", ["parameter", "flat"])
-def test_every_parameter_is_corrected_at_every_repeat(alignment):
-    row = bench.measure(n_embd=32, n_layer=2, world=4, block=16, repeats=3, alignment=alignment)
+@pytest.mark.parametrize("per_parameter, way", [(None, "per parameter"), (True, "per parameter"), (False, "per unit")])
+def test_every_parameter_is_corrected_at_every_repeat(alignment, per_parameter, way):
+    row = bench.measure(32, 2, 4, 16, 3, alignment, per_parameter=per_parameter)  # None: the CPU's own way
+    assert row["lowering"] == way and row["device"] == "cpu"
     assert row["parameters"] == 2 * 12 + 4  # 12 per block; the embeddings and the final norm
     assert row["corrected"] == 3 * row["parameters"]
     assert row["shard_elements"] > 0 and row["norms_ms"] > 0 and row["lowering_ms"] > 0 and row["adamw_ms"] > 0
