@@ -124,22 +124,16 @@ def measure(
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     best = {"norms_ms": float("inf"), "lowering_ms": float("inf"), "adamw_ms": float("inf")}
     try:
+        parts = (correction.after_backward, lambda: correction.before_update(optimizer), optimizer.step)
         for _ in range(repeats):
             _fresh(correction, reductions)
-            sync()
-            t0 = time.perf_counter()
-            correction.after_backward()
-            sync()
-            t1 = time.perf_counter()
-            correction.before_update(optimizer)
-            sync()
-            t2 = time.perf_counter()
-            optimizer.step()
-            sync()
-            t3 = time.perf_counter()
+            for key, part in zip(best, parts, strict=True):
+                sync()
+                start = time.perf_counter()
+                part()
+                sync()
+                best[key] = min(best[key], (time.perf_counter() - start) * 1e3)
             correction.after_update(optimizer)
-            for key, seconds in zip(best, (t1 - t0, t2 - t1, t3 - t2), strict=True):
-                best[key] = min(best[key], seconds * 1e3)
     finally:
         moments.PER_PARAMETER.clear()
         moments.PER_PARAMETER.update(saved)
