@@ -368,12 +368,16 @@ def _block_amax(flat: torch.Tensor, block: int) -> torch.Tensor:
     return padded.amax(1).repeat_interleave(block)[:n]
 
 
-def _fabric_worker(rank, world, init_path, steps, clip_at):
+def _fabric_worker(rank, world, init_path, steps, clip_at, lowering="per parameter"):
     import torch.nn.functional as F
     from lightning.fabric import Fabric
 
+    from lightning_zeropp import moments as correction_module
     from lightning_zeropp.fabric import ZeroPPStrategy as FabricZeroPP
     from lightning_zeropp.testing.models import TinyTransformer
+
+    if lowering == "per unit":  # the GPUs' way, on these CPU ranks
+        correction_module.PER_PARAMETER.clear()
 
     torch.manual_seed(0)
     fabric = Fabric(accelerator="cpu", devices=world, precision="32-true",
@@ -446,7 +450,8 @@ def _fabric_worker(rank, world, init_path, steps, clip_at):
 
 
 @pytest.mark.multiprocess
-def test_each_element_gets_its_blocks_variance_and_adam_the_corrected_second_moment(tmp_path):
+@pytest.mark.parametrize("lowering", ["per parameter", "per unit"])
+def test_each_element_gets_its_blocks_variance_and_adam_the_corrected_second_moment(tmp_path, lowering):
     from lightning_zeropp.testing.models import TinyTransformer
 
     torch.manual_seed(0)
@@ -454,7 +459,7 @@ def test_each_element_gets_its_blocks_variance_and_adam_the_corrected_second_mom
     init_path = str(tmp_path / "init.pt")
     torch.save(net.state_dict(), init_path)
     steps = 4
-    for rank, r in enumerate(spawn(_fabric_worker, W, init_path, steps, 2)):
+    for rank, r in enumerate(spawn(_fabric_worker, W, init_path, steps, 2, lowering)):
         assert r["corrected"] == steps * r["params"], (rank, r)
         assert r["sigma"] < 0.05, (rank, r)  # INT8's error on the first hop, nothing more
         assert r["first"] < 1e-6, (rank, r)
