@@ -10,7 +10,8 @@ study's resolution) where there are two seeds or more. Nothing is trained.
     python benchmarks/paired_gap.py --json benchmarks/convergence_lr_cut.json --regime lr0.000297-warmup30 \\
         --baseline benchmarks/convergence_calm_fp32.json --baseline-regime calm --steps 500
 
-``--out FILE`` writes the table's numbers as JSON.
+``--windows 50`` adds the mean gap over the seeds in each window of 50 steps (does it grow with training?);
+``--out FILE`` writes the tables' numbers as JSON.
 """
 
 from __future__ import annotations
@@ -54,6 +55,23 @@ def paired(runs: dict[int, dict], base: dict[int, dict], steps: int) -> dict:
     return {"per_seed": per_seed, "summary": summary}
 
 
+def windows(runs: dict[int, dict], base: dict[int, dict], steps: int, width: int) -> list[dict]:
+    """Over the seeds in both, the relative gap of the mean training loss in each window of ``width`` steps (the last
+    one may be shorter): its mean and standard error, whether the gap grows with training."""
+    seeds = sorted(set(runs) & set(base))
+    out = []
+    for start in range(1, steps + 1, width):
+        end = min(start + width - 1, steps)
+        values = []
+        for seed in seeds:
+            r = [v for s, v in runs[seed]["train_curve"] if start <= s <= end]
+            b = [v for s, v in base[seed]["train_curve"] if start <= s <= end]
+            values.append(sum(r) / sum(b) - 1)
+        mean, se = mean_se(values)
+        out.append({"steps": [start, end], "mean": mean, "se": se})
+    return out
+
+
 def pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:+.3f}%"
 
@@ -67,6 +85,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--baseline-config", default="zero3")
     parser.add_argument("--baseline-regime", default="calm")
     parser.add_argument("--steps", type=int, required=True, help="the runs' length (both sides)")
+    parser.add_argument(
+        "--windows",
+        type=int,
+        default=None,
+        metavar="STEPS",
+        help="also the mean gap over the seeds in each window of this many steps",
+    )
     parser.add_argument("--out", type=Path, default=None, help="write the numbers as JSON here")
     args = parser.parse_args(argv)
     runs = pick(args.json, args.config, args.regime, args.steps)
@@ -87,6 +112,14 @@ def main(argv: list[str] | None = None) -> dict:
     if len(result["per_seed"]) > 1:
         cells = [f"{pct(s['mean'])} ± {pct(2 * s['se'])[1:]}" for s in (result["summary"][m] for m in MEASURES)]
         print("| mean ± 2 SE | " + " | ".join(cells) + " |")
+    if args.windows is not None:
+        if args.windows < 1:
+            raise SystemExit(f"--windows {args.windows}: give a window of 1 step or more, e.g. --windows 50")
+        result["windows"] = windows(runs, base, args.steps, args.windows)
+        print("\n| steps | mean gap ± 2 SE |\n|---|---|")
+        for w in result["windows"]:
+            spread = "" if w["se"] is None else f" ± {pct(2 * w['se'])[1:]}"
+            print(f"| {w['steps'][0]}-{w['steps'][1]} | {pct(w['mean'])}{spread} |")
     if args.out:
         args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, **result}, indent=2))
         print(f"wrote {args.out}")

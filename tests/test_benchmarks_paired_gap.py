@@ -65,3 +65,31 @@ def test_no_common_seed_names_the_arguments(tmp_path):
     with pytest.raises(SystemExit, match="no study file"):
         paired_gap.main(["--json", str(tmp_path / "nope.json"), "--regime", "cut", "--baseline", str(base),
                          "--steps", "10"])  # fmt: skip
+
+
+def test_windows_show_a_gap_that_grows(tmp_path, capsys):
+    """The mean gap per window over the seeds: a run whose loss rises against the baseline step by step shows it
+    window by window; the last window may be shorter; a window under one step is refused by name."""
+    steps = 10
+
+    def run(config, seed, slope):
+        train = [[s, 1.0 + slope * s] for s in range(1, steps + 1)]
+        return dict(config=config, seed=seed, regime="calm", steps=steps, train_curve=train,
+                    val_curve=[[steps, 1.0]])  # fmt: skip
+
+    path = _write(tmp_path / "study.json", [run("zero3", 1, 0.0), run("zero3", 2, 0.0),
+                                            run("zeropp", 1, 0.01), run("zeropp", 2, 0.03)])  # fmt: skip
+    argv = ["--json", str(path), "--config", "zeropp", "--regime", "calm", "--baseline", str(path),
+            "--baseline-regime", "calm", "--steps", "10"]  # fmt: skip
+    result = paired_gap.main([*argv, "--windows", "4"])
+    got = result["windows"]
+    assert [w["steps"] for w in got] == [[1, 4], [5, 8], [9, 10]]
+    for w in got:  # seed gaps: slope x mean step of the window; mean over slopes 0.01 and 0.03
+        (a, b) = w["steps"]
+        mean_step = (a + b) / 2
+        assert w["mean"] == pytest.approx(0.02 * mean_step)
+        assert w["se"] == pytest.approx(0.01 * mean_step)  # |0.03 - 0.01| x step / 2
+    assert got[0]["mean"] < got[1]["mean"] < got[2]["mean"]
+    assert "| 9-10 | +19.000% ± 19.000% |" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--windows 0: give a window of 1 step or more"):
+        paired_gap.main([*argv, "--windows", "0"])
