@@ -54,6 +54,27 @@ def test_zero_blocks_are_exact_and_nonfinite_blocks_are_nan(bits):
     assert torch.isfinite(y[16:20]).all() and y[16] == -4.0
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("stochastic", [False, True])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_quantize_lost_is_the_dequantized_wires_error_bit_for_bit(bits, stochastic, in_place):
+    """What error feedback keeps: ``lost`` from the codes before packing equals ``x - dequantize(wire)``, in every
+    bit, for zero, subnormal, Inf and NaN blocks and a short tail, also when ``lost`` is ``x`` itself."""
+    torch.manual_seed(bits)
+    x = torch.randn(3, 75) * torch.rand(3, 75) ** 3
+    x[0, :8] = 0.0  # a zero block
+    x[0, 8:16] *= 1e-40  # a block whose scale is below the smallest normal: codes 0
+    x[1, 3], x[2, 20] = float("inf"), float("nan")
+    wire = ref._quantize_uniform(x, bits, 8, stochastic=stochastic, seed=5)
+    expected = x - ref._dequantize_f32(wire, 75, bits, 8)
+    lost = x.clone() if in_place else torch.full_like(x, 7.0)
+    source = lost if in_place else x.clone()
+    wire2 = ref._quantize_uniform(source, bits, 8, stochastic=stochastic, seed=5, lost=lost)
+    assert torch.equal(wire2, wire)
+    assert torch.equal(lost.view(torch.int32), expected.view(torch.int32))  # NaNs included, bit for bit
+    assert torch.isnan(lost[1, :8]).all() and torch.equal(lost[0, :8], torch.zeros(8))
+
+
 def test_int8_layout_and_half_to_even():
     x = torch.tensor([0.5, 1.5, 2.5, -0.5, -2.5, 127.0, 3.0, 0.0])  # absmax 127 -> scale exactly 1
     buf = tk.quantize(x, 8, 8)

@@ -47,9 +47,19 @@ def _per_block(values: torch.Tensor, block_size: int) -> list[torch.Tensor]:
 
 
 def _quantize_uniform(
-    x: torch.Tensor, bits: int, block_size: int, *, stochastic: bool = False, seed: int | None = None
+    x: torch.Tensor,
+    bits: int,
+    block_size: int,
+    *,
+    stochastic: bool = False,
+    seed: int | None = None,
+    lost: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Block-quantizes ``x`` (1-D: one row; 2-D: each row on its own) into the uniform wire format (``layout``)."""
+    """Block-quantizes ``x`` (1-D: one row; 2-D: each row on its own) into the uniform wire format (``layout``).
+
+    ``lost`` (fp32, ``x``'s shape, may be ``x`` itself): receives ``x - dequantize(wire)``, what the quantization
+    lost, computed from each block's codes before they are packed (bit for bit the dequantized wire's: the code is an
+    integer in fp32 times the block's fp32 scale, one rounding, then the subtraction) instead of unpacking them."""
     rows, two_d = _as_rows(x)
     R, n = rows.shape
     nb, qmax = num_blocks(n, block_size), QMAX[bits]
@@ -68,8 +78,13 @@ def _quantize_uniform(
     inv = 1.0 / (scale if every_block_usable else torch.where(usable, scale, torch.ones_like(scale)))
     codes = out[:, :pb].view(torch.int8) if bits == 8 else torch.zeros(R, 2 * pb, dtype=torch.int8, device=x.device)
     noise = _per_block(_uniform((R, n), seed, x.device), block_size) if stochastic else [None] * len(parts)
+    if not every_block_usable:
+        wire_scale = torch.where(torch.isfinite(scale), scale, torch.full_like(scale, float("nan")))
+    else:
+        wire_scale = scale
+    losses = _per_block(lost.view(R, n), block_size) if lost is not None else [None] * len(parts)
     first = 0
-    for part, code, u in zip(parts, _per_block(codes[:, :n], block_size), noise):
+    for part, code, u, loss in zip(parts, _per_block(codes[:, :n], block_size), noise, losses):
         blocks = slice(first, first + part.shape[1])
         first += part.shape[1]
         y = part * inv[:, blocks].unsqueeze(2)
@@ -81,8 +96,9 @@ def _quantize_uniform(
         if not every_block_usable:  # a block with Inf or NaN codes 0 with scale NaN: dequantizes to NaN
             y.masked_fill_(~usable[:, blocks].unsqueeze(2), 0.0)
         code.copy_(y)
-    if not every_block_usable:
-        scale = torch.where(torch.isfinite(scale), scale, torch.full_like(scale, float("nan")))
+        if loss is not None:  # after the code is taken: ``loss`` may be ``part`` itself
+            torch.sub(part, y.mul_(wire_scale[:, blocks].unsqueeze(2)), out=loss)
+    scale = wire_scale
     if bits == 4:
         pairs = codes.view(torch.uint8)
         torch.bitwise_or(pairs[:, 0::2] & 0xF, (pairs[:, 1::2] & 0xF) << 4, out=out[:, :pb])
@@ -363,9 +379,8 @@ def _quantize_with_feedback(
         arguments = (values, bits, block_size, blocks, stochastic, seed, residual, scales, decay)
         return _quantize_with_feedback_padded(*arguments)
     v = values + _decayed_residual(residual, scales, block_size, blocks, decay)
-    out = _quantize_f32(v, bits, block_size, blocks, stochastic, seed)
-    lost = v - _dequantize_rows(out, v.shape[1], bits, block_size, blocks)
-    _store_residual(lost, residual, scales, block_size, blocks)
+    out = _quantize_uniform(v, bits, block_size, stochastic=stochastic, seed=seed, lost=v)  # v becomes what it lost
+    _store_residual(v, residual, scales, block_size, blocks)
     return out
 
 
@@ -393,8 +408,8 @@ def _quantize_with_feedback_padded(
         stored = padded.spread(residual, torch.float32).view(R, blocks.count, block_size).mul_(decayed)
         stored = stored.view(R, padded.width)
     v = padded.spread(values).add_(stored)
-    uniform = _quantize_uniform(v, bits, block_size, stochastic=stochastic, seed=seed)
-    lost = v.sub_(_dequantize_f32(uniform, padded.width, bits, block_size))
+    uniform = _quantize_uniform(v, bits, block_size, stochastic=stochastic, seed=seed, lost=v)
+    lost = v
     if scales is None:
         residual.copy_(padded.gather(lost))
     else:
