@@ -11,13 +11,15 @@ study's resolution) where there are two seeds or more. Nothing is trained.
         --baseline benchmarks/convergence_calm_fp32.json --baseline-regime calm --steps 500
 
 ``--windows 50`` adds the mean gap over the seeds in each window of 50 steps (does it grow with training?);
-``--out FILE`` writes the tables' numbers as JSON.
+``--seeds 1 2 3`` pairs those seeds only; ``--resolution 0.03`` adds, per measure, how many seeds would bring 2 SE
+to 0.03% at the spread the seeds show (the study's size for a goal); ``--out FILE`` writes the tables' numbers as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -53,6 +55,14 @@ def paired(runs: dict[int, dict], base: dict[int, dict], steps: int) -> dict:
         mean, se = mean_se([g[m] for g in per_seed.values()])
         summary[m] = {"mean": mean, "se": se}
     return {"per_seed": per_seed, "summary": summary}
+
+
+def seeds_for(se: float | None, n: int, resolution: float) -> int | None:
+    """Seeds for 2 SE <= ``resolution`` (a fraction) at the spread ``n`` seeds show (their SE ``se``): the sample
+    standard deviation ``se * sqrt(n)`` over ``resolution / 2``, squared, rounded up; None without a spread."""
+    if se is None:
+        return None
+    return max(2, math.ceil((2 * se * math.sqrt(n) / resolution) ** 2 - 1e-9))
 
 
 def windows(runs: dict[int, dict], base: dict[int, dict], steps: int, width: int) -> list[dict]:
@@ -92,10 +102,28 @@ def main(argv: list[str] | None = None) -> dict:
         metavar="STEPS",
         help="also the mean gap over the seeds in each window of this many steps",
     )
+    parser.add_argument("--seeds", type=int, nargs="+", default=None, help="pair only these seeds (default: all)")
+    parser.add_argument(
+        "--resolution",
+        type=float,
+        default=None,
+        metavar="PERCENT",
+        help="also the seeds that would bring 2 SE to this many percent, at the spread measured",
+    )
     parser.add_argument("--out", type=Path, default=None, help="write the numbers as JSON here")
     args = parser.parse_args(argv)
     runs = pick(args.json, args.config, args.regime, args.steps)
     base = pick(args.baseline, args.baseline_config, args.baseline_regime, args.steps)
+    if args.seeds is not None:
+        missing = sorted(set(args.seeds) - (set(runs) & set(base)))
+        if missing:
+            raise SystemExit(
+                f"--seeds {' '.join(map(str, args.seeds))}: seeds {missing} lack a finished {args.config} run or its"
+                f" {args.baseline_config} baseline (paired seeds: {sorted(set(runs) & set(base))}); drop them"
+            )
+        runs = {seed: runs[seed] for seed in args.seeds}
+    if args.resolution is not None and not args.resolution > 0:
+        raise SystemExit(f"--resolution {args.resolution}: give the 2 SE wanted in percent, above 0, e.g. 0.03")
     if not set(runs) & set(base):
         raise SystemExit(
             f"no seed has both a finished {args.config} run ({args.regime}, {args.steps} steps; seeds {sorted(runs)})"
@@ -112,6 +140,13 @@ def main(argv: list[str] | None = None) -> dict:
     if len(result["per_seed"]) > 1:
         cells = [f"{pct(s['mean'])} ± {pct(2 * s['se'])[1:]}" for s in (result["summary"][m] for m in MEASURES)]
         print("| mean ± 2 SE | " + " | ".join(cells) + " |")
+    if args.resolution is not None:
+        n = len(result["per_seed"])
+        result["seeds_for_resolution"] = {
+            m: seeds_for(result["summary"][m]["se"], n, args.resolution / 100) for m in MEASURES
+        }
+        cells = [str(result["seeds_for_resolution"][m] or "-") for m in MEASURES]
+        print(f"| seeds for ± {args.resolution:g}% | " + " | ".join(cells) + " |")
     if args.windows is not None:
         if args.windows < 1:
             raise SystemExit(f"--windows {args.windows}: give a window of 1 step or more, e.g. --windows 50")

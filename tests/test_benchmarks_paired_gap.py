@@ -93,3 +93,26 @@ def test_windows_show_a_gap_that_grows(tmp_path, capsys):
     assert "| 9-10 | +19.000% ± 19.000% |" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="--windows 0: give a window of 1 step or more"):
         paired_gap.main([*argv, "--windows", "0"])
+
+
+def test_seeds_filter_and_the_seeds_a_resolution_needs(tmp_path, capsys):
+    """``--seeds`` pairs those seeds only and names the ones without a pair; ``--resolution`` gives, per measure, the
+    seeds that bring 2 SE to it at the spread measured (std 1% over two seeds: 2 SE = 1% at 4 seeds, 0.5% at 16)."""
+    base = _write(tmp_path / "base.json", [_run("zero3", s, "calm", 1.0, 1.0, 1.0) for s in (1, 2, 3)])
+    runs = _write(tmp_path / "runs.json", [
+        _run("zeropp", 1, "calm", 1.0, 1.0, 1.0),
+        _run("zeropp", 2, "calm", 1.0, 1.0 + 0.01 * math.sqrt(2), 1.0),  # second half: std 1% over seeds 1, 2
+        _run("zeropp", 3, "calm", 1.5, 1.5, 1.5),  # left out by --seeds
+    ])  # fmt: skip
+    common = ["--json", str(runs), "--config", "zeropp", "--regime", "calm", "--baseline", str(base), "--steps", "10"]
+    result = paired_gap.main([*common, "--seeds", "1", "2", "--resolution", "0.5"])
+    assert sorted(result["per_seed"]) == [1, 2]
+    assert result["seeds_for_resolution"] == {"first_half": 2, "second_half": 16, "final_val": 2}
+    assert "| seeds for ± 0.5% | 2 | 16 | 2 |" in capsys.readouterr().out
+    assert paired_gap.seeds_for(0.01 / math.sqrt(2), 2, 0.01) == 4
+    assert paired_gap.seeds_for(1e-6, 2, 0.01) == 2  # never below the two a spread needs
+    assert paired_gap.seeds_for(None, 1, 0.01) is None  # one seed shows no spread
+    with pytest.raises(SystemExit, match=r"seeds \[4\] lack .* drop them"):
+        paired_gap.main([*common, "--seeds", "1", "4"])
+    with pytest.raises(SystemExit, match="--resolution 0.0: give the 2 SE wanted in percent, above 0"):
+        paired_gap.main([*common, "--resolution", "0"])
