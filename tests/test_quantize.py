@@ -182,6 +182,40 @@ def test_dequantize_reduce_quantize_and_dequantize_reduce():
     assert torch.equal(out, (summed[0] * 0.25).to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("width", ["int8", "bf16", "fp32"])
+@pytest.mark.parametrize("aligned", [False, True])
+def test_step3_feedback_takes_the_k_rows_at_once_as_one_at_a_time(width, aligned):
+    """qgZ step 3 with error feedback re-quantizes its K rows in one pass on the CPU (as without feedback); every
+    row's wire, residual and residual scales are bit for bit those of the row taken alone with its residual row,
+    over three steps, with a zero row, a non-finite entry and a short tail block."""
+    torch.manual_seed(3)
+    N, K, n = 2, 3, 301
+    blocks = tk.Blocks.of_segments([5, 200, 96], 32) if aligned else None
+    count = blocks.count if aligned else ref.num_blocks(n, 32)
+    dtype = {"int8": torch.int8, "bf16": torch.bfloat16, "fp32": torch.float32}[width]
+    together = torch.zeros(K, n, dtype=dtype)
+    scales = torch.zeros(K, count) if width == "int8" else None
+    alone = [together[k : k + 1].clone() for k in range(K)]
+    alone_scales = [scales[k : k + 1].clone() if scales is not None else None for k in range(K)]
+    for step in range(3):
+        vals = torch.randn(N, K, n) * 10.0**-step
+        vals[:, 1] = 0.0 if step == 1 else vals[:, 1]
+        if step == 2:
+            vals[0, 2, 7] = float("inf")
+        buf = tk.quantize(vals.view(N * K, n), 8, 32, blocks=blocks).view(N, K, -1)
+        extra = {} if scales is None else {"residual_scales": scales}
+        wire = tk.dequantize_reduce_quantize(buf, n, 8, 4, 32, blocks=blocks, residual=together, **extra)
+        for k in range(K):
+            extra = {} if scales is None else {"residual_scales": alone_scales[k]}
+            row = tk.dequantize_reduce_quantize(buf[:, k : k + 1], n, 8, 4, 32, blocks=blocks, residual=alone[k],
+                                                **extra)  # fmt: skip
+            assert torch.equal(wire[k : k + 1], row), (step, k)
+            assert torch.equal(together[k : k + 1].view(torch.uint8), alone[k].view(torch.uint8)), (step, k)
+            if scales is not None:
+                assert torch.equal(scales[k : k + 1].view(torch.int32), alone_scales[k].view(torch.int32)), (step, k)
+    assert together[0].float().abs().sum() > 0  # the residual carried something (row 2 holds the Inf block's NaN)
+
+
 _PEAK_SCRIPT = r"""
 import sys, torch
 from lightning_zeropp.kernels import reference as ref

@@ -2,9 +2,10 @@
 
 Vectorised over blocks; the Python loops run over rows, i.e. over ranks. Rows that are independent (a quantization
 with nearest rounding, with or without feedback; a dequantize in parameter-aligned blocks) go one at a time, so the
-CPU path's fp32 temporaries are one row's, not a gathered unit's; the sum of N or K received copies is sequential, in
-rank order, one copy dequantized at a time, so the fp32 result is the same as the kernels' running sum. Never imports
-triton.
+CPU path's fp32 temporaries are one row's, not a gathered unit's; qgZ's step-3 re-quantization, whose input is
+already its K summed rows in fp32, takes them in one pass, with feedback as without (half the small ops at K = 2).
+The sum of N or K received copies is sequential, in rank order, one copy dequantized at a time, so the fp32 result
+is the same as the kernels' running sum. Never imports triton.
 Each op takes its input tensor and its spec (``specs``), checked once, by the public op in
 ``lightning_zeropp.kernels``, before it gets here.
 """
@@ -372,9 +373,6 @@ def _quantize_with_feedback(
                                  rotation_seed)  # fmt: skip
     if residual is None:
         return _quantize_f32(values, bits, block_size, blocks, stochastic, seed)
-    if values.shape[0] > 1 and not stochastic:
-        return _row_by_row(values, residual, scales, lambda r, res, sc: _quantize_with_feedback(
-            r, bits, block_size, blocks, stochastic, seed, res, sc, decay))  # fmt: skip
     if blocks is not None:
         arguments = (values, bits, block_size, blocks, stochastic, seed, residual, scales, decay)
         return _quantize_with_feedback_padded(*arguments)
@@ -408,6 +406,7 @@ def _quantize_with_feedback_padded(
         stored = padded.spread(residual, torch.float32).view(R, blocks.count, block_size).mul_(decayed)
         stored = stored.view(R, padded.width)
     v = padded.spread(values).add_(stored)
+    del stored  # the padded rows' fp32 temporaries: at most two at a time
     uniform = _quantize_uniform(v, bits, block_size, stochastic=stochastic, seed=seed, lost=v)
     lost = v
     if scales is None:
