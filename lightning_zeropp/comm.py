@@ -42,6 +42,7 @@ from .deltas import WeightDeltas
 from .feedback import ErrorFeedback
 from .ledger import CommLedger
 from .moments import SecondMomentCorrection, noise_factor
+from .step_owner import StepOwner
 from .topology import ProcessGroups
 
 
@@ -70,10 +71,19 @@ class ZeroPPComms:
         self.deltas = WeightDeltas(config, self.topology, ledger) if self.plan.forward.kind == "node_copy" else None
         g = self.plan.gradients
         self.moments = (
-            SecondMomentCorrection(noise_factor(g.rounding, g.feedback is not None), config.second_moment_correction)
+            SecondMomentCorrection(
+                noise_factor(g.rounding, g.feedback.decay if g.feedback is not None else None),
+                config.second_moment_correction,
+            )
             if g.second_moment and self.use_qgz and self.topology.num_nodes > 1
             else None
         )
+        # The step's phases: the optimizers' hooks and the reduction hooks below report to it; the step counter (this
+        # object), weight deltas and the correction run from it.
+        self.owner = StepOwner()
+        self.owner.subscribe(self)
+        if self.moments is not None:
+            self.owner.subscribe(self.moments)
         rank_zero_info(self.describe())
         self.units: list[UnitBlocks] = []  # the model's sharded units (:meth:`use_units`)
         self._warned_raw_bytes = False
@@ -151,6 +161,7 @@ class ZeroPPComms:
         op,
         unit: UnitBlocks | None = None,
     ) -> None:
+        self.owner.reduction()
         groups = self.ensure_groups()
         role = groups.role_of(fsdp_group)
         expected = self.plan.shard_group
@@ -218,12 +229,14 @@ class ZeroPPComms:
     def reduce_alone_on_rail(self, unit: UnitBlocks, reduced: torch.Tensor) -> None:
         """Quantized HSDP with one rank per node, from FSDP's all-reduce hook: FSDP calls no reduce-scatter on a
         mesh of one rank (it copies), and leaves the gradients summed over none; the rail takes the K nodes' mean."""
+        self.owner.reduction()
         self._reduce_on_rail(reduced, dist.ReduceOp.AVG, unit, self.ensure_groups())
 
     def all_reduced(self, reduced: torch.Tensor) -> None:
         """HSDP: FSDP all-reduced one unit's reduce-scattered gradients across nodes (on the rail of ranks with this
         local rank), called by FSDP's all-reduce hook. Recorded as a reduce-scatter of the buffer in one piece per
         rail rank followed by an all-gather of this rank's piece (what any all-reduce algorithm must move)."""
+        self.owner.reduction()
         rail.record_exact(reduced, self.topology, self.ledger)
 
     def quantizes_gradients(self) -> bool:
@@ -237,12 +250,23 @@ class ZeroPPComms:
         if self.deltas is not None:
             self.deltas.agree(self.units, self.ensure_groups().world, device, self.steps)
 
-    def optimizer_updating(self) -> None:
-        """Called right before an optimizer step changes the weights (after its closure ran)."""
+    def detach_optimizers(self) -> None:
+        """The optimizers' step hooks removed (the strategy's teardown) and what the correction decided for them
+        forgotten (the next run sets up its own optimizers)."""
+        self.owner.detach()
+        if self.moments is not None:
+            self.moments.forget_optimizers()
+
+    # the owner's subscriber: the step counter and weight deltas
+    def wants_before_update(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Weight deltas check the weights right before every update (after a closure's forward and backward)."""
+        return self.deltas is not None
+
+    def before_update(self, optimizer: torch.optim.Optimizer, fresh: bool) -> None:
         if self.deltas is not None:
             self.deltas.before_update(self.units)
 
-    def optimizer_stepped(self) -> None:
+    def after_update(self, optimizer: torch.optim.Optimizer, fresh: bool) -> None:
         """Counts an optimizer step (the error feedback's reset period follows optimizer steps; weight deltas
         note which weights the step changed)."""
         self.steps += 1

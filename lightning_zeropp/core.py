@@ -12,15 +12,14 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import os
-from collections.abc import Callable, Generator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import ClusterEnvironment, SLURMEnvironment
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule
@@ -34,6 +33,7 @@ from .compat.torch import ForwardHooks
 from .config import CpuOffload, ModuleSelection, StateDictType, ZeroPPConfig, offloads
 from .ledger import CommLedger
 from .materialize import materialize_meta_tensors
+from .optimizers import check_runs_sharded
 from .preemption import Preemption
 from .sharding import apply_zeropp, refuse_fsdp1
 from .topology import ProcessGroups, Topology, check_launch, own_group
@@ -193,10 +193,6 @@ class ZeroPPCore:
         """Destroys the strategy's own process groups (the next run, or a call of the model, builds them again)."""
         if self._comms is not None:
             self._comms.release_groups()
-
-    def optimizer_stepped(self) -> None:
-        if self._comms is not None:
-            self._comms.optimizer_stepped()
 
     def agree_max(self, values: list[int], device: torch.device) -> list[int]:
         """The largest of every rank's ``values``, element by element: one all-reduce (MAX) of int64 on the
@@ -456,59 +452,32 @@ class FrontDoor:
         strategy.set_device_mesh(mesh)
 
     def optimizer_step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-        """Steps the optimizer and counts the step (error feedback residuals reset every ``error_feedback_reset``).
-        With weight deltas, the weights are checked right before the update (after the closure, which runs the
-        forward and backward, if there is one) and right after it, so that only the step's own changes are sent as
-        deltas."""
-        with self._preemption.in_flight():  # a save asked for meanwhile waits for the step boundary
-            output = self._run_optimizer_step(optimizer, *args, **kwargs)
+        """Steps the optimizer inside the preemption's step boundary (a save asked for meanwhile waits for it). What
+        runs around the update itself (the second-moment correction, weight deltas, the step count) runs from the
+        optimizer's step hooks (:meth:`attach_optimizers`), whoever calls ``step``."""
+        with self._preemption.in_flight():
+            output = super().optimizer_step(optimizer, *args, **kwargs)  # type: ignore[misc]
         self._preemption.stepped = True
         return output
 
-    def _run_optimizer_step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+    def attach_optimizers(self, optimizers: list[Any]) -> None:
+        """Hooks each optimizer's steps to the step's owner (``Optimizer.register_step_pre_hook`` /
+        ``register_step_post_hook``; nothing of the optimizer is replaced), after the second-moment correction has
+        decided for each from what it is; rank 0 says once what it decided. Refuses, before any step, an optimizer
+        ``second_moment_correction=True`` cannot correct and one FSDP2's sharded parameters cannot step."""
         comms = self._core.comms
-        deltas = comms.deltas if comms is not None else None
-        moments = comms.moments if comms is not None else None
-        if deltas is None and moments is None:
-            output = super().optimizer_step(optimizer, *args, **kwargs)  # type: ignore[misc]
-            self._core.optimizer_stepped()
-            return output
-        assert comms is not None
-        # The Trainer passes the closure second, Fabric as a keyword (when the user gave one).
-        closure = args[0] if args else kwargs.get("closure")
-        if not callable(closure):  # Fabric without a closure: the backward and any clipping are done
-            if deltas is not None:
-                comms.optimizer_updating()
-            if moments is not None:
-                moments.before_update(optimizer)
-            output = super().optimizer_step(optimizer, *args, **kwargs)  # type: ignore[misc]
-        else:
-            if deltas is not None:
-
-                def closure_then_check(*a: Any, **k: Any) -> Any:
-                    out = closure(*a, **k)
-                    comms.optimizer_updating()
-                    return out
-
-                if args:
-                    args = (closure_then_check, *args[1:])
-                else:
-                    kwargs["closure"] = closure_then_check
-            if moments is None:
-                output = super().optimizer_step(optimizer, *args, **kwargs)  # type: ignore[misc]
-            else:
-                with _update_after_closure(optimizer, lambda: moments.before_update(optimizer)):
-                    output = super().optimizer_step(optimizer, *args, **kwargs)  # type: ignore[misc]
-        if moments is not None:
-            moments.after_update(optimizer)
-        self._core.optimizer_stepped()
-        return output
-
-    def _after_backward(self) -> None:
-        """After every backward of a training step (each micro-batch's): what the second-moment correction notes."""
-        comms = self._core.comms
-        if comms is not None and comms.moments is not None:
-            comms.moments.after_backward()
+        if comms is None:
+            return
+        raw = [getattr(o, "optimizer", o) for o in optimizers]  # Lightning's and Fabric's wrappers hold the optimizer
+        device = self.root_device  # type: ignore[attr-defined]
+        for optimizer in raw:
+            check_runs_sharded(optimizer, self._core.mesh, device)
+        if comms.moments is not None:
+            verdicts = [comms.moments.judge_optimizer(optimizer) for optimizer in raw]
+            if verdicts:
+                rank_zero_info("ZeroPPStrategy: second-moment correction: " + "; ".join(v.describe() for v in verdicts))
+        for optimizer in raw:
+            comms.owner.attach(optimizer)
 
     def refresh_weight_copies(self) -> None:
         """With ``weight_deltas``: the next forward rebuilds every node copy exactly. Changes made with in-place
@@ -532,6 +501,8 @@ class FrontDoor:
         """Lightning's teardown, then the strategy's own process groups are destroyed (the next run, or a call of the
         sharded model after the run, builds them again): repeated runs in one process keep one set."""
         super().teardown()  # type: ignore[misc]
+        if self._core.comms is not None:
+            self._core.comms.detach_optimizers()
         self._core.release()
 
 
@@ -539,34 +510,6 @@ HSDP_ARGUMENTS = dict(sharding_strategy="HYBRID_SHARD", quantize_weights=False, 
 """What ``"hsdp"`` sets: HSDP (shard inside each node, replicate across nodes) with exact collectives."""
 QUANTIZED_HSDP_ARGUMENTS = dict(sharding_strategy="HYBRID_SHARD", quantize_weights=False, quantize_gradients=True)
 """What ``"qhsdp"`` sets: HSDP whose cross-node all-reduce is an INT4 reduce-scatter and an INT8 all-gather."""
-
-
-@contextmanager
-def _update_after_closure(optimizer: Any, before_update: Callable[[], None]) -> Generator[None, None, None]:
-    """While open, ``optimizer.step(closure)`` runs the closure itself (the training step, the backward and the
-    precision plugin's gradient clipping, as the optimizer would), then ``before_update``, then the optimizer's own
-    update without a closure: the one place between a Trainer's clipping and the update. For optimizers that call
-    their closure once (Adam and its family, the ones the second-moment correction changes)."""
-    had_own = "step" in vars(optimizer)  # an LR scheduler wraps ``step`` on the instance
-    update = optimizer.step
-
-    def step(closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        before_update()
-        update(**kwargs)
-        return loss
-
-    optimizer.step = step
-    try:
-        yield
-    finally:
-        if had_own:
-            optimizer.step = update
-        else:
-            del optimizer.step
 
 
 def register_names(registry: Any, strategy_class: type) -> None:

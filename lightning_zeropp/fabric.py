@@ -178,7 +178,9 @@ class ZeroPPStrategy(FrontDoor, FabricModelParallelBase, config=ZeroPPConfig, ow
                 new = sharded(p)
                 if new is not None:
                     params[i] = new
-        return super().setup_optimizer(optimizer)
+        optimizer = super().setup_optimizer(optimizer)
+        self.attach_optimizers([optimizer])
+        return optimizer
 
     @override
     def clip_gradients_norm(
@@ -197,7 +199,6 @@ class ZeroPPStrategy(FrontDoor, FabricModelParallelBase, config=ZeroPPConfig, ow
     def backward(self, tensor: torch.Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
         with self._preemption.in_flight():
             super().backward(tensor, module, *args, **kwargs)
-            self._after_backward()
 
     # ------------------------------------------------------------------ checkpoints
     @override

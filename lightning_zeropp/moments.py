@@ -38,6 +38,7 @@ launches per unit in place of about 6 per parameter (``PER_PARAMETER``).
 from __future__ import annotations
 
 import bisect
+import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,11 +56,20 @@ are lowered together (:func:`_lower_unit`): a fixed number of launches per unit 
 parameter, for one expansion of the blocks (``benchmarks/moments_cost.py --ops`` counts both)."""
 
 
-def noise_factor(rounding: str, feedback: bool) -> float:
+def noise_factor(rounding: str, feedback_decay: float | None) -> float:
     """The variance of one element's error, in squared block scales: nearest rounding's uniform error over one step
-    (1/12), stochastic rounding's ``f (1 - f)`` averaged over the fraction ``f`` (1/6), times 2 with error feedback."""
+    (1/12), stochastic rounding's ``f (1 - f)`` averaged over the fraction ``f`` (1/6); with error feedback at decay
+    ``d``, times ``1 + d^2``.
+
+    Error feedback's noise, derived: a reduction sends ``Q(x_t + d r_{t-1})`` and keeps ``r_t = x_t + d r_{t-1} -
+    Q(x_t + d r_{t-1})``, so what arrives is ``x_t + d r_{t-1} - r_t``: its error is ``n_t = d r_{t-1} - r_t``. Each
+    residual is one rounding's error (variance ``base * s^2``, ``s`` the block's scale), and two reductions' roundings
+    are uncorrelated, so ``var(n_t) = (1 + d^2) base s^2`` (2 at ``d = 1``, 1.64 at 0.8), with the block scales of two
+    consecutive steps taken as equal (the estimate reads the current step's). The reduction right after a reset
+    (``error_feedback_reset``) carries no residual and has ``base`` alone: it is over-corrected by ``1 + d^2``, one
+    reduction in ``error_feedback_reset``."""
     base = 1 / 6 if rounding == "stochastic" else 1 / 12
-    return 2 * base if feedback else base
+    return base if feedback_decay is None else base * (1 + feedback_decay**2)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -74,7 +84,6 @@ class _UnitNoise:
     unit: UnitBlocks
     starts: tuple[int, ...]
     values: torch.Tensor
-    used: bool = False
     _spans: dict[tuple[int, int], tuple[int, int, torch.Tensor]] = field(default_factory=dict)
     _uniform: dict[tuple[int, int], tuple[int, int, int] | None] = field(default_factory=dict)
     _owners: dict[tuple, torch.Tensor] = field(default_factory=dict)
@@ -127,18 +136,22 @@ def _squared_norm(grad: torch.Tensor) -> torch.Tensor:
 
 def _lower(
     v: torch.Tensor,
-    grad: torch.Tensor,
+    grad: torch.Tensor | None,
     entry: _UnitNoise,
     start: int,
     length: int,
     shift: float,
     ratio: torch.Tensor | None,
 ) -> None:
-    """``v <- max(v - shift * var, FLOOR * v - (1 - FLOOR) * shift * g^2)``, written as ``v - min(shift * var,
-    (1 - FLOOR) * (v + shift * g^2))``: four passes over the shard, the variance broadcast from its blocks (never
-    expanded to elements) where they are cut from the parameter's start, as parameter-aligned blocks are."""
-    g = grad if grad.dtype == v.dtype else grad.to(v.dtype)
-    room = torch.addcmul(v, g, g, value=shift).mul_(1 - FLOOR)
+    """``v <- v - min(shift * var, (1 - FLOOR) * (v + shift * g^2))``: four passes over the shard, the variance
+    broadcast from its blocks (never expanded to elements) where they are cut from the parameter's start, as
+    parameter-aligned blocks are. ``grad`` None (a second moment the update already holds ``g^2`` in: the first
+    step's, corrected after it): ``v - min(shift * var, (1 - FLOOR) * v)``."""
+    if grad is None:
+        room = v.mul(1 - FLOOR)
+    else:
+        g = grad if grad.dtype == v.dtype else grad.to(v.dtype)
+        room = torch.addcmul(v, g, g, value=shift).mul_(1 - FLOOR)
     blocks = entry.blocks_of(start, length)
     if blocks is not None and v.is_contiguous():
         first, count, size = blocks
@@ -154,7 +167,7 @@ def _lower(
             tail = flat[whole * size :]
             torch.minimum(tail, cap[whole], out=tail)
     else:
-        variance = entry.per_element(start, length, grad.numel()).view_as(grad).to(v.device, v.dtype) * shift
+        variance = entry.per_element(start, length, v.numel()).view_as(v).to(v.device, v.dtype) * shift
         if ratio is not None:
             variance = variance * ratio.to(v.dtype)
         torch.minimum(room, variance, out=room)
@@ -211,50 +224,160 @@ def _squared_norms(grads: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(compat.foreach_norm(grads, 2, dtype=torch.float32)).square()
 
 
+# torch.optim's optimizers whose update keeps the second moment ``exp_avg_sq = b2 * v + (1 - b2) * g^2`` (``g`` the
+# gradient they square: negated with ``maximize``, plus ``weight_decay * p`` where the decay is coupled L2) and divide
+# by its square root: what the correction is derived for. Adamax keeps an infinity norm instead, SparseAdam has its own
+# sparse update; neither qualifies, nor does any optimizer outside torch.optim (its update is not known here).
+FAMILY: tuple[type[torch.optim.Optimizer], ...] = (
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Whether one optimizer's second moment is corrected, and why not where it is not."""
+
+    optimizer: str  # the optimizer's class name
+    corrected: bool
+    reason: str = ""
+
+    def describe(self) -> str:
+        return f"{self.optimizer} corrected" if self.corrected else f"{self.optimizer}: {self.reason}, off"
+
+
+def judge(optimizer: torch.optim.Optimizer) -> Verdict:
+    """What ``optimizer`` is, for the correction: one of :data:`FAMILY` (or a subclass that keeps its ``step``), with
+    ``betas`` whose second lies in (0, 1) in every group, and not ``differentiable`` (its state then belongs to an
+    autograd graph that an in-place change would corrupt). Decided from the class, never from the attributes an
+    object happens to have: an optimizer with ``betas`` and ``exp_avg_sq`` of another update rule is not corrected."""
+    cls = type(optimizer)
+    name = cls.__name__
+    family = next((c for c in cls.__mro__ if c in FAMILY), None)
+    if family is None:
+        return Verdict(name, False, "not an Adam second moment")
+    if inspect.unwrap(cls.step) is not inspect.unwrap(family.step):
+        return Verdict(name, False, f"its own step (not {family.__name__}'s)")
+    for group in optimizer.param_groups:
+        betas = group.get("betas")
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2 or not 0.0 < float(betas[1]) < 1.0:
+            return Verdict(name, False, f"betas={betas!r} (the correction needs 0 < betas[1] < 1)")
+        if group.get("differentiable"):
+            return Verdict(name, False, "differentiable=True")
+    return Verdict(name, True)
+
+
+def squared_gradient(param: torch.Tensor, grad: torch.Tensor, group: dict, decoupled: bool) -> torch.Tensor:
+    """The local gradient an Adam-family update squares into ``exp_avg_sq``: ``grad`` (its sign, ``maximize``, does
+    not matter to its square), plus ``weight_decay * param`` where the decay is coupled L2 (Adam, NAdam, RAdam without
+    ``decoupled_weight_decay``): ``-grad + wd * p`` with ``maximize``."""
+    decay = float(group.get("weight_decay") or 0.0)
+    if decay == 0.0 or decoupled:
+        return grad
+    p = _local(param).detach()
+    g = grad.neg() if group.get("maximize") else grad
+    return torch.add(g, p.to(g.dtype), alpha=decay)
+
+
 class SecondMomentCorrection:
-    """The noise variance of this step's qgZ reductions, by unit, and the correction of the optimizer's second moment.
+    """The noise variance of this step's qgZ reductions, by unit, and the correction of the second moment of every
+    optimizer :func:`judge` accepts. A subscriber of the :class:`~lightning_zeropp.step_owner.StepOwner`.
 
     Args:
         factor: the variance of one element's error in squared block scales (:func:`noise_factor`).
-        setting: the argument as the user gave it: ``True`` warns when the optimizer has nothing to correct;
-            ``"auto"`` stands down silently then (no accumulation, its buffers freed, for the rest of the job).
+        setting: the argument as the user gave it: ``True`` refuses an optimizer it cannot correct; ``"auto"``
+            leaves that optimizer alone (and keeps no estimate for its parameters).
     """
 
     def __init__(self, factor: float, setting: bool | str = True) -> None:
         self.factor = factor
         self.setting = setting
-        self.stood_down = False  # "auto" met an optimizer without betas / exp_avg_sq
+        self.verdicts: dict[int, Verdict] = {}  # id(optimizer) -> its verdict
+        self._params: set[int] = set()  # id(param) of every corrected optimizer's parameters
+        self._decoupled: dict[int, bool] = {}  # id(optimizer) -> its weight decay is decoupled (AdamW)
         self._units: dict[str, _UnitNoise] = {}
+        self._wanted: dict[str, bool] = {}  # unit name -> it holds a corrected optimizer's parameter
+        self._reduced: set[str] = set()  # units reduced in this step
         self._norms: dict[int, torch.Tensor] = {}  # id(param) -> squared norm of its gradient after the backward
-        self._pending: list[tuple[torch.Tensor, torch.Tensor, float]] = []
-        self._done: set[int] = set()  # id(param) corrected for the current estimates
-        self._stepped = False  # an optimizer stepped since the last reduction: the next one starts a new step
+        self._first: dict[int, list] = {}  # id(optimizer) -> its parameters whose exp_avg_sq this update creates
         self._warnings: set[str] = set()
         self.corrected = 0  # parameters corrected so far (for tests and the log)
+
+    # ------------------------------------------------------------------ which optimizers
+    def judge_optimizer(self, optimizer: torch.optim.Optimizer) -> Verdict:
+        """Decides for ``optimizer`` (once, when it is set up); ``True`` refuses one that cannot be corrected."""
+        if id(optimizer) in self.verdicts:
+            return self.verdicts[id(optimizer)]
+        verdict = judge(optimizer)
+        if not verdict.corrected and self.setting is True:
+            raise ValueError(
+                f"ZeroPPStrategy: `second_moment_correction=True` cannot correct {verdict.optimizer} ({verdict.reason}:"
+                " the correction is derived for torch.optim's Adam, AdamW, NAdam and RAdam); set"
+                f' `second_moment_correction="auto"`, which leaves {verdict.optimizer} alone, or False.'
+            )
+        self.verdicts[id(optimizer)] = verdict
+        if verdict.corrected:
+            self._params.update(id(p) for group in optimizer.param_groups for p in group["params"])
+            self._decoupled[id(optimizer)] = isinstance(optimizer, torch.optim.AdamW) or bool(
+                optimizer.defaults.get("decoupled_weight_decay")
+            )
+            self._wanted.clear()
+        return verdict
+
+    def forget_optimizers(self) -> None:
+        """Drops every verdict and estimate (the run's optimizers are done with)."""
+        self.verdicts.clear()
+        self._params.clear()
+        self._decoupled.clear()
+        self._units.clear()
+        self._wanted.clear()
+        self._reduced.clear()
+        self._norms.clear()
+        self._first.clear()
+
+    def wants_before_update(self, optimizer: torch.optim.Optimizer) -> bool:
+        verdict = self.verdicts.get(id(optimizer))
+        return verdict is not None and verdict.corrected
+
+    @property
+    def active(self) -> bool:
+        """Whether any optimizer is corrected (else nothing is estimated, kept or computed)."""
+        return bool(self._params)
 
     @property
     def nbytes(self) -> int:
         """The accumulators this rank keeps across steps: one fp32 per gradient block of each unit's chunk."""
         return sum(e.values.numel() * e.values.element_size() for e in self._units.values())
 
+    def _wants(self, unit: UnitBlocks) -> bool:
+        if not self._params:
+            return False
+        if unit.name not in self._wanted:
+            from .compat.torch import unit_fsdp_parameters
+
+            self._wanted[unit.name] = any(id(p) in self._params for p, _ in unit_fsdp_parameters(unit.module))
+        return self._wanted[unit.name]
+
+    # ------------------------------------------------------------------ the step's phases
+    def new_step(self) -> None:
+        """The first reduction since an update: the last step's estimates are done with."""
+        self._reduced.clear()
+        self._norms.clear()
+
     def buffer(self, unit: UnitBlocks | None, chunk: int, starts: tuple[int, ...], device: torch.device) -> Any:
         """The per-block accumulator of ``unit``'s reduction of ``chunk`` elements in blocks starting at ``starts``
-        (what :func:`lightning_zeropp.qgz.quantized_reduce_scatter` adds into), or None where the blocks cannot be
-        mapped to parameters (no unit)."""
-        if unit is None or self.stood_down:
+        (what :func:`lightning_zeropp.qgz.quantized_reduce_scatter` adds into), or None where nothing of the unit is
+        corrected or its blocks cannot be mapped to parameters (no unit)."""
+        if unit is None or not self._wants(unit):
             return None
-        if self._stepped:  # the first reduction since an optimizer step: the previous step's estimates are done with
-            self._stepped = False
-            self._norms.clear()
-            self._done.clear()
-            for other in self._units.values():
-                other.used = False
         entry = self._units.get(unit.name)
         if entry is None or entry.starts != starts or entry.values.device != device:
             entry = self._units[unit.name] = _UnitNoise(unit, starts, torch.zeros(len(starts) - 1, device=device))
-        elif not entry.used:  # the unit's first reduction of this step (later ones, micro-batches', add to it)
+        elif unit.name not in self._reduced:  # the unit's first reduction of this step (later ones, micro-batches')
             entry.values.zero_()
-        entry.used = True
+        self._reduced.add(unit.name)
         return entry.values
 
     def reduced_parameters(self):
@@ -262,9 +385,8 @@ class SecondMomentCorrection:
         the unit's gradient chunk (the padded shards of the trained parameters, one after another)."""
         from .compat.torch import unit_fsdp_parameters
 
-        for entry in self._units.values():
-            if not entry.used:
-                continue
+        for name in self._reduced:
+            entry = self._units[name]
             chunk = entry.starts[-1]
             params = unit_fsdp_parameters(entry.unit.module)
             if sum(length for _, length in params) != chunk:  # FSDP reduced only the parameters that got gradients
@@ -280,12 +402,13 @@ class SecondMomentCorrection:
                 yield entry, param, start, length
                 start += length
 
-    def after_backward(self) -> None:
-        """Notes each parameter's squared gradient norm, so that a rescaling before the update (clipping) rescales the
-        variance alike. Called after every backward (the last one of an accumulation counts)."""
+    def backward_done(self) -> None:
+        """Notes each corrected parameter's squared gradient norm, so that a rescaling before the update (clipping,
+        a scaler's unscaling) rescales the variance alike. After every backward (the last one of an accumulation
+        counts)."""
         grads, params = [], []
         for _, param, _, _ in self.reduced_parameters():
-            if param.grad is not None:
+            if param.grad is not None and id(param) in self._params:
                 grads.append(_local(param.grad))
                 params.append(param)
         if not grads:
@@ -294,27 +417,22 @@ class SecondMomentCorrection:
         for index, param in enumerate(params):
             self._norms[id(param)] = norms[index]
 
-    def before_update(self, optimizer: torch.optim.Optimizer) -> None:
-        """Lowers ``exp_avg_sq`` of every parameter reduced this step (see the module docstring); a parameter without
-        optimizer state yet is corrected by :meth:`after_update`."""
+    def before_update(self, optimizer: torch.optim.Optimizer, fresh: bool) -> None:
+        """Lowers ``exp_avg_sq`` of ``optimizer``'s parameters reduced this step (see the module docstring), on its
+        first update on this step's gradients; a parameter without state yet is corrected by :meth:`after_update`."""
+        if not fresh or not self.wants_before_update(optimizer):
+            return
         groups = {id(p): g for g in optimizer.param_groups for p in g["params"]}
-        found, elsewhere = False, False
+        decoupled = self._decoupled[id(optimizer)]
         todo = []
         for entry, param, start, length in self.reduced_parameters():
             group = groups.get(id(param))
-            elsewhere |= group is None  # another optimizer's parameter
-            if group is None or param.grad is None or not group.get("betas"):
+            if group is None or param.grad is None:  # another optimizer's parameter, or no gradient
                 continue
-            found = True
-            if id(param) in self._done:  # this optimizer stepped again on the same gradients: once is the noise's
-                continue
-            self._done.add(id(param))
-            b2 = float(group["betas"][1])
-            if 0.0 < b2 < 1.0:
-                todo.append((entry, param, start, length, b2, _local(param.grad)))
+            todo.append((entry, param, start, length, group, _local(param.grad)))
         if not todo:
-            self._no_betas(found or elsewhere, optimizer)
             return
+        first = self._first.setdefault(id(optimizer), [])
         with torch.no_grad():
             # the gradient rescaled since the backward (clipping by norm): its noise too, by the same factor
             noted = [i for i, (_, param, *_) in enumerate(todo) if id(param) in self._norms]
@@ -326,16 +444,17 @@ class SecondMomentCorrection:
                 for k, i in enumerate(noted):
                     ratios[i] = scale[k]
             by_unit: dict[int, tuple[_UnitNoise, list]] = {}
-            for (entry, param, start, length, b2, grad), ratio in zip(todo, ratios, strict=True):
+            for (entry, param, start, length, group, grad), ratio in zip(todo, ratios, strict=True):
+                b2 = float(group["betas"][1])
                 v = optimizer.state.get(param, {}).get("exp_avg_sq")
-                if v is None:
-                    variance = entry.per_element(start, length, grad.numel()).view_as(grad)
-                    self._pending.append((param, variance if ratio is None else variance * ratio, b2))
+                if v is None:  # the update creates it: corrected right after (no estimate expanded meanwhile)
+                    first.append((entry, param, start, length, b2, ratio))
                     continue
                 v = _local(v)
                 if v.shape != grad.shape or not v.is_floating_point():
                     continue
-                by_unit.setdefault(id(entry), (entry, []))[1].append((v, grad, start, length, (1 - b2) / b2, ratio))
+                squared = squared_gradient(param, grad, group, decoupled)
+                by_unit.setdefault(id(entry), (entry, []))[1].append((v, squared, start, length, (1 - b2) / b2, ratio))
             for entry, items in by_unit.values():
                 if items[0][0].device.type in PER_PARAMETER:
                     for v, grad, start, length, shift, ratio in items:
@@ -343,41 +462,29 @@ class SecondMomentCorrection:
                 else:
                     _lower_unit(entry, items)
                 self.corrected += len(items)
-        self._no_betas(found or elsewhere, optimizer)
 
-    def _no_betas(self, found: bool, optimizer: torch.optim.Optimizer) -> None:
-        """Where ``optimizer`` holds every parameter reduced this step and none has betas: a warning (True), or
-        (``"auto"``) the correction stands down for the rest of the job."""
-        if found or not any(e.used for e in self._units.values()):
-            return
-        if self.setting == "auto":  # nothing to correct in this optimizer: stop estimating
-            self.stood_down = True
-            self._units.clear()
-            self._norms.clear()
-        else:
-            self._warn_once(
-                "ZeroPPStrategy: `second_moment_correction=True` corrects Adam-family optimizers (their `betas` and"
-                f" `exp_avg_sq`), but {type(optimizer).__name__} has neither, so nothing is corrected. Turn it off,"
-                " or use Adam / AdamW."
-            )
+    def after_update(self, optimizer: torch.optim.Optimizer, fresh: bool) -> None:
+        """Corrects the parameters whose ``exp_avg_sq`` this update created (the first step: ``v = (1 - b2) g^2``
+        with the noise in it, lowered for the steps after; with ``amsgrad`` its ``max_exp_avg_sq``, equal to ``v``
+        after a first step, alike). The step's estimates stay for another optimizer stepping after the same backward;
+        the next step's first reduction replaces them."""
+        pending = self._first.pop(id(optimizer), [])
+        with torch.no_grad():
+            for entry, param, start, length, b2, ratio in pending:
+                state = optimizer.state.get(param, {})
+                v = state.get("exp_avg_sq")
+                if v is None:
+                    continue
+                v = _local(v)
+                if not v.is_floating_point() or v.shape != _local(param).shape:
+                    continue
+                _lower(v, None, entry, start, length, 1 - b2, ratio)
+                peak = state.get("max_exp_avg_sq")
+                if peak is not None and _local(peak).shape == v.shape:
+                    _local(peak).copy_(v)
+                self.corrected += 1
 
     def _warn_once(self, message: str) -> None:
         if message not in self._warnings:
             self._warnings.add(message)
             rank_zero_warn(message)
-
-    def after_update(self, optimizer: torch.optim.Optimizer) -> None:
-        """Corrects the parameters whose ``exp_avg_sq`` this step created (the first step: ``v = (1 - b2) g^2`` with the
-        noise in it, lowered for the steps after). The step's estimates stay for another optimizer stepping after the
-        same backward; the next reduction replaces them."""
-        with torch.no_grad():
-            for param, variance, b2 in self._pending:
-                v = optimizer.state.get(param, {}).get("exp_avg_sq")
-                if v is None:
-                    continue
-                v = _local(v)
-                if v.shape == variance.shape and v.is_floating_point():
-                    torch.maximum(v - (1 - b2) * variance.to(v.dtype), FLOOR * v, out=v)
-                    self.corrected += 1
-        self._pending.clear()
-        self._stepped = True

@@ -94,6 +94,12 @@ class ZeroPPStrategy(FrontDoor, ModelParallelBase, config=ZeroPPConfig):
         self._callbacks_list = trainer.callbacks
 
     @override
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        """Lightning's, then each optimizer hooked to the step's owner (:meth:`attach_optimizers`)."""
+        super().setup_optimizers(trainer)
+        self.attach_optimizers(self.optimizers)
+
+    @override
     def shard_model(self, model: nn.Module) -> nn.Module:
         """Shards the model in place (dtype already converted: the shards hold the converted values)."""
         precision = str(self.precision_plugin.precision)
@@ -258,9 +264,7 @@ class ZeroPPStrategy(FrontDoor, ModelParallelBase, config=ZeroPPConfig):
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         with self._preemption.in_flight():  # outside an optimizer step on the micro-batches of an accumulation
-            loss = super().backward(closure_loss, optimizer, *args, **kwargs)
-            self._after_backward()
-            return loss
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:

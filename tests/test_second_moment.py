@@ -32,9 +32,9 @@ W = N * K
 
 
 def test_noise_factor():
-    assert noise_factor("nearest", False) == pytest.approx(1 / 12)
-    assert noise_factor("stochastic", False) == pytest.approx(1 / 6)
-    assert noise_factor("nearest", True) == pytest.approx(2 / 12)
+    assert noise_factor("nearest", None) == pytest.approx(1 / 12)
+    assert noise_factor("stochastic", None) == pytest.approx(1 / 6)
+    assert noise_factor("nearest", 1.0) == pytest.approx(2 / 12)
 
 
 @pytest.mark.parametrize(
@@ -92,52 +92,16 @@ def test_auto_is_on_wherever_qgz_crosses_nodes_with_gradients_it_can_follow(kwar
 
 
 def _one_parameter(correction, values, length, starts):
-    """``correction`` made to see one unit holding one plain parameter of ``length`` elements, its chunk's blocks
-    starting at ``starts`` with noise ``values`` (what the units of a sharded model give it)."""
+    """``correction`` made to see one unit holding one plain parameter of ``length`` elements, reduced this step, its
+    chunk's blocks starting at ``starts`` with noise ``values`` (what the units of a sharded model give it)."""
     from lightning_zeropp.moments import _UnitNoise
 
     param = torch.nn.Parameter(torch.zeros(length))
-    entry = _UnitNoise(None, tuple(starts), torch.tensor(values), used=True)
+    entry = _UnitNoise(None, tuple(starts), torch.tensor(values))
     correction._units["unit"] = entry
+    correction._reduced.add("unit")
     correction.reduced_parameters = lambda: iter([(entry, param, 0, length)])
     return param
-
-
-def test_auto_stands_down_silently_for_an_optimizer_without_betas(recwarn):
-    """``"auto"`` with SGD: nothing corrected, no warning, no estimate kept or made from then on; but an optimizer
-    without betas that holds only some of the reduced parameters (a second optimizer beside Adam) changes nothing."""
-    from lightning_zeropp.moments import SecondMomentCorrection
-
-    correction = SecondMomentCorrection(1 / 12, "auto")
-    param = _one_parameter(correction, [1.0, 2.0], 4, [0, 2, 4])
-    other = torch.nn.Parameter(torch.zeros(3))
-    items = [(correction._units["unit"], param, 0, 4), (correction._units["unit"], other, 4, 3)]
-    correction.reduced_parameters = lambda: iter(items)
-    param.grad, other.grad = torch.ones(4), torch.ones(3)
-    sgd = torch.optim.SGD([param], lr=0.1, momentum=0.9)
-    correction.before_update(sgd)  # `other` is another optimizer's: not a reason to stand down
-    assert not correction.stood_down and correction.nbytes > 0
-    items.pop()
-    correction.before_update(sgd)
-    assert correction.stood_down and correction.nbytes == 0 and correction.corrected == 0
-    assert correction.buffer(object(), 4, (0, 2, 4), torch.device("cpu")) is None  # no accumulation from now on
-    assert not [w for w in recwarn if "nothing is corrected" in str(w.message)]
-
-
-def test_an_optimizer_without_betas_is_left_alone_with_a_warning():
-    from lightning_zeropp.moments import SecondMomentCorrection
-
-    correction = SecondMomentCorrection(1 / 12)
-    param = _one_parameter(correction, [1.0, 2.0], 4, [0, 2, 4])
-    param.grad = torch.ones(4)
-    optimizer = torch.optim.SGD([param], lr=0.1, momentum=0.9)
-    optimizer.step()
-    state = {k: v.clone() for k, v in optimizer.state[param].items()}
-    with pytest.warns(UserWarning, match=r"SGD has neither, so nothing is corrected"):
-        correction.before_update(optimizer)
-    correction.after_update(optimizer)
-    assert all(torch.equal(state[k], optimizer.state[param][k]) for k in state)
-    assert correction.corrected == 0
 
 
 @pytest.fixture(params=["per parameter", "per unit"])
@@ -157,20 +121,23 @@ def test_blocks_expand_to_their_elements_and_the_floor_holds(lowering):
     param = _one_parameter(correction, [0.5, 100.0, 0.25], 5, [0, 2, 4, 5])
     param.grad = torch.ones(5)
     optimizer = torch.optim.AdamW([param], lr=0.1, betas=(0.9, 0.8))
+    correction.judge_optimizer(optimizer)
+    correction._wanted["unit"] = True
     optimizer.step()
     v = optimizer.state[param]["exp_avg_sq"].clone()
-    correction.before_update(optimizer)
+    correction.before_update(optimizer, True)
     shift = 0.2 / 0.8
     sigma = torch.tensor([0.5, 0.5, 100.0, 100.0, 0.25])
     want = torch.maximum(v - shift * sigma, FLOOR * v - (1 - FLOOR) * shift * param.grad.square())
     assert torch.allclose(optimizer.state[param]["exp_avg_sq"], want)
     assert (want[2:4] == FLOOR * v[2:4] - (1 - FLOOR) * shift).all()  # floored where the noise swamps the gradient
-    correction.after_update(optimizer)
+    correction.after_update(optimizer, True)
     entry = correction._units["unit"]
     assert entry.values.tolist() == [0.5, 100.0, 0.25]  # kept for another optimizer stepping on the same backward
     # the next step's first reduction starts from zero
+    correction.new_step()
     assert correction.buffer(_Unit("unit"), 5, (0, 2, 4, 5), torch.device("cpu")) is entry.values
-    assert (entry.values == 0).all() and entry.used
+    assert (entry.values == 0).all() and "unit" in correction._reduced
 
 
 class _Unit:
@@ -192,28 +159,32 @@ def test_every_optimizer_stepping_after_one_backward_corrects_its_own_parameters
         [(correction._units["unit"], a, 0, 4), (correction._units["unit"], b, 4, 3)]
     )
     first, second = torch.optim.AdamW([a], lr=0.1), torch.optim.Adam([b], lr=0.1)
+    correction.judge_optimizer(first)
+    correction.judge_optimizer(second)
+    correction._wanted["unit"] = True
     shift = 0.001 / 0.999
     for step in range(3):
+        correction.new_step()
         values = correction.buffer(unit, 7, starts, torch.device("cpu"))
         added = torch.tensor([1e-3, 2e-3, 3e-3, 4e-3]) * (step + 1)  # what the step's reduction adds
         values += added
         sigmas = {a: added[[0, 0, 1, 1]], b: added[[2, 2, 3]]}  # each element its block's
         a.grad, b.grad = torch.full((4,), 0.5), torch.full((3,), 0.25)
-        correction.after_backward()
+        correction.backward_done()
         for optimizer, param in ((first, a), (second, b)):
             before = optimizer.state[param]["exp_avg_sq"].clone() if step else None
-            correction.before_update(optimizer)
+            correction.before_update(optimizer, True)
             if step:  # lowered by the step's own variance, this optimizer's parameter only
                 sigma = sigmas[param]
                 want = torch.maximum(before - shift * sigma, FLOOR * before - (1 - FLOOR) * shift * param.grad**2)
                 assert torch.allclose(optimizer.state[param]["exp_avg_sq"], want), (step, param.numel())
             optimizer.step()
-            correction.after_update(optimizer)
+            correction.after_update(optimizer, True)
         assert correction.corrected == 2 * (step + 1), step
         again = {p: o.state[p]["exp_avg_sq"].clone() for o, p in ((first, a), (second, b))}
-        for optimizer in (first, second):  # stepping again without a backward: the noise was taken out once
-            correction.before_update(optimizer)
-            correction.after_update(optimizer)
+        for optimizer in (first, second):  # stepping again without a backward (the owner: not fresh): once is all
+            correction.before_update(optimizer, False)
+            correction.after_update(optimizer, False)
         assert correction.corrected == 2 * (step + 1), step
         assert all(torch.equal(again[p], o.state[p]["exp_avg_sq"]) for o, p in ((first, a), (second, b)))
 
@@ -407,7 +378,7 @@ def _fabric_worker(rank, world, init_path, steps, clip_at, lowering="per paramet
             for entry, param, start, length in moments.reduced_parameters():
                 if param is p:
                     entry_sigma = entry.per_element(start, length, g.numel()).view_as(g).double()
-            expected = noise_factor("nearest", False) * K * (N * _block_amax(g.flatten(), block) / 7) ** 2 / W**2
+            expected = noise_factor("nearest", None) * K * (N * _block_amax(g.flatten(), block) / 7) ** 2 / W**2
             if state["unclipped"] is None:  # not clipped: the estimate, element by element
                 seen["sigma"].append(float(((entry_sigma.flatten() - expected) / expected.clamp_min(1e-30)).abs()
                                            .max()))  # fmt: skip
@@ -478,36 +449,35 @@ def _trainer_worker(rank, world, init_path, data_path, steps):
         def configure_optimizers(self):
             optimizer = torch.optim.AdamW(self.parameters(), lr=1e-3, betas=(0.9, 0.95))
             scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+            self.attributes = {k: id(v) for k, v in vars(optimizer).items()}  # the scheduler's wrapper included
             return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     class Order(Callback):
-        """Before the clipping (Lightning's hook) nothing is corrected yet; right before the update (the optimizer's
-        pre-hook) every parameter is, and the gradients are clipped already."""
+        """Before the clipping (Lightning's hook) nothing is corrected yet; right before the update (the step owner's
+        ``before_update``, subscribed after the correction) every parameter is, the gradients are clipped already and
+        the optimizer has not updated yet."""
 
         def __init__(self):
             self.rows, self.count, self.optimizer = [], 0, None
 
         def on_train_start(self, trainer, pl_module):
             self.optimizer = trainer.optimizers[0]
-            self.optimizer.register_step_pre_hook(self.pre_update)
+            self._strategy = trainer.strategy
+            trainer.strategy.comms.owner.subscribe(self)
 
         def on_before_optimizer_step(self, trainer, pl_module, optimizer):
             self.count = trainer.strategy.comms.moments.corrected
 
-        def pre_update(self, optimizer, args, kwargs):
+        def before_update(self, optimizer, fresh):
             grads = [p.grad.to_local() for group in optimizer.param_groups for p in group["params"]
                      if p.grad is not None]  # fmt: skip
             local = float(sum(g.square().sum() for g in grads))
             total = torch.tensor(local)
             torch.distributed.all_reduce(total)
             params = sum(len(g["params"]) for g in optimizer.param_groups)
-            self.rows.append((self.count, self.strategy_count() - self.count, params, float(total.sqrt())))
-
-        def strategy_count(self):
-            return self._strategy.comms.moments.corrected
-
-        def setup(self, trainer, pl_module, stage):
-            self._strategy = trainer.strategy
+            steps = {int(s["step"]) for s in optimizer.state.values()} or {0}
+            corrected = self._strategy.comms.moments.corrected - self.count
+            self.rows.append((self.count, corrected, params, float(total.sqrt()), steps))
 
     x, y = torch.load(data_path, weights_only=True)
     loader = DataLoader(TensorDataset(x[rank::world], y[rank::world]), batch_size=2, shuffle=False)
@@ -517,9 +487,10 @@ def _trainer_worker(rank, world, init_path, data_path, steps):
                                 use_distributed_sampler=False)  # fmt: skip
     module = AdamTinyLM(init_path)
     trainer.fit(module, loader)
-    step_attr = vars(order.optimizer).get("step")
-    return {"rows": order.rows, "scheduler_wrapper": step_attr is not None
-            and "_update_after_closure" not in step_attr.__qualname__}  # fmt: skip
+    now = {k: id(v) for k, v in vars(order.optimizer).items() if k != "_opt_called"}  # torch's LR scheduler's mark
+    return {"rows": order.rows, "replaced": sorted(k for k in now.keys() | module.attributes.keys()
+                                                   if now.get(k) != module.attributes.get(k)),
+            "attached": strategy.comms.owner.attached}
 
 
 @pytest.mark.multiprocess
@@ -530,12 +501,14 @@ def test_the_trainer_corrects_between_the_clipping_and_the_update(tmp_path):
     init_path, data_path, _, _ = save_inputs(tmp_path, W * 2 * steps)
     for rank, r in enumerate(spawn(_trainer_worker, W, init_path, data_path, steps)):
         assert len(r["rows"]) == steps, (rank, r)
-        for step, (before, corrected, params, norm) in enumerate(r["rows"]):
+        for step, (before, corrected, params, norm, stepped) in enumerate(r["rows"]):
             assert before == step * params, (rank, r)  # nothing of this step corrected at Lightning's hook
             # every parameter, once per step, after Lightning's hook (the first step's right after its update)
             assert corrected == (params if step else 0), (rank, r)
             assert norm <= 1e-3 * 1.001, (rank, r)  # and after the clipping
-        assert r["scheduler_wrapper"], (rank, r)
+            assert stepped == {step}, (rank, r)  # and before the update
+        assert r["replaced"] == [], (rank, r)  # no attribute of the optimizer instance replaced or added
+        assert r["attached"] == 0, (rank, r)  # detached at teardown
 
 
 def _default_worker(rank, world, init_path, data_path, steps, optimizer_name, precision="32-true"):
@@ -552,23 +525,29 @@ def _default_worker(rank, world, init_path, data_path, steps, optimizer_name, pr
                 return torch.optim.SGD(self.parameters(), lr=1e-2, momentum=0.9)
             return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
+        def on_train_end(self):  # before the teardown, which forgets the run's optimizers and frees the estimates
+            moments = self.trainer.strategy.comms.moments
+            self.seen = {"verdicts": sorted(v.describe() for v in moments.verdicts.values()) if moments else [],
+                         "noise_bytes": self.trainer.strategy.persistent_memory["second_moment_noise"]}  # fmt: skip
+
     x, y = torch.load(data_path, weights_only=True)
     loader = DataLoader(TensorDataset(x[rank::world], y[rank::world]), batch_size=2, shuffle=False)
     strategy = ZeroPPStrategy(ranks_per_node=N)  # the defaults: second_moment_correction="auto"
     trainer = lightning_trainer(world, strategy, max_steps=steps, use_distributed_sampler=False, precision=precision)
+    module = Module(init_path)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer.fit(Module(init_path), loader)
+        trainer.fit(module, loader)
     moments = strategy.comms.moments
     if moments is None:  # off in the plan (fp16 gradients)
         return {"moments": None, "line": strategy.comms.describe(), "warned": [str(w.message) for w in caught
-                if "second_moment_correction" in str(w.message)], "noise_bytes": strategy.persistent_memory[
-                "second_moment_noise"]}  # fmt: skip
+                if "second_moment_correction" in str(w.message)], "noise_bytes": module.seen["noise_bytes"]}  # fmt: skip
     return {
         "warned": [str(w.message) for w in caught if "second_moment_correction" in str(w.message)],
         "corrected": moments.corrected,
-        "stood_down": moments.stood_down,
-        "noise_bytes": strategy.persistent_memory["second_moment_noise"],
+        "verdicts": module.seen["verdicts"],
+        "noise_bytes": module.seen["noise_bytes"],
+        "freed": strategy.persistent_memory["second_moment_noise"],
         "params": sum(1 for p in trainer.lightning_module.parameters() if p.requires_grad),
         "line": strategy.comms.describe(),
     }
@@ -584,11 +563,12 @@ def test_the_default_corrects_adamw_and_stands_down_silently_for_sgd(tmp_path):
     steps = 3
     init_path, data_path, _, _ = save_inputs(tmp_path, W * 2 * steps)
     for rank, r in enumerate(spawn(_default_worker, W, init_path, data_path, steps, "adamw")):
-        assert r["corrected"] == steps * r["params"] and not r["stood_down"], (rank, r)
+        assert r["corrected"] == steps * r["params"] and r["verdicts"] == ["AdamW corrected"], (rank, r)
+        assert r["freed"] == 0, (rank, r)  # the teardown frees the estimates
         assert r["noise_bytes"] > 0 and not r["warned"], (rank, r)
         assert "Adam second-moment correction" in r["line"], (rank, r)
     for rank, r in enumerate(spawn(_default_worker, W, init_path, data_path, steps, "sgd")):
-        assert r["corrected"] == 0 and r["stood_down"], (rank, r)
+        assert r["corrected"] == 0 and r["verdicts"] == ["SGD: not an Adam second moment, off"], (rank, r)
         assert r["noise_bytes"] == 0 and not r["warned"], (rank, r)
     # fp16 gradients: the Trainer's precision reaches the plan, which leaves the correction out (True is refused)
     for rank, r in enumerate(spawn(_default_worker, W, init_path, data_path, 1, "adamw", "16-true")):
@@ -607,6 +587,7 @@ def test_a_reduction_of_the_parameters_with_gradients_alone_maps_to_them(monkeyp
     monkeypatch.setattr(compat, "unit_fsdp_parameters", lambda module: [(a, 4), (b, 2)])
     unit = SimpleNamespace(name="unit", module=None)
     correction = SecondMomentCorrection(1 / 12)
+    correction.judge_optimizer(torch.optim.Adam([a, b]))
     correction.buffer(unit, 2, (0, 2), torch.device("cpu")).fill_(3.0)
     b.grad = torch.ones(2)
     assert [(p is b, start, length) for _, p, start, length in correction.reduced_parameters()] == [(True, 0, 2)]

@@ -68,6 +68,15 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def call_after_backward(callback: Callable[[], None]) -> None:
+    """Calls ``callback`` when the running backward ends, after FSDP2's own end-of-backward work (queued before it,
+    at the backward's start); at once where no backward runs."""
+    if in_backward():
+        torch.autograd.Variable._execution_engine.queue_callback(callback)
+    else:
+        callback()
+
+
 def checkpoint_in_place(module: nn.Module) -> None:
     """Recomputes ``module``'s activations in backward, without renaming its parameters."""
     _checkpoint_in_place(module)
