@@ -298,26 +298,31 @@ def test_a_closure_is_wrapped_only_where_asked_and_still_called_by_the_optimizer
     """The Trainer's path: ``step(closure)``; the before-update runs when the closure returns (its backward done);
     a closure called twice (SAM) is the optimizer's own business where nobody asked to wrap it."""
     for wants in (False, True):
-        owner, seen = StepOwner(), Recorder(wants)
-        owner.subscribe(seen)
-        p = torch.nn.Parameter(torch.ones(3))
-        optimizer = torch.optim.LBFGS([p], lr=0.1, max_iter=2)
-        owner.attach(optimizer)
-        calls = []
-
-        def closure():
-            calls.append(owner.phase)
-            optimizer.zero_grad()
-            loss = (p * p).sum()
-            p.register_hook(lambda g: owner.reduction())
-            loss.backward()
-            return loss
-
-        optimizer.step(closure)
+        owner, seen, calls = _closure_run(wants)
         assert len(calls) >= 2  # LBFGS calls its closure more than once
         befores = [e for e in seen.events if isinstance(e, tuple) and e[0] == "before"]
         assert len(befores) == (len(calls) if wants else 0), (wants, seen.events)
         assert owner.phase is StepPhase.UPDATED
+
+
+def _closure_run(wants):
+    owner, seen = StepOwner(), Recorder(wants)
+    owner.subscribe(seen)
+    p = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.LBFGS([p], lr=0.1, max_iter=2)
+    owner.attach(optimizer)
+    calls = []
+
+    def closure():
+        calls.append(owner.phase)
+        optimizer.zero_grad()
+        loss = (p * p).sum()
+        p.register_hook(lambda g: owner.reduction())
+        loss.backward()
+        return loss
+
+    optimizer.step(closure)
+    return owner, seen, calls
 
 
 def test_a_step_while_a_backward_reduces_is_refused_naming_both_phases():

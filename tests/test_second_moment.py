@@ -488,9 +488,11 @@ def _trainer_worker(rank, world, init_path, data_path, steps):
     module = AdamTinyLM(init_path)
     trainer.fit(module, loader)
     now = {k: id(v) for k, v in vars(order.optimizer).items() if k != "_opt_called"}  # torch's LR scheduler's mark
-    return {"rows": order.rows, "replaced": sorted(k for k in now.keys() | module.attributes.keys()
-                                                   if now.get(k) != module.attributes.get(k)),
-            "attached": strategy.comms.owner.attached}
+    return {
+        "rows": order.rows,
+        "replaced": sorted(k for k in now.keys() | module.attributes.keys() if now.get(k) != module.attributes.get(k)),
+        "attached": strategy.comms.owner.attached,
+    }
 
 
 @pytest.mark.multiprocess
@@ -540,8 +542,9 @@ def _default_worker(rank, world, init_path, data_path, steps, optimizer_name, pr
         trainer.fit(module, loader)
     moments = strategy.comms.moments
     if moments is None:  # off in the plan (fp16 gradients)
-        return {"moments": None, "line": strategy.comms.describe(), "warned": [str(w.message) for w in caught
-                if "second_moment_correction" in str(w.message)], "noise_bytes": module.seen["noise_bytes"]}  # fmt: skip
+        warned = [str(w.message) for w in caught if "second_moment_correction" in str(w.message)]
+        return {"moments": None, "line": strategy.comms.describe(), "warned": warned,
+                "noise_bytes": module.seen["noise_bytes"]}  # fmt: skip
     return {
         "warned": [str(w.message) for w in caught if "second_moment_correction" in str(w.message)],
         "corrected": moments.corrected,
