@@ -163,8 +163,8 @@ def _worker(rank: int, world_size: int, per_node: int, steps: int, model: dict, 
     from lightning_zeropp.moments import noise_factor
 
     kwargs = sc.CONFIGS[config]
-    capture = NoiseCapture(noise_factor(kwargs.get("gradient_rounding", "nearest"),
-                                        bool(kwargs.get("gradient_error_feedback"))))  # fmt: skip
+    decay = kwargs.get("error_feedback_decay", 1.0) if kwargs.get("gradient_error_feedback") else None
+    capture = NoiseCapture(noise_factor(kwargs.get("gradient_rounding", "nearest"), decay))
     capture.install()
     states: dict[str, Moments] = {}
     ids: dict[tuple[str, int], Any] = {}

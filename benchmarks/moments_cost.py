@@ -36,6 +36,7 @@ def _setup(n_embd: int, n_layer: int, world: int, block: int, alignment: str, de
     torch.manual_seed(0)
     correction = SecondMomentCorrection(1 / 12)
     items, params, reductions = [], [], []
+    layout = []
     for index, unit in enumerate(gpt_units(256, 128, n_layer, n_embd)):
         lengths = list(unit.shards(world))
         chunk = sum(lengths)
@@ -45,23 +46,30 @@ def _setup(n_embd: int, n_layer: int, world: int, block: int, alignment: str, de
             starts = (*range(0, chunk, block), chunk)
         reduced = SimpleNamespace(name=f"unit{index}")  # what a reduction hands the correction: its unit's name
         reductions.append((reduced, chunk, tuple(starts), torch.rand(len(starts) - 1, device=device)))
-        correction.buffer(reduced, chunk, tuple(starts), torch.device(device))
-        entry = correction._units[reduced.name]
-        offset = 0
+        unit_params = []
         for length in lengths:
             param = torch.nn.Parameter(torch.zeros(length, device=device))
             param.grad = torch.randn(length, device=device)
-            params.append(param)
+            unit_params.append((param, length))
+        params.extend(p for p, _ in unit_params)
+        layout.append((reduced, unit_params))
+    optimizer = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), foreach=True)
+    correction.judge_optimizer(optimizer)  # corrected: AdamW
+    for reduced, chunk, starts, _ in reductions:
+        correction._wanted[reduced.name] = True  # the units hold its parameters (no sharded module here)
+        correction.buffer(reduced, chunk, starts, torch.device(device))
+    for reduced, unit_params in layout:
+        entry, offset = correction._units[reduced.name], 0
+        for param, length in unit_params:
             items.append((entry, param, offset, length))
             offset += length
     correction.reduced_parameters = lambda: iter(items)
-    optimizer = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), foreach=True)
     optimizer.step()  # the state exists: every later step is corrected before its update
-    correction.after_update(optimizer)
     return correction, reductions, optimizer, params
 
 
 def _fresh(correction: SecondMomentCorrection, reductions: list) -> None:
+    correction.new_step()
     for reduced, chunk, starts, noise in reductions:  # a step's reductions: each unit's estimates, fresh
         correction.buffer(reduced, chunk, starts, noise.device).copy_(noise)
 
@@ -89,14 +97,14 @@ def count_ops(n_embd: int, n_layer: int, world: int, block: int, alignment: str,
     try:
         for _ in range(2):  # the second step counts: the first builds what later steps reuse (block owners)
             _fresh(correction, reductions)
-            correction.after_backward()
-            correction.before_update(optimizer)
+            correction.backward_done()
+            correction.before_update(optimizer, True)
             optimizer.step()
-            correction.after_update(optimizer)
+            correction.after_update(optimizer, True)
         _fresh(correction, reductions)
         with _Ops() as ops:
-            correction.after_backward()
-            correction.before_update(optimizer)
+            correction.backward_done()
+            correction.before_update(optimizer, True)
     finally:
         moments.PER_PARAMETER.clear()
         moments.PER_PARAMETER.update(saved)
@@ -124,7 +132,7 @@ def measure(
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     best = {"norms_ms": float("inf"), "lowering_ms": float("inf"), "adamw_ms": float("inf")}
     try:
-        parts = (correction.after_backward, lambda: correction.before_update(optimizer), optimizer.step)
+        parts = (correction.backward_done, lambda: correction.before_update(optimizer, True), optimizer.step)
         for _ in range(repeats):
             _fresh(correction, reductions)
             for key, part in zip(best, parts, strict=True):
@@ -133,7 +141,7 @@ def measure(
                 part()
                 sync()
                 best[key] = min(best[key], (time.perf_counter() - start) * 1e3)
-            correction.after_update(optimizer)
+            correction.after_update(optimizer, True)
     finally:
         moments.PER_PARAMETER.clear()
         moments.PER_PARAMETER.update(saved)

@@ -7,14 +7,17 @@ placements that does not name the optimizer. An update that runs may still compu
 the whole tensor (a norm or a statistic taken per shard).
 
 So each optimizer the strategy sets up gets one trial step, before training: a fresh optimizer of the same class and
-hyperparameters (``type(optimizer)(params, **optimizer.defaults)``) steps two small sharded tensors (a matrix and, if
-the user's optimizer holds any, a vector), placed on the model's mesh as FSDP2 places parameters, and the same step
-runs on the whole tensors in this process. Every rank runs the same trial on tensors of the same shapes, so a failure
+hyperparameters (``type(optimizer)(params, **optimizer.defaults)``, of the defaults those its constructor takes)
+steps two small sharded tensors (a matrix and, if the user's optimizer holds any, a vector; their first dimension
+not a multiple of the ranks, as most parameters' is not), placed on the model's mesh as FSDP2 places parameters,
+and the same step runs on the whole tensors in this process. Every rank runs the same trial on tensors of the same shapes, so a failure
 (or a collective inside the update) is the same on all ranks. An optimizer whose class cannot be built from its
 ``defaults`` alone (a wrapper that takes another optimizer) is not tried.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -24,7 +27,7 @@ TRIAL_STEPS = 2  # the second step is the first that reads state the first one c
 
 
 def _trial_tensors(world: int, with_vector: bool) -> list[torch.Tensor]:
-    rows = 2 * world
+    rows = 2 * world + 1  # uneven, as most parameters' first dimension is: the last rank's shard is shorter
     matrix = torch.linspace(-1.0, 1.0, rows * 3).view(rows, 3)
     tensors = [matrix]
     if with_vector:
@@ -50,13 +53,24 @@ def _run(optimizer_class: type, defaults: dict, params: list[torch.nn.Parameter]
         optimizer.step(closure)
 
 
+def _constructor_arguments(cls: type, defaults: dict) -> dict:
+    """The hyperparameters of ``defaults`` that ``cls`` takes (some keep running values among their defaults)."""
+    try:
+        parameters = inspect.signature(cls.__init__).parameters
+    except (TypeError, ValueError):
+        return dict(defaults)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return dict(defaults)
+    return {k: v for k, v in defaults.items() if k in parameters}
+
+
 def check_runs_sharded(optimizer: torch.optim.Optimizer, mesh: DeviceMesh | None, device: torch.device) -> None:
     """Raises ``ValueError`` (one sentence naming the optimizer's class) where a trial step of ``optimizer``'s class
     on sharded tensors fails, or differs from the same step on the whole tensors; see the module docstring."""
     if mesh is None:
         return
     cls = type(optimizer)
-    defaults = dict(optimizer.defaults)
+    defaults = _constructor_arguments(cls, optimizer.defaults)
     held = [p for group in optimizer.param_groups for p in group["params"]]
     with_vector = any(p.dim() < 2 for p in held)
     placements = [Replicate()] * (mesh.ndim - 1) + [Shard(0)]

@@ -17,6 +17,7 @@ import torch
 
 from lightning_zeropp.moments import FLOOR, SecondMomentCorrection, _UnitNoise, judge, noise_factor
 from lightning_zeropp.step_owner import StepOwner, StepPhase, StepPhaseError
+from lightning_zeropp.testing.optimizers import LoggingAdam, MyAdam, SignDescent, ThreeBetaAdam
 
 
 def _correction(optimizer, values, starts, spans, setting="auto", factor=1 / 12):
@@ -32,52 +33,6 @@ def _correction(optimizer, values, starts, spans, setting="auto", factor=1 / 12)
 
 
 # ---------------------------------------------------------------------------------------------------- the verdicts
-class MyAdam(torch.optim.Adam):
-    """A subclass that keeps Adam's step: corrected."""
-
-
-class LoggingAdam(torch.optim.Adam):
-    """A subclass with a step of its own: its update is not known here."""
-
-    def step(self, closure=None):
-        return super().step(closure)
-
-
-class ThreeBetaAdam(torch.optim.Optimizer):
-    """An Adam variant with three betas and an ``exp_avg_sq`` (as Adan has): not torch's Adam, not corrected."""
-
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.92, 0.99)):
-        super().__init__(params, dict(lr=lr, betas=betas))
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            b1, b2, b3 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["exp_avg"], state["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
-                state["exp_avg"].lerp_(p.grad, 1 - b1)
-                state["exp_avg_sq"].mul_(b3).addcmul_(p.grad, p.grad, value=1 - b3)
-                p.sub_(group["lr"] * state["exp_avg"] / (state["exp_avg_sq"].sqrt() + 1e-8))
-
-
-class SignDescent(torch.optim.Optimizer):
-    """A hand-written sign optimizer, with ``betas`` as Lion has them and no second moment."""
-
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.99)):
-        super().__init__(params, dict(lr=lr, betas=betas))
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    p.sub_(group["lr"] * p.grad.sign())
-
-
 @pytest.mark.parametrize(
     "make, corrected, reason",
     [
