@@ -7,11 +7,11 @@ placements that does not name the optimizer. An update that runs may still compu
 the whole tensor (a norm or a statistic taken per shard).
 
 So each optimizer the strategy sets up gets one trial step, before training: a fresh optimizer of the same class and
-hyperparameters (``type(optimizer)(params, **optimizer.defaults)``, of the defaults those its constructor takes)
-steps two small sharded tensors (a matrix and, if the user's optimizer holds any, a vector; their first dimension
-not a multiple of the ranks, as most parameters' is not), placed on the model's mesh as FSDP2 places parameters,
-and the same step runs on the whole tensors in this process. Every rank runs the same trial on tensors of the same shapes, so a failure
-(or a collective inside the update) is the same on all ranks. An optimizer whose class cannot be built from its
+hyperparameters (``type(optimizer)(params, **optimizer.defaults)``, of the defaults those its constructor takes) steps
+two small sharded tensors (a matrix and, if the user's optimizer holds any, a vector; their first dimension not a
+multiple of the ranks, as most parameters' is not), placed on the model's mesh as FSDP2 places parameters, and the same
+step runs on the whole tensors in this process. Every rank runs the same trial on tensors of the same shapes, so a
+failure (or a collective inside the update) is the same on all ranks. An optimizer whose class cannot be built from its
 ``defaults`` alone (a wrapper that takes another optimizer) is not tried.
 """
 
