@@ -370,9 +370,11 @@ class ZeroPPConfig:
         " second moment (exp_avg_sq), its variance estimated per block from the scales the rank received: no byte"
         " more on the wire, 4 bytes per gradient block of the rank's shard. Without it the noise lengthens the"
         " denominator and shortens every step (about 0.5% of the learning rate with INT4), a loss gap that grows"
-        ' with training. "auto": on wherever qgZ runs across nodes (FULL_SHARD, bf16 or fp32 gradients) and the'
-        " optimizer has betas and exp_avg_sq (Adam, AdamW); off elsewhere, silently. True: on, refused where it"
-        " cannot act (no qgZ, HYBRID_SHARD, fp16 gradients) and a warning for an optimizer without betas.",
+        ' with training. "auto": on wherever qgZ runs across nodes (FULL_SHARD, bf16 or fp32 gradients), for each'
+        " optimizer of torch's Adam family (Adam, AdamW, NAdam, RAdam, their fused / foreach / amsgrad forms and"
+        " subclasses that keep their step); any other optimizer is left alone (no estimate, no pass), and rank 0"
+        " says once which. True: on, refused where it cannot act (no qgZ, HYBRID_SHARD, fp16 gradients) and for"
+        " an optimizer it cannot correct.",
         check=_check_bool_or_auto,
         when='Leave "auto": it took the late loss gap from +0.13% to +0.06% at 500 steps (10 seeds, paired) and from'
         " +0.18% to -0.07% at 1000 (2 seeds), at no cost in bytes (docs: Accuracy). False only to measure qgZ"

@@ -254,8 +254,9 @@ def correction_bytes(
     across nodes): per element of the rank's shard, the gradient read three times (its norm after the backward and
     before the update, and the lowering) and 44 bytes of the fp32 ``exp_avg_sq`` and its transients (the blocks
     written out 4; ``v + shift g^2`` 8, ``v`` read, the room written; its share 8; the cap 12; the subtraction 12), as
-    GPUs lower a unit at once (:func:`lightning_zeropp.moments._lower_unit`). An optimizer without ``betas`` makes
-    "auto" stand down: the planner leaves this out then (``Workload.optimizer_states`` < 2)."""
+    GPUs lower a unit at once (:func:`lightning_zeropp.moments._lower_unit`). An optimizer outside torch's Adam family
+    is left alone by "auto" (no estimate, no pass): the planner leaves this out for a workload with fewer than Adam's
+    two states per element (``Workload.optimizer_states`` < 2)."""
     stored = ELEMENT_BYTES[precision][0]
     plan = _plan(config, world, ranks_per_node, precision)
     g = plan.gradients

@@ -175,7 +175,7 @@ def compute_seconds(units: list[Unit], config: ZeroPPConfig, cluster: Cluster, w
     update; the correction's where the optimizer keeps Adam's two states)."""
     flops = step_flops(units, workload) / (cluster.peak_tflops * 1e12 * workload.efficiency)
     moved = kernel_bytes(units, config, cluster.world, cluster.gpus_per_node, workload.precision)
-    if workload.optimizer_states >= 2:  # without betas nothing is lowered ("auto" stands down; True warns)
+    if workload.optimizer_states >= 2:  # no Adam: nothing is lowered ("auto" leaves it alone)
         moved += correction_bytes(units, config, cluster.world, cluster.gpus_per_node, workload.precision)
     return flops + moved / (cluster.hbm_gbps * 1e9)
 
@@ -193,7 +193,7 @@ def memory_parts(
     quantized collectives' buffers (:func:`~lightning_zeropp.costs.collective_buffers`);
     activations (``34 x tokens x width`` bytes per layer, as Korthikanti et al. count them with attention scores
     fused away; with checkpointing, one layer's plus every layer's input); the feedback residual, the second-moment
-    correction's noise estimates (none where the optimizer keeps fewer than Adam's two states: "auto" stands down) and
+    correction's noise estimates (none where the optimizer keeps fewer than Adam's two states: "auto" skips it) and
     weight deltas' copies (``strategy.persistent_memory``)."""
     stored, e, _ = ELEMENT_BYTES[workload.precision]
     W, N = cluster.world, cluster.gpus_per_node
@@ -216,7 +216,7 @@ def memory_parts(
         "activations": activations,
     }
     out.update(persistent_memory(units, config, W, N, workload.precision))
-    if workload.optimizer_states < 2 and config.second_moment_correction == "auto":  # no Adam: it stands down
+    if workload.optimizer_states < 2 and config.second_moment_correction == "auto":  # no Adam: left alone
         out["second_moment_noise"] = 0
     return out
 
