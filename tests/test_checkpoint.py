@@ -37,6 +37,16 @@ MODES = {
 }
 
 
+class AdamWTinyLM(TinyLM):
+    """TinyLM trained with AdamW: under the defaults on 2 nodes its second moment is corrected every step."""
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3, weight_decay=0.1)
+
+
+MODELS = {"sgd": TinyLM, "adamw": AdamWTinyLM}
+
+
 def _loaders(rank, world, data_path):
     x, y = torch.load(data_path, weights_only=True)
     train = DataLoader(TensorDataset(x[rank::world][: 2 * BATCH], y[rank::world][: 2 * BATCH]), batch_size=BATCH)
@@ -69,7 +79,8 @@ def _full_state(model):
 
 
 # ------------------------------------------------------------------------------------------------ exact resume
-def _resume_worker(rank, world, init_path, data_path, ckpt, strategy_kwargs, evaluate_first, dropout):
+def _resume_worker(rank, world, init_path, data_path, ckpt, strategy_kwargs, evaluate_first, dropout, model="sgd"):
+    TinyLM = MODELS[model]
     train, every = _loaders(rank, world, data_path)
     torch.manual_seed(rank)  # the same random streams (dropout) in both runs
     trainer, uninterrupted = _trainer(world, strategy_kwargs, 2, max_epochs=2)
@@ -88,7 +99,18 @@ def _resume_worker(rank, world, init_path, data_path, ckpt, strategy_kwargs, eva
     if evaluate_first:  # leaves hpZ secondary copies of the *initial* weights behind, unless they are dropped
         trainer.validate(model, every, verbose=False)
     trainer.fit(model, train, ckpt_path=ckpt)
-    return {"uninterrupted": uninterrupted.losses, "first": first.losses, "resumed": resumed.losses}
+    corrected = trainer.strategy.comms.moments is not None and model_corrected(trainer)
+    return {
+        "uninterrupted": uninterrupted.losses,
+        "first": first.losses,
+        "resumed": resumed.losses,
+        "corrected": corrected,
+    }
+
+
+def model_corrected(trainer) -> bool:
+    """Whether the run's correction corrected anything (read after the fit: its counter stays)."""
+    return trainer.strategy.comms.moments.corrected > 0
 
 
 @pytest.mark.parametrize(
@@ -101,6 +123,8 @@ def _resume_worker(rank, world, init_path, data_path, ckpt, strategy_kwargs, eva
         ("full", "feedback", 0.0),
         ("sharded", "feedback-fp32", 0.0),
         ("sharded", "deltas", 0.0),
+        ("sharded", "adamw", 0.0),
+        ("full", "adamw", 0.0),
     ],
     ids=[
         "sharded-dropout",
@@ -110,14 +134,20 @@ def _resume_worker(rank, world, init_path, data_path, ckpt, strategy_kwargs, eva
         "full-feedback",
         "sharded-feedback-fp32",
         "sharded-deltas",
+        "sharded-adamw-corrected",
+        "full-adamw-corrected",
     ],
 )
 def test_resume_continues_exactly(tmp_path, state_dict_type, mode, dropout):
+    """Every mode resumes bit for bit; AdamW under the defaults too, its second moment corrected at every step."""
     init_path, data_path, *_ = save_inputs(tmp_path, 4 * 2 * BATCH)
-    kwargs = {**MODES[mode], "state_dict_type": state_dict_type}
+    model = "adamw" if mode == "adamw" else "sgd"
+    kwargs = {**MODES.get(mode, {}), "state_dict_type": state_dict_type}
     ckpt = str(tmp_path / ("ckpt" if state_dict_type == "sharded" else "last.ckpt"))
     quantized = mode != "exact"
-    for rank, r in enumerate(spawn(_resume_worker, 4, init_path, data_path, ckpt, kwargs, quantized, dropout)):
+    results = spawn(_resume_worker, 4, init_path, data_path, ckpt, kwargs, quantized, dropout, model)
+    for rank, r in enumerate(results):
+        assert r["corrected"] == (model == "adamw"), (rank, r)
         assert r["first"] == r["uninterrupted"][:2], f"rank {rank}: the two runs started differently"
         continued = torch.tensor(r["resumed"])
         expected = torch.tensor(r["uninterrupted"][2:])
