@@ -17,6 +17,14 @@ class LoggingAdam(torch.optim.Adam):
         return super().step(closure)
 
 
+def _evaluate(closure):
+    """The closure's loss, computed with gradients on (``step`` runs under ``no_grad``); None without one."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 class ThreeBetaAdam(torch.optim.Optimizer):
     """An Adam variant with three betas and an ``exp_avg_sq`` (as Adan has): not torch's Adam, not corrected."""
 
@@ -25,10 +33,7 @@ class ThreeBetaAdam(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _evaluate(closure)
         for group in self.param_groups:
             b1, b2, b3 = group["betas"]
             for p in group["params"]:
@@ -51,10 +56,7 @@ class SignDescent(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _evaluate(closure)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
