@@ -339,7 +339,8 @@ def _block_amax(flat: torch.Tensor, block: int) -> torch.Tensor:
     return padded.amax(1).repeat_interleave(block)[:n]
 
 
-def _fabric_worker(rank, world, init_path, steps, clip_at, lowering="per parameter"):
+def _fabric_worker(rank, world, init_path, steps, clip_at, lowering="per parameter", precision="32-true",
+                   accumulate=1):  # fmt: skip
     import torch.nn.functional as F
     from lightning.fabric import Fabric
 
@@ -351,7 +352,7 @@ def _fabric_worker(rank, world, init_path, steps, clip_at, lowering="per paramet
         correction_module.PER_PARAMETER.clear()
 
     torch.manual_seed(0)
-    fabric = Fabric(accelerator="cpu", devices=world, precision="32-true",
+    fabric = Fabric(accelerator="cpu", devices=world, precision=precision,
                     strategy=FabricZeroPP(ranks_per_node=N, second_moment_correction=True))  # fmt: skip
     fabric.launch()
     net = TinyTransformer(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_embd=32, mlp_hidden=64, dropout=0.0)
@@ -378,7 +379,9 @@ def _fabric_worker(rank, world, init_path, steps, clip_at, lowering="per paramet
             for entry, param, start, length in moments.reduced_parameters():
                 if param is p:
                     entry_sigma = entry.per_element(start, length, g.numel()).view_as(g).double()
+            # each of the step's ``accumulate`` reductions quantized a gradient of g / accumulate: their variances add
             expected = noise_factor("nearest", None) * K * (N * _block_amax(g.flatten(), block) / 7) ** 2 / W**2
+            expected = expected / accumulate
             if state["unclipped"] is None:  # not clipped: the estimate, element by element
                 seen["sigma"].append(float(((entry_sigma.flatten() - expected) / expected.clamp_min(1e-30)).abs()
                                            .max()))  # fmt: skip
@@ -394,8 +397,9 @@ def _fabric_worker(rank, world, init_path, steps, clip_at, lowering="per paramet
     optimizer.register_step_pre_hook(pre_hook)
     x = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1))  # the same on every rank
     for step in range(steps):
-        loss = F.cross_entropy(model(x).view(-1, 64), x.roll(-1, 1).reshape(-1))
-        fabric.backward(loss)
+        for _ in range(accumulate):  # several backwards, each reducing (no `no_backward_sync`): one step's noise
+            loss = F.cross_entropy(model(x).view(-1, 64), x.roll(-1, 1).reshape(-1))
+            fabric.backward(loss)
         state["unclipped"] = None
         if step == clip_at:
             state["unclipped"] = {id(p): local(p.grad).detach().clone().double() for p in params}
@@ -421,8 +425,17 @@ def _fabric_worker(rank, world, init_path, steps, clip_at, lowering="per paramet
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("lowering", ["per parameter", "per unit"])
-def test_each_element_gets_its_blocks_variance_and_adam_the_corrected_second_moment(tmp_path, lowering):
+@pytest.mark.parametrize(
+    "lowering, precision, accumulate",
+    [("per parameter", "32-true", 1), ("per unit", "32-true", 1), ("per parameter", "bf16-mixed", 1),
+     ("per parameter", "32-true", 2)],
+    ids=["per-parameter", "per-unit", "bf16-mixed", "two-reductions-a-step"],
+)  # fmt: skip
+def test_each_element_gets_its_blocks_variance_and_adam_the_corrected_second_moment(
+    tmp_path, lowering, precision, accumulate
+):
+    """Also in bf16-mixed, and with two reductions in one step (Fabric, two backwards without `no_backward_sync`):
+    their variances add up, none is dropped by a reset at the second reduction."""
     from lightning_zeropp.testing.models import TinyTransformer
 
     torch.manual_seed(0)
@@ -430,7 +443,7 @@ def test_each_element_gets_its_blocks_variance_and_adam_the_corrected_second_mom
     init_path = str(tmp_path / "init.pt")
     torch.save(net.state_dict(), init_path)
     steps = 4
-    for rank, r in enumerate(spawn(_fabric_worker, W, init_path, steps, 2, lowering)):
+    for rank, r in enumerate(spawn(_fabric_worker, W, init_path, steps, 2, lowering, precision, accumulate)):
         assert r["corrected"] == steps * r["params"], (rank, r)
         assert r["sigma"] < 0.05, (rank, r)  # INT8's error on the first hop, nothing more
         assert r["first"] < 1e-6, (rank, r)
@@ -649,3 +662,23 @@ def test_the_default_corrects_every_optimizer_that_steps_after_one_backward(tmp_
         first, second = r["sizes"]
         assert first and second, (rank, r)
         assert r["corrected"] == batches * (first + second), (rank, r)
+
+
+def _factor_worker(rank, world, decay):
+    from lightning.fabric import Fabric
+
+    from lightning_zeropp.fabric import ZeroPPStrategy as FabricZeroPP
+
+    strategy = FabricZeroPP(ranks_per_node=N, gradient_error_feedback=decay is not None,
+                            **({} if decay is None else {"error_feedback_decay": decay}))  # fmt: skip
+    fabric = Fabric(accelerator="cpu", devices=world, strategy=strategy)
+    fabric.launch()
+    fabric.setup_module(torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Linear(8, 8)]), torch.nn.Linear(8, 8)))
+    return fabric.strategy.comms.moments.factor
+
+
+@pytest.mark.multiprocess
+def test_the_runtime_takes_feedbacks_decay_into_the_factor():
+    """What the comms hand the correction: 1/12 without feedback, (1 + d^2)/12 with feedback at decay d."""
+    for decay, want in ((None, 1 / 12), (0.8, 1.64 / 12), (1.0, 2 / 12)):
+        assert spawn(_factor_worker, W, decay) == [pytest.approx(want)] * W, decay
