@@ -460,7 +460,7 @@ class FrontDoor:
         self._preemption.stepped = True
         return output
 
-    def attach_optimizers(self, optimizers: list[Any]) -> None:
+    def attach_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> None:
         """Hooks each optimizer's steps to the step's owner (``Optimizer.register_step_pre_hook`` /
         ``register_step_post_hook``; nothing of the optimizer is replaced), after the second-moment correction has
         decided for each from what it is; rank 0 says once what it decided. Refuses, before any step, an optimizer
@@ -468,15 +468,14 @@ class FrontDoor:
         comms = self._core.comms
         if comms is None:
             return
-        raw = [getattr(o, "optimizer", o) for o in optimizers]  # Lightning's and Fabric's wrappers hold the optimizer
         device = self.root_device  # type: ignore[attr-defined]
-        for optimizer in raw:
+        for optimizer in optimizers:
             check_runs_sharded(optimizer, self._core.mesh, device)
         if comms.moments is not None:
-            verdicts = [comms.moments.judge_optimizer(optimizer) for optimizer in raw]
+            verdicts = [comms.moments.judge_optimizer(optimizer) for optimizer in optimizers]
             if verdicts:
                 rank_zero_info("ZeroPPStrategy: second-moment correction: " + "; ".join(v.describe() for v in verdicts))
-        for optimizer in raw:
+        for optimizer in optimizers:
             comms.owner.attach(optimizer)
 
     def refresh_weight_copies(self) -> None:

@@ -269,12 +269,12 @@ def judge(optimizer: torch.optim.Optimizer) -> Verdict:
     return Verdict(name, True)
 
 
-def squared_gradient(param: torch.Tensor, grad: torch.Tensor, group: dict, decoupled: bool) -> torch.Tensor:
+def squared_gradient(param: torch.Tensor, grad: torch.Tensor, group: dict, adamw: bool) -> torch.Tensor:
     """The local gradient an Adam-family update squares into ``exp_avg_sq``: ``grad`` (its sign, ``maximize``, does
     not matter to its square), plus ``weight_decay * param`` where the decay is coupled L2 (Adam, NAdam, RAdam without
     ``decoupled_weight_decay``): ``-grad + wd * p`` with ``maximize``."""
     decay = float(group.get("weight_decay") or 0.0)
-    if decay == 0.0 or decoupled:
+    if decay == 0.0 or adamw or group.get("decoupled_weight_decay"):  # an older AdamW lacks the key
         return grad
     p = _local(param).detach()
     g = grad.neg() if group.get("maximize") else grad
@@ -296,7 +296,6 @@ class SecondMomentCorrection:
         self.setting = setting
         self.verdicts: dict[int, Verdict] = {}  # id(optimizer) -> its verdict
         self._params: set[int] = set()  # id(param) of every corrected optimizer's parameters
-        self._decoupled: dict[int, bool] = {}  # id(optimizer) -> its weight decay is decoupled (AdamW)
         self._units: dict[str, _UnitNoise] = {}
         self._wanted: dict[str, bool] = {}  # unit name -> it holds a corrected optimizer's parameter
         self._reduced: set[str] = set()  # units reduced in this step
@@ -320,9 +319,6 @@ class SecondMomentCorrection:
         self.verdicts[id(optimizer)] = verdict
         if verdict.corrected:
             self._params.update(id(p) for group in optimizer.param_groups for p in group["params"])
-            self._decoupled[id(optimizer)] = isinstance(optimizer, torch.optim.AdamW) or bool(
-                optimizer.defaults.get("decoupled_weight_decay")
-            )
             self._wanted.clear()
         return verdict
 
@@ -330,7 +326,6 @@ class SecondMomentCorrection:
         """Drops every verdict and estimate (the run's optimizers are done with)."""
         self.verdicts.clear()
         self._params.clear()
-        self._decoupled.clear()
         self._units.clear()
         self._wanted.clear()
         self._reduced.clear()
@@ -423,7 +418,7 @@ class SecondMomentCorrection:
         if not fresh or not self.wants_before_update(optimizer):
             return
         groups = {id(p): g for g in optimizer.param_groups for p in g["params"]}
-        decoupled = self._decoupled[id(optimizer)]
+        adamw = isinstance(optimizer, torch.optim.AdamW)
         todo = []
         for entry, param, start, length in self.reduced_parameters():
             group = groups.get(id(param))
@@ -453,7 +448,7 @@ class SecondMomentCorrection:
                 v = _local(v)
                 if v.shape != grad.shape or not v.is_floating_point():
                     continue
-                squared = squared_gradient(param, grad, group, decoupled)
+                squared = squared_gradient(param, grad, group, adamw)
                 by_unit.setdefault(id(entry), (entry, []))[1].append((v, squared, start, length, (1 - b2) / b2, ratio))
             for entry, items in by_unit.values():
                 if items[0][0].device.type in PER_PARAMETER:

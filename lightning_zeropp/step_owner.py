@@ -75,7 +75,6 @@ class StepOwner:
 
     def __init__(self) -> None:
         self.phase = StepPhase.IDLE
-        self.steps = 0  # optimizer updates seen (every optimizer's)
         self._subscribers: list[Any] = []
         self._handles: dict[int, list[Any]] = {}  # id(optimizer) -> its two hook handles
         self._updated: set[int] = set()  # id(optimizer) of those that updated on this step's gradients
@@ -144,7 +143,6 @@ class StepOwner:
         self._move("update done")
         fresh = id(optimizer) not in self._updated
         self._updated.add(id(optimizer))
-        self.steps += 1
         self._call("after_update", optimizer, fresh)
 
     # ------------------------------------------------------------------ the optimizer's hooks

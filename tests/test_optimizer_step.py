@@ -242,11 +242,11 @@ def test_the_owner_walks_the_phases_through_public_hooks_and_detaches():
     assert owner.phase is StepPhase.REDUCED and seen.events == ["new step", "backward done"]
     optimizer.step()  # no closure: before update from the pre-hook
     optimizer.step()  # again on the same gradients: not fresh
-    assert owner.phase is StepPhase.UPDATED and owner.steps == 2
+    assert owner.phase is StepPhase.UPDATED
     assert seen.events[2:] == [("before", True), ("after", True), ("before", False), ("after", False)]
     owner.detach()
     optimizer.step()
-    assert owner.steps == 2 and owner.attached == 0 and len(seen.events) == 6  # no hook of ours left
+    assert owner.attached == 0 and len(seen.events) == 6  # no hook of ours left: the step reached no subscriber
 
 
 def test_a_closure_is_wrapped_only_where_asked_and_still_called_by_the_optimizer():
