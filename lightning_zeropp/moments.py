@@ -17,14 +17,19 @@ shard. ``benchmarks/adam_noise.py`` measured the estimate at
 along the exact-fed direction at 1.000-1.002 of its length (0.977-0.994 without).
 
 Where: right before the optimizer's update (after the closure's backward and any gradient clipping), for every
-parameter whose state holds ``exp_avg_sq`` and whose group has ``betas``, ``exp_avg_sq`` is lowered so that the update
-``b2 * v + (1 - b2) * g^2`` becomes ``max(b2 * v + (1 - b2) * (g^2 - var), FLOOR * (b2 * v + (1 - b2) * g^2))``: the
-floor keeps a step at most ``1 / sqrt(FLOOR)`` longer than without the correction, where the estimate exceeds the
-coordinate's own square. Gradients rescaled after the backward (clipping by norm) scale the variance by the same
-factor (each parameter's squared norm before and after). A parameter whose state the step itself creates (the first
-step) is corrected right after that step. The estimates hold until the next reduction after an optimizer step
-starts the next step's: so that several optimizers stepping after one backward (manual optimization, Fabric) each
-correct their own parameters, and none is corrected twice for one step's noise.
+parameter of an optimizer :func:`judge` accepts (torch's Adam family), ``exp_avg_sq`` is lowered so that the update
+``b2 * v + (1 - b2) * g^2`` becomes ``max(b2 * v + (1 - b2) * (g^2 - var), FLOOR * (b2 * v + (1 - b2) * g^2))``,
+``g`` the gradient the optimizer squares (``grad + wd * p`` with coupled L2 weight decay: :func:`squared_gradient`).
+Then ``exp_avg_sq >= FLOOR * (b2 * v + (1 - b2) * g^2) >= 0`` after the update, whatever the estimate: the lowered
+``v'`` is at least ``FLOOR * v - (1 - FLOOR) * shift * g^2`` (``shift = (1 - b2) / b2``), and ``b2 * v' + (1 - b2) *
+g^2`` at least ``FLOOR`` times the uncorrected update. The floor keeps a step at most ``1 / sqrt(FLOOR)`` longer than
+without the correction, where the estimate exceeds the coordinate's own square. Gradients rescaled after the backward
+(clipping by norm, a scaler's unscaling) scale the variance by the same factor (each parameter's squared norm before
+and after). A parameter whose state the step itself creates (the first step) is corrected right after that step, from
+the blocks (``amsgrad``'s ``max_exp_avg_sq`` alike). The estimates hold until the next reduction after an update
+starts the next step's (:class:`~lightning_zeropp.step_owner.StepOwner` tells): so that several optimizers stepping
+after one backward (manual optimization, Fabric) each correct their own parameters, none twice for one step's noise,
+and the reductions of one step (micro-batches) add up.
 
 Cost: the norms are one multi-tensor pass over the gradients after the backward and one before the update; the
 lowering is four element-wise passes over a parameter's shard (``v + shift g^2``, its share, the cap, the

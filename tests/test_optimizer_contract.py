@@ -181,6 +181,10 @@ def _check(kind, tmp_path):
             per, whole = update_errors(results[0][name]["weights"], reference, init)
             per_off, whole_off = update_errors(results[0][f"{name}|uncorrected"]["weights"], reference, init)
             worst[name] = (whole, whole_off, max(per.values()), max(per_off.values()))
+    print("\n| optimizer | update error, corrected | uncorrected | worst parameter, corrected | uncorrected |")
+    print("|---|---|---|---|---|")
+    for name, row in worst.items():
+        print(f"| {name} | " + " | ".join(f"{x:.3f}" for x in row) + " |")
     for name, (whole, whole_off, per, per_off) in worst.items():
         # qwZ's INT8 weights and qgZ's INT4 gradients against exact ones (no update at all would be 1.0); the
         # correction's run as far from the exact one as the same run without it, to the noise of 3 steps (the runs
