@@ -19,6 +19,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -612,7 +614,7 @@ def test_a_reduction_of_the_parameters_with_gradients_alone_maps_to_them(monkeyp
         assert list(correction.reduced_parameters()) == []
 
 
-def _two_optimizers_worker(rank, world, init_path, data_path, steps):
+def _two_optimizers_worker(rank, world, init_path, data_path, steps, second="adam"):
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_zeropp.testing.distributed import lightning_trainer
@@ -637,6 +639,8 @@ def _two_optimizers_worker(rank, world, init_path, data_path, steps):
         def configure_optimizers(self):
             matrices = [p for p in self.parameters() if p.dim() >= 2]
             rest = [p for p in self.parameters() if p.dim() < 2]
+            if second == "sgd":
+                return torch.optim.AdamW(matrices, lr=1e-3), torch.optim.SGD(rest, lr=1e-2, momentum=0.9)
             return torch.optim.AdamW(matrices, lr=1e-3), torch.optim.Adam(rest, lr=1e-3)
 
     x, y = torch.load(data_path, weights_only=True)
@@ -646,7 +650,8 @@ def _two_optimizers_worker(rank, world, init_path, data_path, steps):
     module = TwoOptimizers(init_path)
     trainer.fit(module, loader)
     sizes = [sum(len(g["params"]) for g in o.param_groups) for o in trainer.optimizers]
-    return {"corrected": strategy.comms.moments.corrected, "sizes": sizes}
+    losses = [float(x) for x in trainer.callback_metrics.values()]
+    return {"corrected": strategy.comms.moments.corrected, "sizes": sizes, "finite": all(map(math.isfinite, losses))}
 
 
 @pytest.mark.multiprocess
@@ -662,6 +667,20 @@ def test_the_default_corrects_every_optimizer_that_steps_after_one_backward(tmp_
         first, second = r["sizes"]
         assert first and second, (rank, r)
         assert r["corrected"] == batches * (first + second), (rank, r)
+
+
+@pytest.mark.multiprocess
+def test_an_sgd_beside_an_adamw_leaves_the_adamws_correction_on(tmp_path):
+    """AdamW for the matrices and SGD for the rest, one backward, through the Trainer on 2 x 2 ranks: the AdamW's
+    parameters corrected every step, the SGD's never, and the SGD's verdict changes nothing of the AdamW's."""
+    from lightning_zeropp.testing.workers import save_inputs
+
+    batches = 2
+    init_path, data_path, _, _ = save_inputs(tmp_path, W * 2 * batches)
+    for rank, r in enumerate(spawn(_two_optimizers_worker, W, init_path, data_path, 2 * batches, "sgd")):
+        first, second = r["sizes"]
+        assert first and second and r["finite"], (rank, r)
+        assert r["corrected"] == batches * first, (rank, r)
 
 
 def _factor_worker(rank, world, decay):
