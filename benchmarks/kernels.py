@@ -1,7 +1,14 @@
-"""Kernel bandwidth: GB/s of each Triton kernel (bytes read + written / time), as a fraction of the device's
-measured device-to-device copy bandwidth, and the speedup over the torch twins (eager and torch.compile).
+"""Kernel bandwidth: each Triton kernel's device time and host time per call (two columns, measured apart:
+``benchmarks/device_timer.py``), its GB/s by device time (bytes read + written / device time) as a fraction of the
+device's measured copy bandwidth (the same timer), and the speedup over the torch twins by device time (eager and
+torch.compile).
 
-    python benchmarks/kernels.py [--sizes-mb 1 4 16 64 256 1024] [--json benchmarks/kernels.json]
+    python benchmarks/kernels.py [--sizes-mb 12.65 64 256 404.8 1024] [--json benchmarks/kernels.json]
+
+The default sizes (MB of the op's bf16 input) include a 7B model's real pieces: Llama-2-7B (hidden 4096, MLP 11008)
+has 202.4M parameters per decoder layer (one unit); on 4 nodes x 8 GPUs a rank's shard of it is 6.3M elements,
+12.65 MB in bf16 (qwZ's quantize input, the INT4 dequantize-reduce's output), and the whole layer is 404.8 MB (qwZ's
+dequantize output, qgZ's swizzle-quantize input).
     python benchmarks/kernels.py --static [--arch 90] [--json benchmarks/kernels_static.json]
 
 The bandwidth table needs a CUDA device. ``--smoke`` runs tiny sizes on the CPU under TRITON_INTERPRET=1 to check
@@ -21,44 +28,40 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import device_timer
 
 ROOT = Path(__file__).resolve().parents[1]
 
 N, K = 8, 4  # qgZ shapes: 8 ranks per node, 4 nodes
 
 
-def timer(device: str) -> Callable[[Callable[[], object], int], float]:
-    import torch
+LLAMA7B_LAYER = 4 * 4096 * 4096 + 3 * 4096 * 11008 + 2 * 4096  # attention, MLP and the two norms
+SIZES_MB = [round(LLAMA7B_LAYER / (N * K) * 2 / 1e6, 2), 64, 256, round(LLAMA7B_LAYER * 2 / 1e6, 1), 1024]
 
-    def cuda_time(fn: Callable[[], object], reps: int) -> float:
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        return statistics.median(times)
 
-    def cpu_time(fn: Callable[[], object], reps: int) -> float:
-        fn()
-        times = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-        return statistics.median(times)
+class CpuStream:
+    """The CPU smoke run's stand-in for a device stream: the host is the device, so every figure is host time (and
+    every row is flagged as starved: no hold can put the work ahead of the host)."""
 
-    return cuda_time if device == "cuda" else cpu_time
+    def mark(self) -> float:
+        return time.perf_counter()
+
+    def elapsed(self, start: float, end: float) -> float:
+        return end - start
+
+    def flush(self) -> None:
+        pass
+
+    def hold(self, seconds: float) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
 
 
 def cases(numel: int, device: str):
@@ -145,12 +148,14 @@ def cases(numel: int, device: str):
     )
 
 
-def copy_bandwidth(device: str, time_fn) -> float:
+def copy_bandwidth(device: str, stream, reps: int) -> float:
+    """Bytes per second of a device-to-device copy of 1 GB (read + write), by device time."""
     import torch
 
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    src = torch.empty(1 << 30 if device == "cuda" else 1 << 20, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    return 2 * src.numel() / time_fn(lambda: dst.copy_(src), 20)
+    timing = device_timer.measure(lambda: dst.copy_(src), stream, reps, attempts=1 if device == "cpu" else 3)
+    return 2 * src.numel() / timing.device_s
 
 
 def _static_name(c: dict) -> str:
@@ -247,7 +252,7 @@ def static_table(archs: list[int], json_path: Path | None) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 4, 16, 64, 256, 1024])
+    parser.add_argument("--sizes-mb", type=float, nargs="+", default=SIZES_MB)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--no-compile", action="store_true", help="leave out the torch.compile column (its compiles)")
@@ -268,39 +273,47 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("benchmarks/kernels.py needs a CUDA device (or --smoke for a CPU check of the script).")
     sizes = [0.01, 0.02] if args.smoke else args.sizes_mb
     reps = 2 if args.smoke else args.reps
-    time_fn = timer(device)
-    copy = 2 * 4096 * 1024 / time_fn(lambda: None, 1) if args.smoke else copy_bandwidth(device, time_fn)
+    stream = device_timer.CudaStream() if device == "cuda" else CpuStream()
+    copy = copy_bandwidth(device, stream, reps)
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter smoke run)"
-    print(f"device: {name}; device-to-device copy: {copy / 1e9:.0f} GB/s")
-    print("| kernel | MB (bf16 input) | triton GB/s | % of copy | x eager | x compile |")
-    print("|---|---|---|---|---|---|")
+    print(f"device: {name}; device-to-device copy: {copy / 1e9:.0f} GB/s (device time)")
+    print("| kernel | MB (bf16 input) | device us | host us / call | GB/s (device) | % of copy | x eager | x compile |")
+    print("|---|---|---|---|---|---|---|---|")
     rows = []
+    document = {"device": name, "copy_GBps": copy / 1e9, "timer": "device_timer (device and host time apart)",
+                "rows": rows}  # fmt: skip
     for mb in sizes:
         numel = int(mb * 1e6 / 2)
         for kernel, fns, nbytes in cases(numel, device):
-            times = {}
+            timings = {}
             for impl, fn in fns.items():
                 if (args.smoke or args.no_compile) and impl == "torch.compile":
                     continue
-                times[impl] = time_fn(fn, reps)
-            gbps = nbytes / times["triton"] / 1e9
+                timings[impl] = device_timer.measure(
+                    fn, stream, reps, 1 if args.smoke else 3, attempts=1 if args.smoke else 3
+                )
+            ours = timings["triton"]
             row = {
-                "kernel": kernel, "size_mb": mb, "bytes_moved": nbytes, "triton_s": times["triton"],
-                "triton_GBps": gbps, "fraction_of_copy": nbytes / times["triton"] / copy,
-                "speedup_vs_eager": times["torch"] / times["triton"],
-                "speedup_vs_compile": times["torch.compile"] / times["triton"] if "torch.compile" in times else None,
+                "kernel": kernel, "size_mb": mb, "numel": numel, "bytes_moved": nbytes, "device_s": ours.device_s,
+                "host_s": ours.host_s, "starved": ours.starved, "GBps": nbytes / ours.device_s / 1e9,
+                "fraction_of_copy": nbytes / ours.device_s / copy,
+                "speedup_vs_eager": timings["torch"].device_s / ours.device_s,
+                "speedup_vs_compile": (timings["torch.compile"].device_s / ours.device_s
+                                       if "torch.compile" in timings else None),
                 "device": name,
             }  # fmt: skip
             rows.append(row)
             if args.json:  # after every row: a run stopped at a time limit keeps what it measured
-                args.json.write_text(json.dumps({"device": name, "copy_GBps": copy / 1e9, "rows": rows}, indent=2))
+                args.json.write_text(json.dumps(document, indent=2))
             compiled = f"{row['speedup_vs_compile']:.1f}" if row["speedup_vs_compile"] else "-"
+            flag = " (starved)" if ours.starved else ""
             print(
-                f"| {kernel} | {mb:g} | {gbps:.0f} | {100 * row['fraction_of_copy']:.0f}% |"
-                f" {row['speedup_vs_eager']:.1f} | {compiled} |"
+                f"| {kernel} | {mb:g} | {1e6 * ours.device_s:.1f}{flag} | {1e6 * ours.host_s:.1f} |"
+                f" {row['GBps']:.0f} | {100 * row['fraction_of_copy']:.0f}% | {row['speedup_vs_eager']:.1f} |"
+                f" {compiled} |"
             )
     if args.json:
-        args.json.write_text(json.dumps({"device": name, "copy_GBps": copy / 1e9, "rows": rows}, indent=2))
+        args.json.write_text(json.dumps(document, indent=2))
         print(f"wrote {args.json}")
 
 

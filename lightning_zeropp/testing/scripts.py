@@ -18,6 +18,7 @@ def load_script(path: Path, name: str) -> ModuleType:
     spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None, path
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # registered as an import is: a dataclass in the script looks its module up
     saved = list(sys.path)
     try:
         spec.loader.exec_module(module)
