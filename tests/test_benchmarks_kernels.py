@@ -92,3 +92,13 @@ def test_the_default_sizes_include_a_7b_layers_per_rank_shard_and_the_whole_laye
     assert layer == 202_383_360
     assert kernels.SIZES_MB[0] == pytest.approx(layer / 32 * 2 / 1e6, abs=0.01)
     assert layer * 2 / 1e6 == pytest.approx(kernels.SIZES_MB[3], abs=0.1)
+
+
+def test_host_cost_times_every_kernel_of_the_table_with_the_launch_stubbed(tmp_path):
+    host_cost = load_script(ROOT / "benchmarks" / "host_cost.py", "host_cost_benchmark")
+    out = tmp_path / "host.json"
+    host_cost.main(["--numel", "4096", "--reps", "5", "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    kernels = load_script(ROOT / "benchmarks" / "kernels.py", "kernels_benchmark_names")
+    assert [r["kernel"] for r in rows] == [name for name, _, _ in kernels.cases(4096, "cpu")]
+    assert all(r["median_us"] > 0 and r["first_call_us"] > 0 for r in rows)

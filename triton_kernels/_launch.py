@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import triton
 
 from . import interpreting
 from .layout import Blocks, num_blocks, scale_offset, wire_size
@@ -26,9 +25,38 @@ INT4_DECODE = 0x4B00000F
 _INT32_LIMIT = 2**31 - 1
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` in plain integers (Triton's own goes through a JIT function's call: microseconds a launch)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+# What a launch of one shape needs besides its tensors (grid, row formats, constexprs, index width, device tables),
+# made once: kept on the ``Blocks`` of a parameter-aligned launch (they are the layout), here for uniform blocks. A
+# training step launches a few dozen shapes, so the bound only keeps a pathological caller from growing it forever.
+_UNIFORM_LAUNCHES: dict = {}
+_UNIFORM_LIMIT = 4096
+
+
+def once_per_shape(blocks: Blocks | None, key: tuple, make):
+    """``make()`` the first time ``key`` is seen (with ``blocks``), the same object after. ``key`` holds every value
+    ``make`` reads, the device included; never a tensor."""
+    if blocks is not None:
+        return blocks.cached(key, make)
+    found = _UNIFORM_LAUNCHES.get(key)
+    if found is None:
+        if len(_UNIFORM_LAUNCHES) >= _UNIFORM_LIMIT:
+            _UNIFORM_LAUNCHES.clear()
+        found = _UNIFORM_LAUNCHES[key] = make()
+    return found
+
+
 def tile_shape(block_size: int) -> tuple[int, int]:
     """(G, HALF): blocks per program and the padded half-block; about 4096 elements per program."""
-    half = triton.next_power_of_2(-(-block_size // 2))
+    half = next_power_of_2(-(-block_size // 2))
     return max(1, 2048 // half), half
 
 
@@ -45,7 +73,7 @@ def quantize_grid(numel: int, bits: int, block_size: int, G: int) -> int:
     after the payload (up to the 16-byte aligned scale offset) and after the last scale (up to 4 scales)."""
     so_elements = scale_offset(numel, bits) * (8 // bits)
     blocks = max(num_blocks(so_elements, block_size), -(-num_blocks(numel, block_size) // 4) * 4)
-    return triton.cdiv(blocks, G)
+    return cdiv(blocks, G)
 
 
 def needs_int64(*extents: int) -> bool:
@@ -59,13 +87,18 @@ def unit_stride(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+# Whether the kernels were made for Triton's interpreter: fixed when they were decorated (this import), as Triton
+# fixes it; read once here, not from the environment at every launch.
+INTERPRETED = interpreting()
+
+
 def output_view(out: torch.Tensor) -> torch.Tensor:
     """What the kernels store into: under the interpreter, bf16 outputs as their int16 bits (``store_values``)."""
-    return out.view(torch.int16) if out.dtype == torch.bfloat16 and interpreting() else out
+    return out.view(torch.int16) if INTERPRETED and out.dtype == torch.bfloat16 else out
 
 
 def bf16_by_hand(out: torch.Tensor) -> bool:
-    return out.dtype == torch.bfloat16 and interpreting()
+    return INTERPRETED and out.dtype == torch.bfloat16
 
 
 def stochastic_seed(seed: int | None) -> int:
@@ -147,11 +180,11 @@ def tiling(numel: int, rows: int, block_size: int, blocks: Blocks | None, device
         G, HALF = tile_shape(block_size) if blocks.padded else aligned_tile_shape(block_size)
         table, nvt = block_table(blocks, device, G, HALF)
         # at least one masked tile after the vector ones: the first writes the row's padding
-        along = nvt + max(1, triton.cdiv(blocks.count - nvt * G, G))
+        along = nvt + max(1, cdiv(blocks.count - nvt * G, G))
         return Tiling(G, HALF, (along, rows), table, blocks.count, nvt, blocks.padded, max(1, G // 4))
     G, HALF = tile_shape(block_size)
     if wire_bits is None:
-        along = triton.cdiv(num_blocks(numel, block_size), G)
+        along = cdiv(num_blocks(numel, block_size), G)
     else:
         along = quantize_grid(numel, wire_bits, block_size, G)
     return Tiling(G, HALF, (along, rows), None, None)

@@ -11,11 +11,23 @@ arbitrary starts, not vectorized. Without it, the kernel is the uniform one, unc
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
-from ._launch import INT4_DECODE, LAUNCH_OPTIONS, bf16_by_hand, needs_int64, output_view, rotation, row_format, tiling
+from ._launch import (
+    INT4_DECODE,
+    LAUNCH_OPTIONS,
+    bf16_by_hand,
+    needs_int64,
+    once_per_shape,
+    output_view,
+    rotation,
+    row_format,
+    tiling,
+)
 from ._rotated import (
     load_block_scales,
     load_dequantized_rot,
@@ -174,31 +186,54 @@ def _dequantize_kernel(buf_ptr, scale_ptr, out_ptr, n, wire, so, multiplier, tab
                          HALF, SCALED, BF16_BY_HAND, True)  # fmt: skip
 
 
+class _Shape(NamedTuple):
+    """What a dequantize launch of one shape passes besides its tensors (made once: ``once_per_shape``)."""
+
+    grid: tuple[int, int] | None  # None: nothing to launch
+    head: tuple  # the scalars after the three tensors
+    tail: tuple  # the device tables and constants after the multiplier
+    kwargs: dict
+
+
+def _shape(numel: int, rows: int, wire: int, bits: int, block_size: int, summed: int, scaled: bool, by_hand: bool,
+           rotation_seed: int | None, device: torch.device, out_numel: int,
+           blocks: Blocks | None) -> _Shape:  # fmt: skip
+    expected, so = row_format(numel, bits, block_size, blocks)
+    # the kernel indexes both buffers by these sizes: a mismatch would read or write outside them
+    assert wire == expected and out_numel == rows // summed * numel
+    assert summed == 1 or rows == summed  # a sum has one output row (the kernel's _output_row)
+    if not numel or not rows:
+        return _Shape(None, (), (), {})
+    t = tiling(numel, rows // summed, block_size, blocks, device)
+    # a thread holds a block, or half of it where more than 4 rows' loads are in flight (ptxas spills otherwise)
+    rot = rotation(rotation_seed, block_size, t, device, 128 if summed <= 4 else 64)
+    kwargs = dict(
+        ROWS=summed, BITS=bits, BS=block_size, G=t.G, HALF=t.HALF, SCALED=scaled, BF16_BY_HAND=by_hand,
+        ALIGNED=blocks is not None, PADDED=t.padded, IDX64=needs_int64(rows * wire + t.tile, out_numel + t.tile),
+        **(rot.options or {"GE": t.GE}), **LAUNCH_OPTIONS,
+    )  # fmt: skip
+    return _Shape(t.grid, (numel, wire, so), (t.table, t.nblk, t.nvt, INT4_DECODE, rot.table), kwargs)
+
+
 def _launch(rows: torch.Tensor, out: torch.Tensor, numel: int, bits: int, block_size: int, summed: int,
             multiplier: float, blocks: Blocks | None = None, rotation_seed: int | None = None) -> None:  # fmt: skip
     """Writes ``out`` (``rows.shape[0] // summed`` rows of ``numel``) from the wire ``rows`` (uniform blocks, or
-    ``blocks``; rotated with ``rotation_seed``: the sum un-rotated)."""
-    wire, so = row_format(numel, bits, block_size, blocks)
-    # the kernel indexes both buffers by these sizes: a mismatch would read or write outside them
-    assert rows.is_contiguous() and rows.shape[1] == wire
-    assert out.is_contiguous() and out.numel() == rows.shape[0] // summed * numel
-    assert summed == 1 or rows.shape[0] == summed  # a sum has one output row (the kernel's _output_row)
-    if not numel or not rows.shape[0]:
-        return
-    t = tiling(numel, rows.shape[0] // summed, block_size, blocks, rows.device)
-    # a thread holds a block, or half of it where more than 4 rows' loads are in flight (ptxas spills otherwise)
-    rot = rotation(rotation_seed, block_size, t, rows.device, 128 if summed <= 4 else 64)
-    _dequantize_kernel[t.grid](
-        rows.view(torch.int8), rows.view(torch.float32), output_view(out), numel, rows.shape[1], so,
-        float(multiplier), t.table, t.nblk, t.nvt, INT4_DECODE, rot.table, ROWS=summed, BITS=bits, BS=block_size,
-        G=t.G, HALF=t.HALF, SCALED=multiplier != 1.0, BF16_BY_HAND=bf16_by_hand(out), ALIGNED=blocks is not None,
-        PADDED=t.padded, IDX64=needs_int64(rows.numel() + t.tile, out.numel() + t.tile),
-        **(rot.options or {"GE": t.GE}), **LAUNCH_OPTIONS,
-    )  # fmt: skip
+    ``blocks``; rotated with ``rotation_seed``: the sum un-rotated). Everything but the tensors and the multiplier is
+    worked out once per shape."""
+    assert rows.is_contiguous() and out.is_contiguous()  # the kernel indexes them as dense rows
+    R, wire = (1, rows.shape[0]) if rows.dim() == 1 else rows.shape
+    key = ("dequantize", numel, R, wire, bits, block_size, summed, multiplier != 1.0, bf16_by_hand(out),
+           rotation_seed, rows.device, out.numel())  # fmt: skip
+    shape = once_per_shape(blocks, key, lambda: _shape(*key[1:], blocks))
+    if shape.grid is not None:
+        _dequantize_kernel[shape.grid](
+            rows.view(torch.int8), rows.view(torch.float32), output_view(out), *shape.head, float(multiplier),
+            *shape.tail, **shape.kwargs
+        )  # fmt: skip
 
 
 def dequantize(buf: torch.Tensor, spec: DequantizeSpec) -> torch.Tensor:
-    rows = (buf if buf.dim() == 2 else buf.view(1, -1)).contiguous()
+    rows = buf.contiguous()  # one row (1-D) or rows (2-D): the kernel reads them as dense rows either way
     out = spec.out
     if out is None:
         out = torch.empty(buf.shape[:-1] + (spec.numel,), dtype=spec.dtype, device=buf.device)

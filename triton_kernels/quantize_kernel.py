@@ -16,6 +16,8 @@ either, the kernel is the uniform one, unchanged.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -24,6 +26,7 @@ from ._launch import (
     LAUNCH_OPTIONS,
     feedback_arguments,
     needs_int64,
+    once_per_shape,
     rotation,
     row_format,
     stochastic_seed,
@@ -56,7 +59,7 @@ from ._tiles import (
     tile_index,
     with_feedback,
 )
-from .layout import QMAX
+from .layout import QMAX, Blocks
 from .specs import QuantizeSpec, SwizzleQuantizeSpec
 
 
@@ -188,48 +191,68 @@ def _quantize_kernel(x_ptr, out_ptr, scale_ptr, n, chunk, start, N, K, wire, so,
                        rs, decay, BITS, QMAX, BS, G, HALF, STOCHASTIC, FEEDBACK, True)  # fmt: skip
 
 
+class _Shape(NamedTuple):
+    """What a quantize launch of one shape passes besides its tensors and seed (made once: ``once_per_shape``)."""
+
+    wire: int
+    grid: tuple[int, int] | None  # None: nothing to launch (no rows or no elements)
+    head: tuple  # the scalars after the two output views
+    tail: tuple  # the device tables after the feedback arguments
+    kwargs: dict
+
+
+def _shape(rows: int, n: int, chunk: int, start: int, N: int, K: int, bits: int, block_size: int,
+           blocks: Blocks | None, stochastic: bool, fb_bits: int, fb_extent: int, rotation_seed: int | None,
+           device: torch.device, src_numel: int) -> _Shape:  # fmt: skip
+    wire, so = row_format(n, bits, block_size, blocks)
+    if not (n and rows):
+        return _Shape(wire, None, (), (), {})
+    t = tiling(n, rows, block_size, blocks, device, wire_bits=bits)
+    share = 32 if fb_bits == 8 else 64 if fb_bits else 128
+    rot = rotation(rotation_seed, block_size, t, device, share)
+    plain = {"GE": t.GE, "maxnreg": None if blocks is not None and blocks.padded and fb_bits else 128}
+    kwargs = dict(
+        BITS=bits, QMAX=QMAX[bits], BS=block_size, G=t.G, HALF=t.HALF, STOCHASTIC=stochastic, FEEDBACK=fb_bits,
+        ALIGNED=blocks is not None, PADDED=t.padded,
+        IDX64=needs_int64(src_numel + t.tile, rows * wire + t.tile, t.grid[0] * t.grid[1] * t.G * t.HALF,
+                          fb_extent + t.tile),
+        **(rot.options or plain),
+        **LAUNCH_OPTIONS,
+    )  # fmt: skip
+    return _Shape(wire, t.grid, (n, chunk, start, N, K, wire, so), (t.table, t.nblk, t.nvt, rot.table), kwargs)
+
+
 def _launch(src: torch.Tensor, rows: int, n: int, chunk: int, start: int, N: int, K: int,
             spec: QuantizeSpec) -> torch.Tensor:  # fmt: skip
     """Quantizes ``rows`` rows of ``n`` elements (row r from ``src`` as the kernel docstring says) into a fresh
     ``(rows, wire)`` buffer, in uniform blocks or in ``spec.blocks``; with ``spec.residual`` (``(rows, n)``, only for
-    N = 1), with error feedback. The kernel writes every byte of the buffer, padding included."""
-    bits, block_size, blocks = spec.bits, spec.block_size, spec.blocks
-    wire, so = row_format(n, bits, block_size, blocks)
-    out = torch.empty(rows, wire, dtype=torch.uint8, device=src.device)
-    if n and rows:
-        t = tiling(n, rows, block_size, blocks, src.device, wire_bits=bits)
-        assert spec.residual is None or N == 1  # row r's residual is row r's
-        fb = feedback_arguments(spec, rows, n)
-        # rotated blocks: a thread holds 128 elements of a block; half as many where a residual keeps the block beside
-        # its rotation, a quarter with an INT8 residual (its own quantization): more, and ptxas spills (sm_100)
-        share = 32 if fb.bits == 8 else 64 if fb.bits else 128
-        rot = rotation(getattr(spec, "rotation_seed", None), block_size, t, src.device, share)
-        # (plain) ptxas otherwise caps some INT4 variants at 80 registers and spills two; a padded layout's variants
-        # with error feedback at rows that do not start on 16 bytes (scalar loads on the unmasked tiles) need more.
-        # Rotated: ptxas chooses (a thread holds a block)
-        plain = {"GE": t.GE, "maxnreg": None if blocks is not None and blocks.padded and fb.bits else 128}
-        options = rot.options or plain
-        _quantize_kernel[t.grid](
-            src, out.view(torch.int8), out.view(torch.float32), n, chunk, start, N, K, wire, so,
-            stochastic_seed(spec.seed) if spec.stochastic else 0, *fb.arguments, t.table, t.nblk, t.nvt, rot.table,
-            BITS=bits, QMAX=QMAX[bits], BS=block_size, G=t.G, HALF=t.HALF, STOCHASTIC=spec.stochastic,
-            FEEDBACK=fb.bits, ALIGNED=blocks is not None, PADDED=t.padded,
-            IDX64=needs_int64(src.numel() + t.tile, out.numel() + t.tile, t.grid[0] * t.grid[1] * t.G * t.HALF,
-                              fb.extent + t.tile),
-            **options,
-            **LAUNCH_OPTIONS,
+    N = 1), with error feedback. The kernel writes every byte of the buffer, padding included. Everything but the
+    tensors and the seed is worked out once per shape."""
+    assert spec.residual is None or N == 1  # row r's residual is row r's
+    fb = feedback_arguments(spec, rows, n)
+    bits, block_size, blocks, device = spec.bits, spec.block_size, spec.blocks, src.device
+    rotation_seed = getattr(spec, "rotation_seed", None)
+    key = ("quantize", rows, n, chunk, start, N, K, bits, block_size, spec.stochastic, fb.bits, fb.extent,
+           rotation_seed, device, src.numel())  # fmt: skip
+    shape = once_per_shape(blocks, key, lambda: _shape(*key[1:9], blocks, *key[9:]))
+    out = torch.empty(rows, shape.wire, dtype=torch.uint8, device=device)
+    if shape.grid is not None:
+        seed = stochastic_seed(spec.seed) if spec.stochastic else 0
+        _quantize_kernel[shape.grid](
+            src, out.view(torch.int8), out.view(torch.float32), *shape.head, seed, *fb.arguments, *shape.tail,
+            **shape.kwargs
         )  # fmt: skip
     return out
 
 
 def quantize(x: torch.Tensor, spec: QuantizeSpec) -> torch.Tensor:
     x = unit_stride(x)
-    rows = x if x.dim() == 2 else x.view(1, -1)
-    R, n = rows.shape
     # one row: the row stride is never used, and a 0 lets the compiler prove the row's start as aligned as the
     # buffer's (an odd stride makes every load of every tile scalar)
-    out = _launch(rows, R, n, rows.stride(0) if R > 1 else 0, 0, 1, R, spec)
-    return out if x.dim() == 2 else out.view(-1)
+    if x.dim() == 1:
+        return _launch(x, 1, x.shape[0], 0, 0, 1, 1, spec).view(-1)
+    R, n = x.shape
+    return _launch(x, R, n, x.stride(0) if R > 1 else 0, 0, 1, R, spec)
 
 
 def swizzle_quantize(x: torch.Tensor, spec: SwizzleQuantizeSpec) -> torch.Tensor:

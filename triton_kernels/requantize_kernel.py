@@ -12,6 +12,8 @@ unchanged.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -21,6 +23,7 @@ from ._launch import (
     LAUNCH_OPTIONS,
     feedback_arguments,
     needs_int64,
+    once_per_shape,
     rotation,
     row_format,
     stochastic_seed,
@@ -54,7 +57,7 @@ from ._tiles import (
     wire_row_bytes,
     with_feedback,
 )
-from .layout import QMAX
+from .layout import QMAX, Blocks
 from .specs import DequantizeReduceQuantizeSpec
 
 
@@ -213,37 +216,61 @@ def _rotated_share(N: int, feedback: int) -> int:
     return 64 if feedback or N > 2 else 128
 
 
-def dequantize_reduce_quantize(buf: torch.Tensor, spec: DequantizeReduceQuantizeSpec) -> torch.Tensor:
-    N, K, in_wire = buf.shape
-    numel, in_bits, out_bits, block_size = spec.numel, spec.in_bits, spec.out_bits, spec.block_size
-    blocks = spec.blocks
+class _Shape(NamedTuple):
+    """What a dequantize-reduce-quantize launch of one shape passes besides its tensors and seed (made once:
+    ``once_per_shape``)."""
+
+    out_wire: int
+    grid: tuple[int, int] | None  # None: nothing to launch
+    head: tuple  # the scalars after the four buffer views
+    tail: tuple  # the device tables and constants after the feedback arguments
+    kwargs: dict
+
+
+def _shape(N: int, K: int, in_wire: int, numel: int, in_bits: int, out_bits: int, block_size: int, stochastic: bool,
+           fb_bits: int, fb_extent: int, rotation_seed: int | None, device: torch.device,
+           blocks: Blocks | None) -> _Shape:  # fmt: skip
     expected, in_so = row_format(numel, in_bits, block_size, blocks)
     out_wire, out_so = row_format(numel, out_bits, block_size, blocks)
     assert N >= 1 and in_wire == expected  # the kernel reads N rows of this size
+    if not (numel and K):
+        return _Shape(out_wire, None, (), (), {})
+    t = tiling(numel, K, block_size, blocks, device, wire_bits=out_bits)
+    rot = rotation(rotation_seed, block_size, t, device, _rotated_share(N, fb_bits))
+    options = rot.options or {
+        "GE": t.GE,
+        # packed aligned blocks: N rows of scalar loads in flight, and 4 warps would need a stack; a padded
+        # layout's tiles are the uniform ones, and 4 warps keep 16 INT4 payload bytes per thread
+        "num_warps": 4 if blocks is None or blocks.padded else 8,
+        # packed, ptxas for sm_80 otherwise keeps an INT8 residual's variant at 48 registers and an 8-byte stack;
+        # padded, a cap of 128 spills the widest variants (N = 8, feedback, stochastic): ptxas chooses
+        "maxnreg": 128 if blocks is not None and not blocks.padded else None,
+    }
+    kwargs = dict(
+        N=N, IN_BITS=in_bits, OUT_BITS=out_bits, QMAX=QMAX[out_bits], BS=block_size, G=t.G, HALF=t.HALF,
+        STOCHASTIC=stochastic, FEEDBACK=fb_bits, ALIGNED=blocks is not None, PADDED=t.padded,
+        IDX64=needs_int64(N * K * in_wire + t.tile, K * out_wire + t.tile, t.grid[0] * K * t.G * t.HALF,
+                          fb_extent + t.tile),
+        **options,
+        **LAUNCH_OPTIONS,
+    )  # fmt: skip
+    head = (numel, K, in_wire, in_so, out_wire, out_so)
+    return _Shape(out_wire, t.grid, head, (t.table, t.nblk, t.nvt, INT4_DECODE, rot.table), kwargs)
+
+
+def dequantize_reduce_quantize(buf: torch.Tensor, spec: DequantizeReduceQuantizeSpec) -> torch.Tensor:
+    """Everything but the tensors and the seed is worked out once per shape."""
+    N, K, in_wire = buf.shape
     buf = buf.contiguous()
-    out = torch.empty(K, out_wire, dtype=torch.uint8, device=buf.device)
-    if numel and K:
-        t = tiling(numel, K, block_size, blocks, buf.device, wire_bits=out_bits)
-        fb = feedback_arguments(spec, K, numel)
-        rot = rotation(spec.rotation_seed, block_size, t, buf.device, _rotated_share(N, fb.bits))
-        options = rot.options or {
-            "GE": t.GE,
-            # packed aligned blocks: N rows of scalar loads in flight, and 4 warps would need a stack; a padded
-            # layout's tiles are the uniform ones, and 4 warps keep 16 INT4 payload bytes per thread
-            "num_warps": 4 if blocks is None or blocks.padded else 8,
-            # packed, ptxas for sm_80 otherwise keeps an INT8 residual's variant at 48 registers and an 8-byte stack;
-            # padded, a cap of 128 spills the widest variants (N = 8, feedback, stochastic): ptxas chooses
-            "maxnreg": 128 if blocks is not None and not blocks.padded else None,
-        }
-        _requantize_kernel[t.grid](
-            buf.view(torch.int8), buf.view(torch.float32), out.view(torch.int8), out.view(torch.float32), numel, K,
-            in_wire, in_so, out_wire, out_so, stochastic_seed(spec.seed) if spec.stochastic else 0, *fb.arguments,
-            t.table, t.nblk, t.nvt, INT4_DECODE, rot.table, N=N, IN_BITS=in_bits, OUT_BITS=out_bits,
-            QMAX=QMAX[out_bits], BS=block_size, G=t.G, HALF=t.HALF, STOCHASTIC=spec.stochastic, FEEDBACK=fb.bits,
-            ALIGNED=blocks is not None, PADDED=t.padded,
-            IDX64=needs_int64(buf.numel() + t.tile, out.numel() + t.tile, t.grid[0] * K * t.G * t.HALF,
-                              fb.extent + t.tile),
-            **options,
-            **LAUNCH_OPTIONS,
+    fb = feedback_arguments(spec, K, spec.numel)
+    key = ("dequantize_reduce_quantize", N, K, in_wire, spec.numel, spec.in_bits, spec.out_bits, spec.block_size,
+           spec.stochastic, fb.bits, fb.extent, spec.rotation_seed, buf.device)  # fmt: skip
+    shape = once_per_shape(spec.blocks, key, lambda: _shape(*key[1:], spec.blocks))
+    out = torch.empty(K, shape.out_wire, dtype=torch.uint8, device=buf.device)
+    if shape.grid is not None:
+        seed = stochastic_seed(spec.seed) if spec.stochastic else 0
+        _requantize_kernel[shape.grid](
+            buf.view(torch.int8), buf.view(torch.float32), out.view(torch.int8), out.view(torch.float32),
+            *shape.head, seed, *fb.arguments, *shape.tail, **shape.kwargs
         )  # fmt: skip
     return out

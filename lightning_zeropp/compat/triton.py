@@ -41,6 +41,8 @@ GPUTarget = _lookup("triton.backends.compiler", "GPUTarget")
 ASTSource = _lookup("triton.compiler", "ASTSource")
 make_backend = _lookup("triton.compiler", "make_backend")
 JITFunction = _lookup("triton.runtime.jit", "JITFunction")
+# what a kernel is under TRITON_INTERPRET=1: its launch goes through this class's ``run``
+InterpretedFunction = _lookup("triton.runtime.interpreter", "InterpretedFunction")
 # the binder a launch builds (the i32/i64, divisibility-by-16 and value-1 decisions) and what turns its result into
 # a compilable signature: Triton's private launch internals
 create_function_from_signature = _lookup("triton.runtime.jit", "create_function_from_signature")
@@ -60,6 +62,7 @@ __all__ = [
     "compile_specialization",
     "record_launches",
     "specialize",
+    "stub_launches",
     "target_supported",
     "toolchain",
 ]
@@ -68,18 +71,34 @@ __all__ = [
 @contextlib.contextmanager
 def record_launches() -> Iterator[list[tuple[Any, tuple, dict, tuple]]]:
     """Inside the block, ``kernel[grid](*args, **kwargs)`` appends ``(kernel, args, kwargs, grid)`` to the yielded
-    list instead of compiling or running anything."""
+    list instead of compiling or running anything (compiled or interpreted kernels alike)."""
     launches: list[tuple[Any, tuple, dict, tuple]] = []
-    original = JITFunction.run
+    originals = JITFunction.run, InterpretedFunction.run
 
     def record(self, *args, grid, warmup, **kwargs):
         launches.append((self, args, dict(kwargs), tuple(grid)))
 
-    JITFunction.run = record
+    JITFunction.run = InterpretedFunction.run = record
     try:
         yield launches
     finally:
-        JITFunction.run = original
+        JITFunction.run, InterpretedFunction.run = originals
+
+
+@contextlib.contextmanager
+def stub_launches() -> Iterator[None]:
+    """Inside the block, ``kernel[grid](*args, **kwargs)`` returns at once (no binding, compile or launch; compiled
+    or interpreted): what is left of a call is the launcher's own host time (``benchmarks/host_cost.py``)."""
+    originals = JITFunction.run, InterpretedFunction.run
+
+    def nothing(self, *args, grid, warmup, **kwargs):
+        return None
+
+    JITFunction.run = InterpretedFunction.run = nothing
+    try:
+        yield
+    finally:
+        JITFunction.run, InterpretedFunction.run = originals
 
 
 @dataclasses.dataclass(frozen=True)
