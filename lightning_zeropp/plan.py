@@ -289,6 +289,7 @@ class Verdict:
     alias: str | None = None
     yaml: str = ""
     long_run: str = ""
+    launch: tuple[str, ...] = ()
 
 
 def lossy(name: str) -> bool:
@@ -348,7 +349,18 @@ def verdict(rows: list[Row], cluster: Cluster, margin: float = MARGIN, adam: boo
     python, alias, yaml = strategy_code(choice.config, cluster)
     advice = long_run_advice(rows, choice, cluster.gpu_memory_gib, adam)
     return Verdict(choice.config, LABELS.get(choice.config, choice.config), "; ".join(reason), choice.speedup, margin,
-                   passed_over, python, alias, yaml, advice)  # fmt: skip
+                   passed_over, python, alias, yaml, advice, launch_lines(cluster))  # fmt: skip
+
+
+def launch_lines(cluster: Cluster) -> tuple[str, ...]:
+    """How the job starts on ``cluster``: under SLURM (one task per GPU; the strategy reads SLURM's variables), or
+    with torchrun on each node (the torchrun-style variables)."""
+    nodes, gpus = cluster.nodes, cluster.gpus_per_node
+    return (
+        f"SLURM: srun --nodes {nodes} --ntasks-per-node {gpus} --gpus-per-node {gpus} python train.py",
+        f"torchrun, on each node: torchrun --nnodes {nodes} --nproc-per-node {gpus} --node-rank <0..{nodes - 1}>"
+        " --master-addr <node 0> --master-port 29500 train.py",
+    )
 
 
 def long_run_advice(rows: list[Row], choice: Row, gpu_memory_gib: float, adam: bool = True) -> str:
@@ -419,6 +431,8 @@ def verdict_text(v: Verdict) -> str:
     if v.alias:
         lines.append(f'          # the same: strategy="{v.alias}", a name lightning_zeropp registers when imported')
     lines += ["  LightningCLI YAML:", *(f"    {line}" for line in v.yaml.splitlines())]
+    if v.launch:
+        lines += ["  launch:", *(f"    {line}" for line in v.launch)]
     return "\n".join(lines)
 
 
@@ -433,6 +447,24 @@ given without them: a 256-entry vocabulary would leave out the largest unit, the
 PARAMS_TOLERANCE = 0.10
 """How far the model planned may be from ``--params``: its shape is whole layers of a width that is a multiple of
 128, or given."""
+
+
+_SUFFIXES = {"K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}
+
+
+def parameter_count(text: str) -> float:
+    """``--params``: a number (``7e9``, ``1300000000``) or one with a suffix, as models are named (``7B``, ``1.3B``,
+    ``350M``, ``70b``)."""
+    value = text.strip().replace("_", "")
+    scale = _SUFFIXES.get(value[-1:].upper(), 1.0) if value else 1.0
+    number = value[:-1] if scale != 1.0 else value
+    try:
+        count = float(number) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a parameter count; use a number (7e9) or one with K, M, B or T (7B, 1.3B, 350M)"
+        ) from None
+    return count  # its range is checked with the other arguments' (``RULES``)
 
 
 class InputError(ValueError):
@@ -605,7 +637,7 @@ GPU = "H100"
 """The ``--gpu`` preset when none is given (the figures the planner used before it had presets, NVLink aside)."""
 
 RULES: dict[str, tuple[Any, str]] = {
-    "params": (lambda v: v >= 1, "a parameter count >= 1, e.g. 7e9"),
+    "params": (lambda v: v >= 1, "a parameter count >= 1, e.g. 7e9 or 7B"),
     "n_layer": (lambda v: v >= 1, "a number of layers >= 1 (leave it out to derive it from --params)"),
     "n_embd": (lambda v: v >= 1, "a width >= 1 (leave it out to derive it from --params)"),
     "vocab": (lambda v: v >= 1, "a vocabulary size >= 1, e.g. 50304"),
@@ -656,7 +688,8 @@ def parser() -> argparse.ArgumentParser:
     )
     shown = _ShowDefaults(p)
     m = _ShowDefaults(p.add_argument_group("model (none given: the example's 3.26M demo GPT, which is not your model)"))
-    m.add_argument("--params", type=float, help="parameter count of a GPT, e.g. 7e9; its shape is derived (layers"
+    m.add_argument("--params", type=parameter_count, help="parameter count of a GPT: 7e9, 7B, 1.3B, 350M; its shape is"
+                   " derived (layers"
                    " = width / 128) unless given; beside --n-layer and --n-embd, a check: they must make it within"
                    " 10%%")  # fmt: skip
     m.add_argument("--n-layer", type=int, help="layers (units); with --n-embd, the shape; with --params, the width is"

@@ -298,3 +298,23 @@ def test_a_zeropp_verdict_says_what_the_long_run_setting_costs(capsys):
     assert "  long runs: the defaults take qgZ's rounding noise out of Adam's second moment" in verdict_text(v)
     v = verdict(rows, Cluster(1, 8, 100.0, 3600.0))  # one node: ZeRO-3, nothing to add
     assert v.config == "zero3" and v.long_run == "" and "long runs" not in verdict_text(v)
+
+
+@pytest.mark.parametrize(
+    "given, count", [("7B", 7e9), ("1.3B", 1.3e9), ("350M", 350e6), ("70b", 70e9), ("7e9", 7e9), ("1_300_000", 1.3e6)]
+)
+def test_params_takes_a_model_size_as_models_are_named(given, count):
+    assert plan_module.parameter_count(given) == pytest.approx(count)
+
+
+@pytest.mark.parametrize("given", ["7X", "B", "", "seven"])
+def test_params_refuses_what_is_not_a_count_and_says_how_to_write_one(capsys, given):
+    err = _refused(capsys, [f"--params={given}"])
+    assert "--params" in err and "7B, 1.3B, 350M" in err
+
+
+def test_the_verdict_says_how_to_launch_the_job(capsys):
+    main(["--params", "1.3B", "--nodes", "2", "--gpus-per-node", "4"])
+    out = capsys.readouterr().out
+    assert "srun --nodes 2 --ntasks-per-node 4 --gpus-per-node 4 python train.py" in out
+    assert "torchrun --nnodes 2 --nproc-per-node 4 --node-rank <0..1>" in out

@@ -81,3 +81,14 @@ def test_free_ports_come_from_below_the_ephemeral_range_whatever_the_seed():
     for port in draws[0] + draws[1]:
         assert 10000 <= port < low or low - 10000 < 1000, (port, low)
     assert draws[0] != draws[1]
+
+
+def test_the_repository_tracks_no_wheel_and_no_saved_cli_config():
+    """A downloaded tool's wheel and a LightningCLI run's saved config.yaml were once committed at the root."""
+    import shutil
+    import subprocess
+
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    assert [f for f in tracked if f.endswith(".whl") or f == "config.yaml"] == []
