@@ -237,6 +237,34 @@ def test_every_random_initializer_draws_as_on_one_rank(world):
             assert torch.equal(explicit_after, want_explicit), (*where, "explicit generator drifted")
 
 
+def _plain_draws() -> dict:
+    """Each initializer on a plain tensor in this process: no mesh, no DTensor, no :class:`WholeDraws`. What the
+    sharded draws must equal; made apart from the code under test (a draw that dropped an explicit ``generator=``
+    would draw alike at every rank count, so the ranks agreeing with one rank proves nothing about it)."""
+    out = {}
+    generator = torch.Generator()
+    for name, (shape, init) in _initializers(generator).items():
+        torch.manual_seed(SEED)
+        generator.manual_seed(SEED + 1)
+        t = torch.zeros(shape)
+        with torch.no_grad():
+            init(t)
+        out[name] = (t, torch.rand(4), torch.rand(4, generator=generator))
+    return out
+
+
+def test_the_sharded_draws_are_a_plain_tensors_draws():
+    """The 1-rank draws (which every rank count's equal: the test above) equal the same calls on a plain tensor,
+    per initializer: the values, and where the default and an explicit generator end."""
+    plain = _plain_draws()
+    reference = _results(1)[0]["drawn"]
+    for name, (want, want_default, want_explicit) in plain.items():
+        whole, default_after, explicit_after = reference[("Shard(0)", name)]
+        assert torch.equal(whole, want), name
+        assert torch.equal(default_after, want_default), (name, "default generator")
+        assert torch.equal(explicit_after, want_explicit), (name, "explicit generator")
+
+
 def test_a_random_op_that_needs_a_sharded_input_is_refused():
     """``torch.bernoulli`` of a sharded probability tensor cannot be drawn whole without the whole input: refused, by
     name, rather than drawn alike on every rank."""
