@@ -95,6 +95,9 @@ class Cluster:
     peak_tflops: float = 989.0
     backend: str = "nccl"
     hbm_gbps: float = 3350.0
+    kernel_gbps: float | None = None
+    """The quantization kernels' speed, GB/s by device time, where a GPU run measured it (:func:`measured_kernels`);
+    None: assumed at ``hbm_gbps``."""
 
     def __post_init__(self) -> None:
         if self.backend not in ("nccl", "gloo"):
@@ -105,6 +108,8 @@ class Cluster:
         for name in ("inter_gbps", "intra_gbps", "gpu_memory_gib", "peak_tflops", "hbm_gbps"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"plan: `{name}={getattr(self, name)!r}` must be > 0.")
+        if self.kernel_gbps is not None and not self.kernel_gbps > 0:
+            raise ValueError(f"plan: `kernel_gbps={self.kernel_gbps!r}` must be > 0 (or None: at hbm_gbps).")
 
     @property
     def world(self) -> int:
@@ -174,10 +179,45 @@ def compute_seconds(units: list[Unit], config: ZeroPPConfig, cluster: Cluster, w
     correction's at the device memory's bandwidth (they run on the compute stream, between the layers and before the
     update; the correction's where the optimizer keeps Adam's two states)."""
     flops = step_flops(units, workload) / (cluster.peak_tflops * 1e12 * workload.efficiency)
-    moved = kernel_bytes(units, config, cluster.world, cluster.gpus_per_node, workload.precision)
+    kernels = kernel_bytes(units, config, cluster.world, cluster.gpus_per_node, workload.precision)
+    moved = 0
     if workload.optimizer_states >= 2:  # no Adam: nothing is lowered ("auto" leaves it alone)
         moved += correction_bytes(units, config, cluster.world, cluster.gpus_per_node, workload.precision)
-    return flops + moved / (cluster.hbm_gbps * 1e9)
+    return flops + kernels / ((cluster.kernel_gbps or cluster.hbm_gbps) * 1e9) + moved / (cluster.hbm_gbps * 1e9)
+
+
+# The kernels the defaults launch, as benchmarks/kernels.py names its rows: qwZ's INT8 quantize and dequantize on
+# parameter-aligned blocks, qgZ's swizzle-quantize, INT8 -> INT4 re-quantization and INT4 dequantize-reduce.
+DEFAULT_KERNELS = ("quantize int8 param-blocks", "dequantize int8 param-blocks", "swizzle_quantize int8",
+                   "dequantize_reduce_quantize 8->4", "dequantize_reduce int4")  # fmt: skip
+MEASURED_FROM_MB = 12.0
+"""Rows of at least this many MB count (a 7B layer's per-rank shard is 12.65 MB): smaller ones are launch-bound."""
+
+
+def measured_kernels(path: Path) -> tuple[float, str]:
+    """(GB/s, where it came from) of the defaults' kernels in a table ``benchmarks/kernels.py --json`` wrote on a GPU:
+    their bytes over their device time, summed over the rows of :data:`DEFAULT_KERNELS` at >= 12 MB. Raises
+    :class:`InputError` for a file that is not such a table, a table timed with the launcher inside (written before
+    device time was measured apart), or one whose device waited for the host."""
+    try:
+        table = json.loads(Path(path).read_text())
+        rows = table["rows"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise InputError(f"--kernels {path}: not a table of benchmarks/kernels.py --json ({err})") from None
+    if not rows or "device_s" not in rows[0]:
+        raise InputError(f"--kernels {path}: its times include the launcher (no device_s column); rerun"
+                         " benchmarks/kernels.py --json on the GPU, which measures device time apart")  # fmt: skip
+    used = [r for r in rows if r["kernel"] in DEFAULT_KERNELS and r["size_mb"] >= MEASURED_FROM_MB]
+    missing = sorted(set(DEFAULT_KERNELS) - {r["kernel"] for r in used})
+    if missing:
+        raise InputError(f"--kernels {path}: no rows of {', '.join(missing)} at >= {MEASURED_FROM_MB:g} MB; rerun"
+                         " benchmarks/kernels.py with its default sizes")  # fmt: skip
+    starved = sorted({r["kernel"] for r in used if r.get("starved")})
+    if starved:
+        raise InputError(f"--kernels {path}: the device waited for the host in {', '.join(starved)} (device time"
+                         " not measured); rerun benchmarks/kernels.py")  # fmt: skip
+    gbps = sum(r["bytes_moved"] for r in used) / sum(r["device_s"] for r in used) / 1e9
+    return gbps, f"{table.get('device', 'a GPU')}, {path}"
 
 
 def step_flops(units: list[Unit], workload: Workload) -> float:
@@ -710,6 +750,12 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--gpu-memory-gib", type=float, help="memory per GPU, GiB (default: --gpu's)")
     c.add_argument("--peak-tflops", type=float, help="dense bf16/fp16 peak per GPU, TFLOP/s (default: --gpu's)")
     c.add_argument("--hbm-gbps", type=float, help="device memory bandwidth per GPU, GB/s (default: --gpu's)")
+    c.add_argument(
+        "--kernels",
+        type=Path,
+        help="the quantization kernels' measured speed: the JSON"
+        " benchmarks/kernels.py --json wrote on your GPU (default: they run at --hbm-gbps, an upper bound)",
+    )
     c.add_argument("--intra-gbps", type=float, help="intra-node bandwidth per GPU and direction, Gbit/s (default:"
                    " --gpu's NVLink)")  # fmt: skip
     c.add_argument("--inter-gbps", type=float, default=100.0, help="inter-node bandwidth per node (all its NICs),"
@@ -792,6 +838,13 @@ def header(args: argparse.Namespace, model: Model, cluster: Cluster, workload: W
         f"model:    {described}",
         f"cluster:  {v['nodes']} x {v['gpus_per_node']} = {c.world} GPUs, {v['gpu']}: {v['gpu_memory_gib']},"
         f" {v['peak_tflops']} dense, {v['hbm_gbps']} HBM per GPU",
+        "kernels:  "
+        + (
+            f"{c.kernel_gbps:.0f} GB/s by device time, measured ({args.kernels_source})"
+            if c.kernel_gbps
+            else "at the HBM bandwidth: assumed, an upper bound (--kernels FILE: a table benchmarks/kernels.py --json"
+            " wrote on your GPU)"
+        ),
         f"links:    {v['inter_gbps']} into each node ({v['inter_latency_us']}), {v['intra_gbps']} per GPU inside a"
         f" node ({v['intra_latency_us']})",
         f"workload: {v['tokens']} per GPU per step, {v['precision']}, {v['optimizer_states']} per parameter,"
@@ -807,9 +860,10 @@ def main(argv: list[str] | None = None) -> list[Row]:
     args = parse_args(argv)
     try:
         model = model_of(args)
+        kernel_gbps, args.kernels_source = measured_kernels(args.kernels) if args.kernels else (None, None)
         cluster = Cluster(args.nodes, args.gpus_per_node, args.inter_gbps, args.intra_gbps, args.inter_latency_us,
                           args.intra_latency_us, args.gpu_memory_gib, args.peak_tflops,
-                          hbm_gbps=args.hbm_gbps)  # fmt: skip
+                          hbm_gbps=args.hbm_gbps, kernel_gbps=kernel_gbps)  # fmt: skip
         workload = Workload(args.tokens, args.precision, args.optimizer_states, not args.no_activation_checkpointing,
                             args.efficiency, args.overlap)  # fmt: skip
         configs, unplanned = {}, []

@@ -5,6 +5,7 @@ and prints the code that selects its choice."""
 import json
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import yaml
@@ -12,6 +13,9 @@ import yaml
 from lightning_zeropp import plan as plan_module
 from lightning_zeropp.config import ZeroPPConfig
 from lightning_zeropp.plan import CONFIGS, GPUS, Cluster, Row, main, verdict
+
+# the first H200 run's kernel table: timed with the launcher inside (no device time)
+ROOT_H200_TABLE = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check_h200" / "kernels_256mb.json"
 
 
 def _refused(capsys, argv: list[str]) -> str:
@@ -318,3 +322,47 @@ def test_the_verdict_says_how_to_launch_the_job(capsys):
     out = capsys.readouterr().out
     assert "srun --nodes 2 --ntasks-per-node 4 --gpus-per-node 4 python train.py" in out
     assert "torchrun --nnodes 2 --nproc-per-node 4 --node-rank <0..1>" in out
+
+
+def _kernel_table(path, gbps: float, starved: bool = False, sizes=(12.65, 256.0)):
+    """A table as benchmarks/kernels.py --json writes it on a GPU, every default kernel at ``gbps`` by device time."""
+    rows = [
+        {"kernel": name, "size_mb": mb, "bytes_moved": int(mb * 3e6), "device_s": mb * 3e6 / (gbps * 1e9),
+         "host_s": 20e-6, "starved": starved}
+        for mb in sizes for name in plan_module.DEFAULT_KERNELS
+    ]  # fmt: skip
+    path.write_text(json.dumps({"device": "NVIDIA H200", "rows": rows}))
+    return path
+
+
+def test_the_planner_times_the_kernels_at_what_the_device_measured(tmp_path, capsys):
+    """Without --kernels the kernels run at HBM speed and the header says that is assumed; with a measured table,
+    at its bytes over its device time: a quantized configuration's compute grows, an exact one's does not."""
+    argv = ["--params", "7B", "--nodes", "4", "--gpu", "H200"]
+    assumed = {r.config: r for r in main(argv)}
+    out = capsys.readouterr().out
+    assert "kernels:  at the HBM bandwidth: assumed" in out
+    table = _kernel_table(tmp_path / "kernels.json", 1200.0)
+    measured = {r.config: r for r in main([*argv, "--kernels", str(table)])}
+    out = capsys.readouterr().out
+    assert "kernels:  1200 GB/s by device time, measured (NVIDIA H200" in out
+    assert measured["zero3"].compute_s == assumed["zero3"].compute_s
+    assert measured["zeropp"].compute_s > assumed["zeropp"].compute_s
+    # the kernels' time goes as 1 / speed: from 4800 (H200 HBM) to 1200 adds 3x what going to 2400 adds
+    half = {r.config: r for r in main([*argv, "--kernels", str(_kernel_table(tmp_path / "k2.json", 2400.0))])}
+    added = measured["zeropp"].compute_s - assumed["zeropp"].compute_s
+    assert added / (half["zeropp"].compute_s - assumed["zeropp"].compute_s) == pytest.approx(3.0)
+
+
+@pytest.mark.parametrize(
+    "make, says",
+    [
+        (lambda d: ROOT_H200_TABLE, "its times include the launcher"),
+        (lambda d: _kernel_table(d / "k.json", 1000.0, starved=True), "the device waited for the host"),
+        (lambda d: _kernel_table(d / "k.json", 1000.0, sizes=(1.0,)), "no rows of"),
+        (lambda d: (d / "k.json").write_text("{}") and d / "k.json", "not a table of benchmarks/kernels.py"),
+    ],
+)
+def test_a_kernel_table_the_planner_cannot_trust_is_refused_in_one_line(tmp_path, capsys, make, says):
+    err = _refused(capsys, ["--params", "7B", "--kernels", str(make(tmp_path))])
+    assert says in err and "--kernels" in err
