@@ -194,7 +194,11 @@ class CommPlan:
             )
         else:
             parts.append("gradients reduce-scattered exactly" + self._why("gradients"))
-        return f"ZeroPPStrategy: {shape}; " + "; ".join(parts) + "."
+        line = f"ZeroPPStrategy: {shape}; " + "; ".join(parts) + "."
+        if K == 1 and any("one node" in self.note(c) for c in ("forward", "gradients")):
+            line += (" On one node this is ZeRO-3's traffic, exact; to try ZeRO++ on one machine, emulate nodes with"
+                     " ranks_per_node (e.g. 2).")  # fmt: skip
+        return line
 
 
 def reshard_after_forward(hpz_partition_size: int, world_size: int) -> bool | int:

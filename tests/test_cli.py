@@ -130,3 +130,14 @@ def test_deprecated_spelling_in_yaml_is_refused_naming_it(train, tmp_path, capsy
         _parse(train, "--config", str(old))
     err = capsys.readouterr().err
     assert "Traceback" not in err and "Option 'pipeline_stages' is not accepted" in err, err[-3000:]
+
+
+def test_the_zero3_overlay_keeps_the_runs_emulated_nodes(train):
+    """``configs/zero3.yaml`` after the demo's config: ZeRO-3 (qwZ, hpZ, qgZ off) on the same 2 x 2 emulated nodes,
+    so its bytes split across and inside nodes as the ZeRO++ run's do; the short form drops ``ranks_per_node``."""
+    cli = _parse(train, "--config", str(EXAMPLE / "configs" / "zero3.yaml"))
+    c = cli.trainer.strategy.zeropp_config
+    assert c.ranks_per_node == 2
+    assert (c.quantize_weights, c.hpz_partition_size, c.quantize_gradients) == (False, 1, False)
+    short = _parse(train, "--trainer.strategy", "zero3").trainer.strategy.zeropp_config
+    assert short.ranks_per_node == "auto"  # the emulated nodes lost: why the overlay exists

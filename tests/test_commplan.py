@@ -129,3 +129,12 @@ def test_the_plan_is_frozen():
     plan = _plan(8, 2)
     with pytest.raises(AttributeError):
         plan.forward = None  # type: ignore[misc]
+
+
+def test_the_startup_line_on_one_node_says_it_is_zero3s_traffic_and_how_to_emulate_nodes():
+    """One node with the defaults (what ``strategy="zeropp"`` gives on one machine): nothing is quantized, and the
+    line says so and how to try ZeRO++ there; with emulated nodes, or with ZeRO-3 asked for, it says nothing of it."""
+    hint = "to try ZeRO++ on one machine, emulate nodes with ranks_per_node"
+    assert hint in _plan(4, 4).describe()
+    assert hint not in _plan(4, 2).describe()
+    assert hint not in _plan(4, 4, quantize_weights=False, quantize_gradients=False).describe()
