@@ -320,16 +320,16 @@ class ZeroPPConfig:
         "qgZ for the first this many optimizer steps, then the exact reduce-scatter (the paper's remedy for"
         " late-training accuracy); 0: throughout.",
         check=_steps("qgZ throughout"),
-        when="Half the run's optimizer steps when the last 0.1% of loss matters and the link has no room for"
-        " gradient_bits=8 (docs: Accuracy); ZeRO-3's gradient bytes after it.",
+        when="Half the run's optimizer steps when the last fraction of a percent of loss matters and the link has no"
+        " room for gradient_bits=8 (docs: Accuracy); ZeRO-3's gradient bytes after it.",
     )
     gradient_bits: Literal[4, 8] = argument(
         4,
         "qgZ: 4 or 8 bits per gradient element on the inter-node hop.",
         check=_bits(4, 8),
-        when="8 for long runs where the last 0.1% of loss matters, the optimizer is not Adam-family (with Adam or"
-        " AdamW the default second_moment_correction does it at no byte more) and the link has room: it removed most"
-        " of the late gap at 1.2x the defaults' cross-node bytes (docs: Accuracy).",
+        when="8 for long runs where the last fraction of a percent of loss matters, the optimizer is not Adam-family"
+        " (with Adam or AdamW the default second_moment_correction does it at no byte more) and the link has room:"
+        " it removes most of the late loss gap for more cross-node bytes (docs: Accuracy).",
     )
     intra_node_gradient_bits: Literal[4, 8] = argument(
         8,
@@ -369,16 +369,15 @@ class ZeroPPConfig:
         "qgZ: before each optimizer step, take the inter-node hop's rounding noise out of an Adam-family optimizer's"
         " second moment (exp_avg_sq), its variance estimated per block from the scales the rank received: no byte"
         " more on the wire, 4 bytes per gradient block of the rank's shard. Without it the noise lengthens the"
-        " denominator and shortens every step (about 0.5% of the learning rate with INT4), a loss gap that grows"
+        " denominator and shortens every step (docs: Accuracy), a loss gap that grows"
         ' with training. "auto": on wherever qgZ runs across nodes (FULL_SHARD, bf16 or fp32 gradients), for each'
         " optimizer of torch's Adam family (Adam, AdamW, NAdam, RAdam, their fused / foreach / amsgrad forms and"
         " subclasses that keep their step); any other optimizer is left alone (no estimate, no pass), and rank 0"
         " says once which. True: on, refused where it cannot act (no qgZ, HYBRID_SHARD, fp16 gradients) and for"
         " an optimizer it cannot correct.",
         check=_check_bool_or_auto,
-        when='Leave "auto": it took the late loss gap from +0.13% to +0.06% at 500 steps (10 seeds, paired) and from'
-        " +0.18% to -0.07% at 1000 (2 seeds), at no cost in bytes (docs: Accuracy). False only to measure qgZ"
-        " without it.",
+        when='Leave "auto": it keeps the late loss gap from growing with training, at no cost in bytes (docs:'
+        " Accuracy). False only to measure qgZ without it.",
     )
     block_alignment: BlockAlignment = argument(
         "parameter",
@@ -395,10 +394,9 @@ class ZeroPPConfig:
         " for the M/N elements it sends) and adds it, times error_feedback_decay, to the next reduction's values."
         " Saved in checkpoints.",
         check=_check_bool,
-        when="Off by default: 1 byte more per element of M/N and a step 1.03x as long on the emulated CPU cluster,"
-        " for a gain over the defaults not resolved (500 steps: -0.069% paired, 8 seeds; 1000 steps: level). On with"
-        " the default second_moment_correction for a long run with the memory: -0.012% against ZeRO-3 at 500 steps"
-        " (the defaults +0.057%). Without the correction it made the gap worse (docs: Accuracy, Error feedback).",
+        when="Off by default: 1 byte more per element of M/N and a longer step, for a gain over the defaults not"
+        " resolved. On with the default second_moment_correction for a long run with the memory, where it comes"
+        " closest to ZeRO-3; without the correction it makes the gap worse (docs: Accuracy, Error feedback).",
     )
     error_feedback_bits: Literal[8, 16, 32] = argument(
         8,

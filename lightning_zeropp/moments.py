@@ -2,8 +2,8 @@
 
 Why: every coordinate qgZ delivers is ``g + n``, with ``n`` the inter-node hop's rounding error. Adam's first moment
 averages ``n`` away, but its second moment averages ``(g + n)^2``, whose mean is ``g^2 + var(n)``: the denominator
-grows, and every step is shorter, by about 0.5% of the effective learning rate for the INT4 defaults (docs: Accuracy).
-That alone explains the defaults' late loss gap (a ZeRO-3 run with its lr cut by the same amount loses the same).
+grows, and every step is shorter than ZeRO-3's. That alone explains the defaults' late loss gap (a ZeRO-3 run with its
+learning rate cut by the same amount loses the same: docs/accuracy.md).
 
 What: the rank that sums the K pieces of a chunk (qgZ's last step) holds each piece's block scales ``s_k``. A block
 rounded to nearest has an error of variance about ``s_k^2 / 12`` per element (uniform over one step), so the reduced
@@ -12,9 +12,9 @@ rounding, which spreads over a whole step; twice that with error feedback, whose
 of two residuals). With rotated blocks (``gradient_rotation``) the rounding happens in rotated coordinates and the
 inverse rotation spreads it: an element keeps ``1 / P`` of its power-of-two piece's variance. One fp32 per block is
 accumulated over a step's reductions: no byte on the wire, ``4 / gradient_block_size`` bytes per element of the rank's
-shard. ``benchmarks/adam_noise.py`` measured the estimate at
-0.97-1.03 of the true squared error (nearest, stochastic rounding, error feedback), and AdamW fed ``g^2 - var`` step
-along the exact-fed direction at 1.000-1.002 of its length (0.977-0.994 without).
+shard. ``benchmarks/adam_noise.py`` measures the estimate against the true squared error (nearest, stochastic
+rounding, error feedback), and the step AdamW takes when fed ``g^2 - var`` against the exact-fed one (its figures:
+docs/accuracy.md).
 
 Where: right before the optimizer's update (after the closure's backward and any gradient clipping), for every
 parameter of an optimizer :func:`judge` accepts (torch's Adam family), ``exp_avg_sq`` is lowered so that the update
@@ -34,10 +34,10 @@ and the reductions of one step (micro-batches) add up.
 Cost: the norms are one multi-tensor pass over the gradients after the backward and one before the update; the
 lowering is four element-wise passes over a parameter's shard (``v + shift g^2``, its share, the cap, the
 subtraction). On a CPU each parameter is lowered alone, the cap broadcast from the blocks without expanding them to
-elements where the blocks start at the parameter's start (parameter-aligned blocks; flat blocks expand): over the
-example GPT's 0.81 M elements of one rank's shard it takes 2.6-3.2 ms on one thread, about one AdamW step (2.5-2.9
-ms). On a GPU a unit's parameters are lowered together in multi-tensor passes, the blocks expanded once: about 12
-launches per unit in place of about 6 per parameter (``PER_PARAMETER``).
+elements where the blocks start at the parameter's start (parameter-aligned blocks; flat blocks expand): about the
+cost of one AdamW step (``benchmarks/moments_cost.py``). On a GPU a unit's parameters are lowered together in
+multi-tensor passes, the blocks expanded once: about 12 launches per unit in place of about 6 per parameter
+(``PER_PARAMETER``).
 """
 
 from __future__ import annotations

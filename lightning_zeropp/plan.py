@@ -63,9 +63,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
 """The configurations every plan compares, by the names the README and the benchmarks use."""
 
 LONG_RUN = "zeropp+qgz8"
-"""The setting for long runs where the last 0.1% of loss matters and the optimizer is not Adam-family (qgZ's
-inter-node hop in INT8: at 500 steps the late loss gap of ZeRO++ without the second-moment correction, +0.091%, went
-to -0.006%; docs/accuracy.md). It sends more than the defaults, so the verdict never picks it for speed; when the
+"""The setting for long runs where the last fraction of a percent of loss matters and the optimizer is not
+Adam-family (qgZ's inter-node hop in INT8, which removes most of the late loss gap of ZeRO++ without the second-moment
+correction: docs/accuracy.md). It sends more than the defaults, so the verdict never picks it for speed; when the
 verdict is ZeRO++, the plan says what it would cost instead."""
 
 RING_KINDS = {"weight_all_gather", "weight_all_gather_backward", "gradient_reduce_scatter"}
@@ -404,12 +404,12 @@ def launch_lines(cluster: Cluster) -> tuple[str, ...]:
 
 
 def long_run_advice(rows: list[Row], choice: Row, gpu_memory_gib: float, adam: bool = True) -> str:
-    """For a ZeRO++ verdict (the defaults, or with feedback or weight deltas), for runs where the last 0.1% of loss
-    matters: with an Adam-family optimizer (``adam``), that the defaults already take qgZ's noise out of its second
-    moment (nothing to add, nothing to predict); with another, what adding ``gradient_bits=8`` (:data:`LONG_RUN`)
-    would cost. "" for other verdicts, or where either row was not planned. ``gradient_bits=8`` changes only the
-    inter-node gradient hop, so its cost is the difference between the ``zeropp+qgz8`` and ``zeropp`` rows, added to
-    the choice's."""
+    """For a ZeRO++ verdict (the defaults, or with feedback or weight deltas), for runs where the last fraction of a
+    percent of loss matters: with an Adam-family optimizer (``adam``), that the defaults already take qgZ's noise out
+    of its second moment (nothing to add, nothing to predict); with another, what adding ``gradient_bits=8``
+    (:data:`LONG_RUN`) would cost. "" for other verdicts, or where either row was not planned. ``gradient_bits=8``
+    changes only the inter-node gradient hop, so its cost is the difference between the ``zeropp+qgz8`` and
+    ``zeropp`` rows, added to the choice's."""
     by_name = {r.config: r for r in rows}
     long_run, base = by_name.get(LONG_RUN), by_name.get("zeropp")
     if long_run is None or base is None or choice is long_run or not choice.config.startswith("zeropp"):
@@ -424,8 +424,8 @@ def long_run_advice(rows: list[Row], choice: Row, gpu_memory_gib: float, adam: b
     extra_s, extra_gb = long_run.step_s - base.step_s, long_run.inter_node_gb - base.inter_node_gb
     memory = choice.memory_gib["total"] + long_run.memory_gib["total"] - base.memory_gib["total"]
     words = (
-        "if the last 0.1% of loss matters, add gradient_bits=8 (INT8 gradients across nodes; with an optimizer"
-        " without Adam's second moment the defaults cannot correct qgZ's noise, docs/accuracy.md):"
+        "if the last fraction of a percent of loss matters, add gradient_bits=8 (INT8 gradients across nodes; with an"
+        " optimizer without Adam's second moment the defaults cannot correct qgZ's noise, docs/accuracy.md):"
         f" predicted step {extra_s / choice.step_s:+.0%} ({choice.step_s + extra_s:.3g} s),"
         f" cross-node bytes {(choice.inter_node_gb + extra_gb) / choice.inter_node_gb:.2f}x"
     )
@@ -695,7 +695,7 @@ RULES: dict[str, tuple[Any, str]] = {
     "optimizer_states": (lambda v: v >= 0, "fp32 values per parameter >= 0 (Adam: 2, SGD with momentum: 1)"),
     "efficiency": (lambda v: 0 < v <= 1, "a fraction of peak in (0, 1], e.g. 0.645"),
     "overlap": (lambda v: 0 <= v <= 1, "a fraction in [0, 1]"),
-    "margin": (lambda v: v >= 0, "a fraction >= 0, e.g. 0.1 for 10%"),
+    "margin": (lambda v: v >= 0, "a fraction >= 0, e.g. 0.1 for a tenth"),
 }
 """Each numeric argument's valid values and what to pass instead, checked before anything is planned."""
 
@@ -729,9 +729,8 @@ def parser() -> argparse.ArgumentParser:
     shown = _ShowDefaults(p)
     m = _ShowDefaults(p.add_argument_group("model (none given: the example's 3.26M demo GPT, which is not your model)"))
     m.add_argument("--params", type=parameter_count, help="parameter count of a GPT: 7e9, 7B, 1.3B, 350M; its shape is"
-                   " derived (layers"
-                   " = width / 128) unless given; beside --n-layer and --n-embd, a check: they must make it within"
-                   " 10%%")  # fmt: skip
+                   " derived (layers = width / 128) unless given; beside --n-layer and --n-embd, a check: they must"
+                   f" make it within {PARAMS_TOLERANCE:.0%}%")  # fmt: skip
     m.add_argument("--n-layer", type=int, help="layers (units); with --n-embd, the shape; with --params, the width is"
                    " derived")  # fmt: skip
     m.add_argument("--n-embd", type=int, help="width; with --n-layer, the shape; with --params, the layers are derived")

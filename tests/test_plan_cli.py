@@ -297,7 +297,10 @@ def test_a_zeropp_verdict_says_what_the_long_run_setting_costs(capsys):
     for row in rows:
         row.speedup = zero3.step_s / row.step_s
     v = verdict(rows, Cluster(4, 8, 100.0, 3600.0), adam=False)
-    assert v.config == "zeropp+deltas" and "  long runs: if the last 0.1% of loss matters" in verdict_text(v)
+    assert (
+        v.config == "zeropp+deltas"
+        and "  long runs: if the last fraction of a percent of loss matters" in verdict_text(v)
+    )
     v = verdict(rows, Cluster(4, 8, 100.0, 3600.0))
     assert "  long runs: the defaults take qgZ's rounding noise out of Adam's second moment" in verdict_text(v)
     v = verdict(rows, Cluster(1, 8, 100.0, 3600.0))  # one node: ZeRO-3, nothing to add
