@@ -3,9 +3,9 @@
 #   1. kernel bit-exactness on CUDA against the torch twins (tests/test_kernels_gpu.py, and the rotated
 #      specializations' checks in tests/test_kernels_rotation.py),
 #   2. the bandwidth table (benchmarks/kernels.py: device time and host time per call measured apart, GB/s by
-#      device time, % of the device's copy bandwidth, x eager) at a 7B layer's per-rank shard (12.65 MB), 64 MB,
-#      256 MB and a whole 7B layer (404.8 MB); and the launchers' own host time with the launch stubbed
-#      (benchmarks/host_cost.py), on this machine's host CPU,
+#      device time, % of the device's copy bandwidth; the twins' columns left out, measured before) at a 7B
+#      layer's per-rank shard (12.65 MB), 64 MB, 256 MB and a whole 7B layer (404.8 MB); and the launchers' own
+#      host time with the launch stubbed (benchmarks/host_cost.py), on this machine's host CPU,
 #   3. qgZ/qwZ kernel pipelines at production shapes and a short training run with kernel_backend="triton",
 #   4. the second-moment correction's step on the GPU, lowered per parameter and per unit (benchmarks/moments_cost.py).
 # Each step has its own time limit and the script goes on past a failed step, so one run reports all four; it exits
@@ -61,7 +61,7 @@ kernel_tests() {  # five groups side by side (the suite's xdist scheduler keeps 
 export TESTS_S=${GPU_CHECK_TESTS_S:-240}
 export -f kernel_tests
 step kernels_gpu "$TESTS_S" bash -c kernel_tests
-step kernels "${GPU_CHECK_BANDWIDTH_S:-200}" python benchmarks/kernels.py --no-compile \
+step kernels "${GPU_CHECK_BANDWIDTH_S:-200}" python benchmarks/kernels.py --no-compile --no-eager \
   --sizes-mb ${GPU_CHECK_SIZES_MB:-12.65 64 256 404.8} --reps 20 --json "$OUT/kernels.json"
 step host_cost "${GPU_CHECK_HOST_S:-60}" python benchmarks/host_cost.py --reps 500 --json "$OUT/host_cost.json"
 step gpu_smoke "${GPU_CHECK_SMOKE_S:-120}" python benchmarks/gpu_smoke.py --steps 30 --json "$OUT/gpu_smoke.json"

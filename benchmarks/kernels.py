@@ -257,6 +257,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--no-compile", action="store_true", help="leave out the torch.compile column (its compiles)")
+    parser.add_argument(
+        "--no-eager", action="store_true", help="leave out the eager twins' column (slow at large sizes)"
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny CPU run under TRITON_INTERPRET=1")
     parser.add_argument("--static", action="store_true", help="the static table from compiled code (no GPU)")
     parser.add_argument("--arch", type=int, nargs="+", default=[90], help="with --static: compute capabilities")
@@ -288,7 +291,7 @@ def main(argv: list[str] | None = None) -> None:
         for kernel, fns, nbytes in cases(numel, device):
             timings = {}
             for impl, fn in fns.items():
-                if (args.smoke or args.no_compile) and impl == "torch.compile":
+                if ((args.smoke or args.no_compile) and impl == "torch.compile") or (args.no_eager and impl == "torch"):
                     continue
                 timings[impl] = device_timer.measure(
                     fn, stream, reps, 1 if args.smoke else 3, attempts=1 if args.smoke else 3
@@ -298,7 +301,7 @@ def main(argv: list[str] | None = None) -> None:
                 "kernel": kernel, "size_mb": mb, "numel": numel, "bytes_moved": nbytes, "device_s": ours.device_s,
                 "host_s": ours.host_s, "starved": ours.starved, "GBps": nbytes / ours.device_s / 1e9,
                 "fraction_of_copy": nbytes / ours.device_s / copy,
-                "speedup_vs_eager": timings["torch"].device_s / ours.device_s,
+                "speedup_vs_eager": timings["torch"].device_s / ours.device_s if "torch" in timings else None,
                 "speedup_vs_compile": (timings["torch.compile"].device_s / ours.device_s
                                        if "torch.compile" in timings else None),
                 "device": name,
@@ -307,10 +310,11 @@ def main(argv: list[str] | None = None) -> None:
             if args.json:  # after every row: a run stopped at a time limit keeps what it measured
                 args.json.write_text(json.dumps(document, indent=2))
             compiled = f"{row['speedup_vs_compile']:.1f}" if row["speedup_vs_compile"] else "-"
+            eager = f"{row['speedup_vs_eager']:.1f}" if row["speedup_vs_eager"] else "-"
             flag = " (starved)" if ours.starved else ""
             print(
                 f"| {kernel} | {mb:g} | {1e6 * ours.device_s:.1f}{flag} | {1e6 * ours.host_s:.1f} |"
-                f" {row['GBps']:.0f} | {100 * row['fraction_of_copy']:.0f}% | {row['speedup_vs_eager']:.1f} |"
+                f" {row['GBps']:.0f} | {100 * row['fraction_of_copy']:.0f}% | {eager} |"
                 f" {compiled} |"
             )
     if args.json:

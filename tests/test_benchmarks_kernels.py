@@ -102,3 +102,13 @@ def test_host_cost_times_every_kernel_of_the_table_with_the_launch_stubbed(tmp_p
     kernels = load_script(ROOT / "benchmarks" / "kernels.py", "kernels_benchmark_names")
     assert [r["kernel"] for r in rows] == [name for name, _, _ in kernels.cases(4096, "cpu")]
     assert all(r["median_us"] > 0 and r["first_call_us"] > 0 for r in rows)
+
+
+@pytest.mark.slow
+def test_the_gpu_checks_table_leaves_the_twins_out_and_still_writes_its_rows(tmp_path):
+    """What gpu_check.sh runs (--no-compile --no-eager, to fit its time limit): the Triton rows alone."""
+    kernels = load_script(ROOT / "benchmarks" / "kernels.py", "kernels_benchmark_no_twins")
+    out = tmp_path / "kernels.json"
+    kernels.main(["--smoke", "--no-eager", "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert rows and all(r["speedup_vs_eager"] is None and r["device_s"] > 0 for r in rows)
