@@ -16,7 +16,7 @@ import contextlib
 import dataclasses
 import importlib
 import inspect
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +41,7 @@ GPUTarget = _lookup("triton.backends.compiler", "GPUTarget")
 ASTSource = _lookup("triton.compiler", "ASTSource")
 make_backend = _lookup("triton.compiler", "make_backend")
 JITFunction = _lookup("triton.runtime.jit", "JITFunction")
-# what a kernel is under TRITON_INTERPRET=1: its launch goes through this class's ``run``
+# what a kernel is under TRITON_INTERPRET=1 (its ``[grid]`` is replaced to record or stub a launch)
 InterpretedFunction = _lookup("triton.runtime.interpreter", "InterpretedFunction")
 # the binder a launch builds (the i32/i64, divisibility-by-16 and value-1 decisions) and what turns its result into
 # a compilable signature: Triton's private launch internals
@@ -69,36 +69,52 @@ __all__ = [
 
 
 @contextlib.contextmanager
+def _launches_replaced(launch: Callable[..., Any]) -> Iterator[None]:
+    """Inside the block, ``kernel[grid](*args, **kwargs)`` calls ``launch(kernel, *args, grid=grid, warmup=False,
+    **kwargs)`` instead of compiling, running or interpreting anything. A compiled kernel launches through
+    ``JITFunction.run``; an interpreted one's ``[grid]`` is ``InterpretedFunction.__getitem__`` (its own before Triton
+    3.7, which returns the grid executor directly; inherited after), so that is what is replaced for it."""
+    run = JITFunction.run
+    own_getitem = InterpretedFunction.__dict__.get("__getitem__")
+
+    def getitem(self, grid):
+        return lambda *args, **kwargs: launch(self, *args, grid=grid, warmup=False, **kwargs)
+
+    JITFunction.run = launch
+    InterpretedFunction.__getitem__ = getitem
+    try:
+        yield
+    finally:
+        JITFunction.run = run
+        if own_getitem is None:
+            del InterpretedFunction.__getitem__
+        else:
+            InterpretedFunction.__getitem__ = own_getitem
+
+
+@contextlib.contextmanager
 def record_launches() -> Iterator[list[tuple[Any, tuple, dict, tuple]]]:
     """Inside the block, ``kernel[grid](*args, **kwargs)`` appends ``(kernel, args, kwargs, grid)`` to the yielded
     list instead of compiling or running anything (compiled or interpreted kernels alike)."""
     launches: list[tuple[Any, tuple, dict, tuple]] = []
-    originals = JITFunction.run, InterpretedFunction.run
 
     def record(self, *args, grid, warmup, **kwargs):
         launches.append((self, args, dict(kwargs), tuple(grid)))
 
-    JITFunction.run = InterpretedFunction.run = record
-    try:
+    with _launches_replaced(record):
         yield launches
-    finally:
-        JITFunction.run, InterpretedFunction.run = originals
 
 
 @contextlib.contextmanager
 def stub_launches() -> Iterator[None]:
     """Inside the block, ``kernel[grid](*args, **kwargs)`` returns at once (no binding, compile or launch; compiled
     or interpreted): what is left of a call is the launcher's own host time (``benchmarks/host_cost.py``)."""
-    originals = JITFunction.run, InterpretedFunction.run
 
     def nothing(self, *args, grid, warmup, **kwargs):
         return None
 
-    JITFunction.run = InterpretedFunction.run = nothing
-    try:
+    with _launches_replaced(nothing):
         yield
-    finally:
-        JITFunction.run, InterpretedFunction.run = originals
 
 
 @dataclasses.dataclass(frozen=True)
