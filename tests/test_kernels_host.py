@@ -108,3 +108,15 @@ def test_the_plain_integer_helpers_agree_with_tritons():
         assert _launch.next_power_of_2(n) == triton.next_power_of_2(n)
         for d in (1, 3, 16, 4096):
             assert _launch.cdiv(n, d) == triton.cdiv(n, d)
+
+
+def test_recording_leaves_tritons_classes_as_it_found_them():
+    """The launch is replaced for the block only: compiled kernels' ``run`` and interpreted kernels' ``[grid]`` (their
+    own method before Triton 3.7, inherited after) are Triton's again afterwards."""
+    jit, interpreted = compat.JITFunction, compat.InterpretedFunction
+    before = jit.run, dict(interpreted.__dict__).get("__getitem__")
+    with compat.record_launches():
+        assert jit.run is not before[0]
+    with compat.stub_launches():
+        pass
+    assert (jit.run, dict(interpreted.__dict__).get("__getitem__")) == before
