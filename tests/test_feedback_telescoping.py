@@ -37,7 +37,10 @@ BETA = 0.8  # LoCo's moving average weight of the carried error (DeepSpeed's err
 VARIANTS = {  # name: ZeroPPConfig keywords (and "loco": LoCo's rule, emulated around the fp32 residual)
     "none": dict(gradient_error_feedback=False),
     "decay 1.0, INT8": dict(gradient_error_feedback=True),  # the defaults
+    "decay 1.0, fp32": dict(gradient_error_feedback=True, error_feedback_bits=32),  # the product's fp32 residual alone
     "decay 0.8, INT8": dict(gradient_error_feedback=True, error_feedback_decay=0.8),  # the reference's factor
+    # a reference to compare with, not a check of the product: LoCo's rule is this test's own emulation around the
+    # fp32 residual (the product's fp32 path is checked on its own above)
     "loco": dict(gradient_error_feedback=True, error_feedback_decay=1.0, error_feedback_bits=32),
 }
 REGIONS = ("large", "tiny", "layernorm large", "layernorm tiny")
@@ -162,7 +165,7 @@ def test_without_feedback_the_error_grows_with_the_steps(figures):
         assert _worst(figures, "none", 200, region) > 2 * _worst(figures, "none", 10, region), region
 
 
-@pytest.mark.parametrize(("name", "spread"), [("decay 1.0, INT8", 1), ("loco", 1 / (1 - BETA))])
+@pytest.mark.parametrize(("name", "spread"), [("decay 1.0, INT8", 1), ("decay 1.0, fp32", 1), ("loco", 1 / (1 - BETA))])
 def test_feedback_telescopes(figures, name, spread):
     """With the whole residual carried (decay 1) and with LoCo's rule, the running error is bounded: a few steps'
     worth of even the tiny entries, and no larger at 200 steps than at 50 but for the rounding of the INT8 residual
