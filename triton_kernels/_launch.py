@@ -41,6 +41,19 @@ _UNIFORM_LAUNCHES: dict = {}
 _UNIFORM_LIMIT = 4096
 
 
+class ShapeLaunch(NamedTuple):
+    """What a launcher passes for one shape besides its tensors and seed, made once (:func:`once_per_shape`): the
+    grid (None: nothing to launch), the scalar arguments after the leading buffers (``head``), the device tables and
+    constants after the per-call ones (``tail``), the constexprs and options (``kwargs``), and the bytes of an output
+    wire row, for the launchers that allocate one."""
+
+    grid: tuple[int, int] | None
+    head: tuple = ()
+    tail: tuple = ()
+    kwargs: dict | None = None  # None with no grid
+    wire: int = 0
+
+
 def once_per_shape(blocks: Blocks | None, key: tuple, make):
     """``make()`` the first time ``key`` is seen (with ``blocks``), the same object after. ``key`` holds every value
     ``make`` reads, the device included; never a tensor."""

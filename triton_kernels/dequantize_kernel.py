@@ -11,8 +11,6 @@ arbitrary starts, not vectorized. Without it, the kernel is the uniform one, unc
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
@@ -20,6 +18,7 @@ import triton.language as tl
 from ._launch import (
     INT4_DECODE,
     LAUNCH_OPTIONS,
+    ShapeLaunch,
     bf16_by_hand,
     needs_int64,
     once_per_shape,
@@ -186,24 +185,15 @@ def _dequantize_kernel(buf_ptr, scale_ptr, out_ptr, n, wire, so, multiplier, tab
                          HALF, SCALED, BF16_BY_HAND, True)  # fmt: skip
 
 
-class _Shape(NamedTuple):
-    """What a dequantize launch of one shape passes besides its tensors (made once: ``once_per_shape``)."""
-
-    grid: tuple[int, int] | None  # None: nothing to launch
-    head: tuple  # the scalars after the three tensors
-    tail: tuple  # the device tables and constants after the multiplier
-    kwargs: dict
-
-
 def _shape(numel: int, rows: int, wire: int, bits: int, block_size: int, summed: int, scaled: bool, by_hand: bool,
            rotation_seed: int | None, device: torch.device, out_numel: int,
-           blocks: Blocks | None) -> _Shape:  # fmt: skip
+           blocks: Blocks | None) -> ShapeLaunch:  # fmt: skip
     expected, so = row_format(numel, bits, block_size, blocks)
     # the kernel indexes both buffers by these sizes: a mismatch would read or write outside them
     assert wire == expected and out_numel == rows // summed * numel
     assert summed == 1 or rows == summed  # a sum has one output row (the kernel's _output_row)
     if not numel or not rows:
-        return _Shape(None, (), (), {})
+        return ShapeLaunch(None)
     t = tiling(numel, rows // summed, block_size, blocks, device)
     # a thread holds a block, or half of it where more than 4 rows' loads are in flight (ptxas spills otherwise)
     rot = rotation(rotation_seed, block_size, t, device, 128 if summed <= 4 else 64)
@@ -212,7 +202,7 @@ def _shape(numel: int, rows: int, wire: int, bits: int, block_size: int, summed:
         ALIGNED=blocks is not None, PADDED=t.padded, IDX64=needs_int64(rows * wire + t.tile, out_numel + t.tile),
         **(rot.options or {"GE": t.GE}), **LAUNCH_OPTIONS,
     )  # fmt: skip
-    return _Shape(t.grid, (numel, wire, so), (t.table, t.nblk, t.nvt, INT4_DECODE, rot.table), kwargs)
+    return ShapeLaunch(t.grid, (numel, wire, so), (t.table, t.nblk, t.nvt, INT4_DECODE, rot.table), kwargs)
 
 
 def _launch(rows: torch.Tensor, out: torch.Tensor, numel: int, bits: int, block_size: int, summed: int,

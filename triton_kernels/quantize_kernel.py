@@ -16,14 +16,13 @@ either, the kernel is the uniform one, unchanged.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
 
 from ._launch import (
     LAUNCH_OPTIONS,
+    ShapeLaunch,
     feedback_arguments,
     needs_int64,
     once_per_shape,
@@ -191,22 +190,12 @@ def _quantize_kernel(x_ptr, out_ptr, scale_ptr, n, chunk, start, N, K, wire, so,
                        rs, decay, BITS, QMAX, BS, G, HALF, STOCHASTIC, FEEDBACK, True)  # fmt: skip
 
 
-class _Shape(NamedTuple):
-    """What a quantize launch of one shape passes besides its tensors and seed (made once: ``once_per_shape``)."""
-
-    wire: int
-    grid: tuple[int, int] | None  # None: nothing to launch (no rows or no elements)
-    head: tuple  # the scalars after the two output views
-    tail: tuple  # the device tables after the feedback arguments
-    kwargs: dict
-
-
 def _shape(rows: int, n: int, chunk: int, start: int, N: int, K: int, bits: int, block_size: int,
            blocks: Blocks | None, stochastic: bool, fb_bits: int, fb_extent: int, rotation_seed: int | None,
-           device: torch.device, src_numel: int) -> _Shape:  # fmt: skip
+           device: torch.device, src_numel: int) -> ShapeLaunch:  # fmt: skip
     wire, so = row_format(n, bits, block_size, blocks)
     if not (n and rows):
-        return _Shape(wire, None, (), (), {})
+        return ShapeLaunch(None, wire=wire)
     t = tiling(n, rows, block_size, blocks, device, wire_bits=bits)
     share = 32 if fb_bits == 8 else 64 if fb_bits else 128
     rot = rotation(rotation_seed, block_size, t, device, share)
@@ -219,7 +208,8 @@ def _shape(rows: int, n: int, chunk: int, start: int, N: int, K: int, bits: int,
         **(rot.options or plain),
         **LAUNCH_OPTIONS,
     )  # fmt: skip
-    return _Shape(wire, t.grid, (n, chunk, start, N, K, wire, so), (t.table, t.nblk, t.nvt, rot.table), kwargs)
+    head = (n, chunk, start, N, K, wire, so)
+    return ShapeLaunch(t.grid, head, (t.table, t.nblk, t.nvt, rot.table), kwargs, wire)
 
 
 def _launch(src: torch.Tensor, rows: int, n: int, chunk: int, start: int, N: int, K: int,

@@ -12,8 +12,6 @@ unchanged.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
@@ -21,6 +19,7 @@ import triton.language as tl
 from ._launch import (
     INT4_DECODE,
     LAUNCH_OPTIONS,
+    ShapeLaunch,
     feedback_arguments,
     needs_int64,
     once_per_shape,
@@ -216,25 +215,14 @@ def _rotated_share(N: int, feedback: int) -> int:
     return 64 if feedback or N > 2 else 128
 
 
-class _Shape(NamedTuple):
-    """What a dequantize-reduce-quantize launch of one shape passes besides its tensors and seed (made once:
-    ``once_per_shape``)."""
-
-    out_wire: int
-    grid: tuple[int, int] | None  # None: nothing to launch
-    head: tuple  # the scalars after the four buffer views
-    tail: tuple  # the device tables and constants after the feedback arguments
-    kwargs: dict
-
-
 def _shape(N: int, K: int, in_wire: int, numel: int, in_bits: int, out_bits: int, block_size: int, stochastic: bool,
            fb_bits: int, fb_extent: int, rotation_seed: int | None, device: torch.device,
-           blocks: Blocks | None) -> _Shape:  # fmt: skip
+           blocks: Blocks | None) -> ShapeLaunch:  # fmt: skip
     expected, in_so = row_format(numel, in_bits, block_size, blocks)
     out_wire, out_so = row_format(numel, out_bits, block_size, blocks)
     assert N >= 1 and in_wire == expected  # the kernel reads N rows of this size
     if not (numel and K):
-        return _Shape(out_wire, None, (), (), {})
+        return ShapeLaunch(None, wire=out_wire)
     t = tiling(numel, K, block_size, blocks, device, wire_bits=out_bits)
     rot = rotation(rotation_seed, block_size, t, device, _rotated_share(N, fb_bits))
     options = rot.options or {
@@ -255,7 +243,7 @@ def _shape(N: int, K: int, in_wire: int, numel: int, in_bits: int, out_bits: int
         **LAUNCH_OPTIONS,
     )  # fmt: skip
     head = (numel, K, in_wire, in_so, out_wire, out_so)
-    return _Shape(out_wire, t.grid, head, (t.table, t.nblk, t.nvt, INT4_DECODE, rot.table), kwargs)
+    return ShapeLaunch(t.grid, head, (t.table, t.nblk, t.nvt, INT4_DECODE, rot.table), kwargs, out_wire)
 
 
 def dequantize_reduce_quantize(buf: torch.Tensor, spec: DequantizeReduceQuantizeSpec) -> torch.Tensor:
@@ -266,7 +254,7 @@ def dequantize_reduce_quantize(buf: torch.Tensor, spec: DequantizeReduceQuantize
     key = ("dequantize_reduce_quantize", N, K, in_wire, spec.numel, spec.in_bits, spec.out_bits, spec.block_size,
            spec.stochastic, fb.bits, fb.extent, spec.rotation_seed, buf.device)  # fmt: skip
     shape = once_per_shape(spec.blocks, key, lambda: _shape(*key[1:], spec.blocks))
-    out = torch.empty(K, shape.out_wire, dtype=torch.uint8, device=buf.device)
+    out = torch.empty(K, shape.wire, dtype=torch.uint8, device=buf.device)
     if shape.grid is not None:
         seed = stochastic_seed(spec.seed) if spec.stochastic else 0
         _requantize_kernel[shape.grid](
