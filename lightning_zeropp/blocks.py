@@ -21,24 +21,38 @@ from torch import nn
 
 from . import kernels as tk
 from .compat.torch import unit_parameters
-from .config import ZeroPPConfig
 
 
 class UnitBlocks:
-    """The blocks of one sharded unit's chunks, for weights and gradients, made once and reused by every call."""
+    """The blocks of one sharded unit's chunks, for weights and gradients, made once and reused by every call.
 
-    def __init__(self, module: nn.Module, name: str, config: ZeroPPConfig) -> None:
+    Args:
+        module: the unit (an ``FSDPModule``).
+        name: its module path ("" for the root).
+        aligned: blocks follow the parameters (the job plan's ``block_alignment="parameter"``); False: flat blocks.
+        weight_block_size: the plan's forward gather's block size (None where it gathers exactly: no weight blocks
+            are asked for).
+        gradient_block_size: the plan's gradient reduction's block size (None where it reduces exactly).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        name: str,
+        *,
+        aligned: bool,
+        weight_block_size: int | None,
+        gradient_block_size: int | None,
+    ) -> None:
         self.module = module
         self.name = name or "<root>"
-        self.config = config
+        self.aligned = aligned
+        self.weight_block_size = weight_block_size
+        self.gradient_block_size = gradient_block_size
         self._layout: list[tuple[int, bool]] | None = None
         self._blocks: dict[tuple[int, int], tk.Blocks | None] = {}
         self.unaligned: list[str] = []  # the buffers that fell back to flat blocks (what, elements per rank)
         self._warned = False
-
-    @property
-    def aligned(self) -> bool:
-        return self.config.block_alignment == "parameter"
 
     def _segments(self) -> list[tuple[int, bool]]:
         if self._layout is None:
@@ -52,7 +66,7 @@ class UnitBlocks:
         key = (0, chunk)
         if key not in self._blocks:
             segments = [n for n, _ in self._segments()]
-            self._blocks[key] = self._checked(segments, chunk, self.config.weight_block_size, "weight all-gather")
+            self._blocks[key] = self._checked(segments, chunk, self.weight_block_size, "weight all-gather")
         return self._blocks[key]
 
     def gradients(self, chunk: int) -> tk.Blocks | None:
@@ -62,7 +76,7 @@ class UnitBlocks:
         key = (1, chunk)
         if key not in self._blocks:
             segments = [n for n, trained in self._segments() if trained]
-            self._blocks[key] = self._checked(segments, chunk, self.config.gradient_block_size, "gradient reduction")
+            self._blocks[key] = self._checked(segments, chunk, self.gradient_block_size, "gradient reduction")
         return self._blocks[key]
 
     def _checked(self, segments: list[int], chunk: int, block_size: int, what: str) -> tk.Blocks | None:

@@ -68,12 +68,13 @@ class ZeroPPComms:
         self.steps = 0  # optimizer steps taken
         fb = self.plan.gradients.feedback
         self.feedback = ErrorFeedback(fb.decay, fb.reset, fb.bits) if fb is not None else None
-        self.deltas = WeightDeltas(config, self.topology, ledger) if self.plan.forward.kind == "node_copy" else None
+        forward, backend = self.plan.forward, config.kernel_backend
+        self.deltas = WeightDeltas(forward, self.topology, ledger, backend) if forward.kind == "node_copy" else None
         g = self.plan.gradients
         self.moments = (
             SecondMomentCorrection(
                 noise_factor(g.rounding, g.feedback.decay if g.feedback is not None else None),
-                config.second_moment_correction,
+                True if g.second_moment_strict else "auto",
             )
             if g.second_moment and self.use_qgz and self.topology.num_nodes > 1
             else None
@@ -134,9 +135,8 @@ class ZeroPPComms:
         kind = "weight_all_gather_backward" if backward else "weight_all_gather"
         if self.use_qwz and self._quantizable(input):
             blocks = unit.weights(input.numel()) if unit is not None else None
-            return qwz.quantized_all_gather(
-                output, input, group, ranks, self.ledger, self.config, kind, async_op, blocks=blocks
-            )
+            return qwz.quantized_all_gather(output, input, group, ranks, self.ledger, self.plan.forward, kind, async_op,
+                                            blocks=blocks, backend=self.config.kernel_backend)  # fmt: skip
         self.ledger.record_all_gather(kind, ranks, input.numel() * input.element_size())
         return all_gather_flat(output, input, group, async_op)
 
@@ -187,8 +187,8 @@ class ZeroPPComms:
             chunk = output.numel()
             blocks = unit.gradients(chunk) if unit is not None else None
             gradients = self.plan.gradients
-            reduction = qgz.Reduction.of(self.topology, self.config, chunk, base_op, premul, call=call, blocks=blocks,
-                                         gradients=gradients)  # fmt: skip
+            reduction = qgz.Reduction.of(self.topology, gradients, chunk, base_op, premul, call=call, blocks=blocks,
+                                         backend=self.config.kernel_backend)  # fmt: skip
             residuals = None
             if self.feedback is not None:
                 pieces = [(stage.size, stage.block_count(gradients.block_size)) for stage in reduction.stages]
@@ -337,7 +337,8 @@ class ZeroPPComms:
     def state_shape(self) -> dict[str, Any]:
         """What the per-rank tensors' shapes and meaning depend on (saved as a checkpoint's ``layout``): ranks per node
         and nodes, the reduction the residuals belong to (qgZ's two hops, quantized HSDP's rail), stages, blocks,
-        width."""
+        width. The pieces, blocks and residual width are the arguments as given, as every checkpoint saved so far
+        records them, whether or not this job's plan uses them (it leaves those of a technique that is off unset)."""
         c = self.config
         return {
             "reduction": self.plan.gradients.kind,
@@ -345,7 +346,7 @@ class ZeroPPComms:
             "num_nodes": self.topology.num_nodes,
             "pipeline_stages": c.gradient_pieces,  # the name saved checkpoints hold (renamed argument, same meaning)
             "gradient_block_size": c.gradient_block_size,
-            "block_alignment": c.block_alignment,
+            "block_alignment": self.plan.block_alignment,
             "error_feedback_bits": c.error_feedback_bits,
         }
 

@@ -4,8 +4,8 @@ frozen :class:`CommPlan`, and everything that acts on a technique reads the plan
 The runtime (:class:`~lightning_zeropp.comm.ZeroPPComms`, the process groups, the FSDP hooks), the cost model
 (:mod:`lightning_zeropp.costs`, the planner) and the startup line all interpret the same plan, so a combination of
 arguments and topology that nobody tested (70B on 32 nodes in the planner) cannot be decided one way by the runtime
-and another by the cost model. ``tests/test_architecture.py`` fails on a read of a technique switch outside
-:mod:`~lightning_zeropp.config` and this module.
+and another by the cost model. ``tests/test_commplan.py`` fails on a read of a technique argument (a field of the
+config that chooses a technique or its parameters) outside :mod:`~lightning_zeropp.config` and this module.
 
 Per collective::
 
@@ -68,10 +68,11 @@ class GradientReduction:
     (reduce-scatter in the node, exact, then all-reduce across nodes: exact, or quantized where ``inter_bits`` is
     set). For ``two_hop``: the bits per hop, the block size, the pipeline pieces, the rounding, the feedback (None:
     off), the rotation, ``until_step`` (0: throughout; else quantized for the first that many optimizer steps, exact
-    after) and ``second_moment`` (the inter-node hop's noise taken out of an Adam-family optimizer's second moment,
-    :mod:`~lightning_zeropp.moments`). A quantized rail has the same fields but ``intra_bits``, ``pieces`` (its
-    pieces are the K rail ranks') and ``second_moment``, and ``gather_bits``: the reduced pieces' width on the rail's
-    all-gather (8: INT8 blocks, 16: bf16)."""
+    after), ``second_moment`` (the inter-node hop's noise taken out of an Adam-family optimizer's second moment,
+    :mod:`~lightning_zeropp.moments`) and ``second_moment_strict`` (it was asked for outright,
+    ``second_moment_correction=True``: an optimizer it cannot correct is refused, not left alone). A quantized rail
+    has the same fields but ``intra_bits``, ``pieces`` (its pieces are the K rail ranks') and the second-moment
+    fields, and ``gather_bits``: the reduced pieces' width on the rail's all-gather (8: INT8 blocks, 16: bf16)."""
 
     kind: GradientKind
     group: Group
@@ -85,6 +86,7 @@ class GradientReduction:
     until_step: int = 0
     gather_bits: int | None = None
     second_moment: bool = False
+    second_moment_strict: bool = False
 
     @property
     def stochastic(self) -> bool:
@@ -276,6 +278,7 @@ def two_hop(config: ZeroPPConfig, precision: str | None = None) -> GradientReduc
         "two_hop", "world", c.intra_node_gradient_bits, c.gradient_bits, c.gradient_block_size, c.gradient_pieces,
         c.gradient_rounding, feedback, c.gradient_rotation, c.quantize_gradients_steps, None,
         c.second_moment_correction is True or (c.second_moment_correction == "auto" and precision != "16-true"),
+        c.second_moment_correction is True,
     )  # fmt: skip
 
 

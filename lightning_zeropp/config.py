@@ -525,8 +525,8 @@ class ZeroPPConfig:
         " blocks of gradient_block_size) or 16 (bf16). With gradient_error_feedback the piece's owner keeps what its"
         " rounding lost and adds it to the next step's piece.",
         check=_bits(4, 8, 16),
-        when="4 for the fewest bytes on slow links (0.27 of HSDP's in bf16, after measuring accuracy); 16 when"
-        " quantized HSDP costs too much accuracy (1.6x its cross-node bytes).",
+        when="4 for the fewest bytes on slow links, after measuring its accuracy (INT4 costs more than INT8: the"
+        " results pages have both); 16 when quantized HSDP costs too much accuracy, for more cross-node bytes.",
     )
 
     def __post_init__(self) -> None:

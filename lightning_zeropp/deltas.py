@@ -40,6 +40,7 @@ import torch.distributed as dist
 from . import kernels as tk
 from .blocks import UnitBlocks
 from .collectives import all_gather_flat
+from .commplan import ForwardGather
 from .compat.torch import unit_versions
 from .ledger import CommLedger
 from .topology import ProcessGroups, Topology
@@ -63,13 +64,22 @@ class _UnitCopy:
 
 
 class WeightDeltas:
-    """The node copies of one model's units on this rank, and the exchange that keeps them up to date."""
+    """The node copies of one model's units on this rank, and the exchange that keeps them up to date.
 
-    def __init__(self, config: Any, topology: Topology, ledger: CommLedger) -> None:
-        self.config = config
+    Args:
+        forward: the job plan's forward gather from the node copy (``node_copy``): the deltas' bits per element, their
+            block size and the refresh period.
+        topology: the job's ranks (W, and R per hpZ group).
+        ledger: where the exchanges are recorded.
+        backend: the kernels'.
+    """
+
+    def __init__(self, forward: ForwardGather, topology: Topology, ledger: CommLedger, backend: str = "auto") -> None:
+        self.forward = forward
+        self.backend = backend
         self.topology = topology
         self.ledger = ledger
-        self.refresh_every = config.weight_delta_refresh
+        self.refresh_every = forward.refresh
         self._copies: dict[str, _UnitCopy] = {}
         W, R = topology.world_size, topology.hpz_partition_size
         self.groups_of_holders = G = W // R
@@ -197,11 +207,9 @@ class WeightDeltas:
 
     def _send_delta(self, copy: _UnitCopy, input: torch.Tensor, unit: UnitBlocks, groups: ProcessGroups) -> None:
         assert copy.slice is not None and copy.tracked is not None
-        c = self.config
         S, G = input.numel(), self.groups_of_holders
         blocks = unit.weights(S)
-        block, backend = c.weight_block_size, c.kernel_backend
-        bits = c.weight_delta_bits
+        bits, block, backend = self.forward.bits, self.forward.block_size, self.backend
         packed = tk.quantize(input.float() - copy.tracked.float(), bits, block, blocks=blocks, backend=backend)
         received = self._exchange("weight_delta_all_to_all", packed, groups).view(G, -1)
         # Holders and owner do the same arithmetic on the same bytes: fp32 sum, rounded once to the compute dtype; one

@@ -57,14 +57,16 @@ def install(model: torch.nn.Module, comms: ZeroPPComms) -> list[UnitBlocks]:
     (the unit is named by its module path, which also keys its error feedback residual in checkpoints); returns
     the units, in module order."""
     units = []
+    plan = comms.plan
     for name, module in model.named_modules():
         if isinstance(module, FSDPModule):
-            unit = UnitBlocks(module, name, comms.config)
+            unit = UnitBlocks(module, name, aligned=plan.aligned, weight_block_size=plan.forward.block_size,
+                              gradient_block_size=plan.gradients.block_size)  # fmt: skip
             units.append(unit)
             module.set_custom_all_gather(ZeroPPAllGather(comms, unit))
             module.set_custom_reduce_scatter(ZeroPPReduceScatter(comms, unit))
-            if comms.plan.native_all_reduce:  # FSDP all-reduces across nodes itself; the hook, run after, records it
+            if plan.native_all_reduce:  # FSDP all-reduces across nodes itself; the hook, run after, records it
                 module.set_all_reduce_hook(comms.all_reduced)
-            elif comms.plan.gradients.quantized_rail and comms.topology.ranks_per_node == 1:  # no reduce-scatter call
+            elif plan.gradients.quantized_rail and comms.topology.ranks_per_node == 1:  # no reduce-scatter call
                 module.set_all_reduce_hook(functools.partial(comms.reduce_alone_on_rail, unit))
     return units

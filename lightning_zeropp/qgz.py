@@ -43,8 +43,7 @@ import torch
 import torch.distributed as dist
 
 from . import kernels as tk
-from .commplan import GradientReduction, two_hop
-from .config import ZeroPPConfig
+from .commplan import GradientReduction
 from .ledger import CommLedger
 from .topology import ProcessGroups, Topology
 
@@ -98,22 +97,20 @@ class Reduction:
     backend: str
 
     @classmethod
-    def of(cls, topology: Topology, config: ZeroPPConfig, chunk: int, base_op, premul: float | None, *,
-           call: int | None = None, blocks: tk.Blocks | None = None,
-           gradients: GradientReduction | None = None) -> Reduction:  # fmt: skip
+    def of(cls, topology: Topology, gradients: GradientReduction, chunk: int, base_op, premul: float | None, *,
+           call: int | None = None, blocks: tk.Blocks | None = None, backend: str = "auto") -> Reduction:  # fmt: skip
         """The reduction of W chunks of ``chunk`` elements with FSDP's ``base_op`` (AVG or SUM) and ``premul``
-        (PREMUL_SUM's factor, or None). ``call`` numbers the reductions of a job (see
-        :func:`quantized_reduce_scatter`); ``blocks``: the chunk's parameter-aligned blocks (None: flat blocks);
-        ``gradients``: the job plan's two-hop reduction (None: ``config``'s,
-        :func:`~lightning_zeropp.commplan.two_hop`)."""
-        g = gradients if gradients is not None else two_hop(config)
+        (PREMUL_SUM's factor, or None), as ``gradients`` (the job plan's two-hop reduction) sets it. ``call`` numbers
+        the reductions of a job (see :func:`quantized_reduce_scatter`); ``blocks``: the chunk's parameter-aligned
+        blocks (None: flat blocks); ``backend``: the kernels'."""
+        g = gradients
         multiplier = premul if premul is not None else 1.0
         if base_op == dist.ReduceOp.AVG:
             multiplier /= topology.world_size
         pieces = tuple(Stage(s, *piece) for s, piece in enumerate(stages(chunk, g.pieces, g.block_size, blocks)))
         if not g.stochastic and g.rotation == "none":
             call = None
-        return cls(topology, chunk, pieces, blocks, multiplier, call, g, config.kernel_backend)
+        return cls(topology, chunk, pieces, blocks, multiplier, call, g, backend)
 
     @property
     def busy(self) -> tuple[Stage, ...]:
@@ -151,85 +148,90 @@ class Reduction:
 def quantized_reduce_scatter(
     output: torch.Tensor,
     input: torch.Tensor,
-    plan: Reduction,
+    reduction: Reduction,
     groups: ProcessGroups,
     ledger: CommLedger,
     residuals: list[dict[str, Any]] | None = None,
     noise: torch.Tensor | None = None,
     noise_factor: float = 1 / 12,
 ) -> None:
-    """Reduces ``input`` (W chunks) into ``output`` (this rank's chunk) as ``plan`` says. With stochastic rounding,
-    the noise of call ``c`` on rank ``r`` is fixed by ``(c, r)`` (``plan.call``), so a run is reproducible and no
-    two calls or ranks share noise. ``residuals``: error feedback state, per stage of ``plan.stages`` the kernels'
+    """Reduces ``input`` (W chunks) into ``output`` (this rank's chunk) as ``reduction`` says. With stochastic rounding,
+    the noise of call ``c`` on rank ``r`` is fixed by ``(c, r)`` (``reduction.call``), so a run is reproducible and no
+    two calls or ranks share noise. ``residuals``: error feedback state, per stage of ``reduction.stages`` the kernels'
     keywords ``residual`` (``(K, size)``), ``residual_scales`` (INT8 codes only) and ``decay``; updated in place.
     ``noise``: the second-moment correction's accumulator, one fp32 per block of the chunk, into which each block's
     noise variance (``noise_factor`` times its K pieces' squared scales, times the multiplier squared) is added."""
-    W, chunk = plan.topology.world_size, output.numel()
-    if chunk != plan.chunk:
-        raise RuntimeError(f"qgZ: reduce-scatter output has {chunk} elements, but the plan is for {plan.chunk}.")
+    W, chunk = reduction.topology.world_size, output.numel()
+    if chunk != reduction.chunk:
+        raise RuntimeError(
+            f"qgZ: reduce-scatter output has {chunk} elements, but the reduction is for {reduction.chunk}."
+        )
     if input.numel() != W * chunk:
         raise RuntimeError(f"qgZ: reduce-scatter input has {input.numel()} elements, expected {W} x {chunk}.")
-    if plan.chunk == 0:
+    if reduction.chunk == 0:
         return
     out = output.view(-1)
     # Streams (CUDA): FSDP calls this on its reduce-scatter stream, and every buffer below is made, sent, received and
     # read on it (``work.wait()`` makes the current stream wait for the collective); the output is complete in stream
     # order when this returns, which is what FSDP's reduce-scatter event records.
-    busy = plan.busy
-    intra = _start_intra(plan, busy[0], input, groups, ledger)
+    busy = reduction.busy
+    intra = _start_intra(reduction, busy[0], input, groups, ledger)
     in_flight: tuple[Stage, _Hop] | None = None
     for i, stage in enumerate(busy):
         feedback = residuals[stage.index] if residuals is not None else None
-        to_rail = _reduce_in_node(plan, stage, input, intra, feedback, out)
+        to_rail = _reduce_in_node(reduction, stage, input, intra, feedback, out)
         inter = _start_inter(to_rail, groups, ledger) if to_rail is not None else None
         if i + 1 < len(busy):  # the next stage's intra-node hop overlaps this stage's inter-node hop
-            intra = _start_intra(plan, busy[i + 1], input, groups, ledger)
+            intra = _start_intra(reduction, busy[i + 1], input, groups, ledger)
         if in_flight is not None:
-            _finish(plan, *in_flight, out, noise, noise_factor)
+            _finish(reduction, *in_flight, out, noise, noise_factor)
         in_flight = (stage, inter) if inter is not None else None
     if in_flight is not None:
-        _finish(plan, *in_flight, out, noise, noise_factor)
+        _finish(reduction, *in_flight, out, noise, noise_factor)
 
 
-def _start_intra(plan: Reduction, stage: Stage, input: torch.Tensor, groups: ProcessGroups, ledger: CommLedger) -> _Hop:
+def _start_intra(
+    reduction: Reduction, stage: Stage, input: torch.Tensor, groups: ProcessGroups, ledger: CommLedger
+) -> _Hop:
     """Steps 1 and 2: swizzle and quantize the stage's pieces, start the all-to-all inside the node."""
-    topo, g = plan.topology, plan.gradients
+    topo, g = reduction.topology, reduction.gradients
     N, K = topo.ranks_per_node, topo.num_nodes
     if N == 1:
         return _Hop(None, None)
     send = tk.swizzle_quantize(
         input, N, K, g.pieces, stage.index, g.intra_bits, g.block_size,
-        blocks=plan.blocks, backend=plan.backend, stochastic=plan.stochastic, seed=plan.seed(0, stage),
+        blocks=reduction.blocks, backend=reduction.backend, stochastic=reduction.stochastic,
+        seed=reduction.seed(0, stage),
     )  # fmt: skip
     recv = torch.empty_like(send)
     ledger.record_to_peers("gradient_all_to_all_intra", topo.intra_node_ranks(), K * send.shape[1])
     return _Hop(dist.all_to_all_single(recv, send, group=groups.intra_node, async_op=True), recv)
 
 
-def _reduce_in_node(plan: Reduction, stage: Stage, input: torch.Tensor, intra: _Hop, feedback: dict[str, Any] | None,
-                    out: torch.Tensor) -> torch.Tensor | None:  # fmt: skip
+def _reduce_in_node(reduction: Reduction, stage: Stage, input: torch.Tensor, intra: _Hop,
+                    feedback: dict[str, Any] | None, out: torch.Tensor) -> torch.Tensor | None:  # fmt: skip
     """Steps 3 (K > 1: returns the buffer for the rail) or 3 + 5 (K == 1: writes the output)."""
-    topo, g = plan.topology, plan.gradients
+    topo, g = reduction.topology, reduction.gradients
     N, K = topo.ranks_per_node, topo.num_nodes
-    start, size, backend = stage.start, stage.size, plan.backend
+    start, size, backend = stage.start, stage.size, reduction.backend
     if intra.work is not None:
         intra.work.wait()
     if K == 1:
         tk.dequantize_reduce(
-            intra.recv, size, g.intra_bits, g.block_size, multiplier=plan.multiplier,
+            intra.recv, size, g.intra_bits, g.block_size, multiplier=reduction.multiplier,
             out=out[start : start + size], blocks=stage.blocks, backend=backend,
         )  # fmt: skip
         return None
     feedback = feedback or {}
     if N == 1:  # nothing arrived from local peers: this rank's own K pieces go straight to the rail
-        own = input.view(topo.world_size, plan.chunk)[:, start : start + size]
+        own = input.view(topo.world_size, reduction.chunk)[:, start : start + size]
         return tk.quantize(own, g.inter_bits, g.block_size, blocks=stage.blocks, backend=backend,
-                           stochastic=plan.stochastic, seed=plan.seed(1, stage),
-                           rotation_seed=plan.rotation_seed(stage), **feedback)  # fmt: skip
+                           stochastic=reduction.stochastic, seed=reduction.seed(1, stage),
+                           rotation_seed=reduction.rotation_seed(stage), **feedback)  # fmt: skip
     return tk.dequantize_reduce_quantize(
         intra.recv.view(N, K, -1), size, g.intra_bits, g.inter_bits, g.block_size,
-        blocks=stage.blocks, backend=backend, stochastic=plan.stochastic, seed=plan.seed(1, stage),
-        rotation_seed=plan.rotation_seed(stage), **feedback,
+        blocks=stage.blocks, backend=backend, stochastic=reduction.stochastic, seed=reduction.seed(1, stage),
+        rotation_seed=reduction.rotation_seed(stage), **feedback,
     )  # fmt: skip
 
 
@@ -240,25 +242,25 @@ def _start_inter(send: torch.Tensor, groups: ProcessGroups, ledger: CommLedger) 
     return _Hop(dist.all_to_all_single(recv, send, group=groups.inter_node, async_op=True), recv)
 
 
-def _finish(plan: Reduction, stage: Stage, inter: _Hop, out: torch.Tensor, noise: torch.Tensor | None = None,
+def _finish(reduction: Reduction, stage: Stage, inter: _Hop, out: torch.Tensor, noise: torch.Tensor | None = None,
             noise_factor: float = 1 / 12) -> None:  # fmt: skip
     """Step 5: sum the K pieces from the rail into the output (and, with ``noise``, their blocks' noise variance)."""
-    g = plan.gradients
+    g = reduction.gradients
     inter.work.wait()
     if noise is not None:
         count = stage.block_count(g.block_size)
         bits = g.inter_bits
         offset = stage.blocks.scale_offset(bits) if stage.blocks is not None else tk.scale_offset(stage.size, bits)
         scales = inter.recv[:, offset : offset + 4 * count].view(torch.float32)  # (K, count)
-        first = plan.first_block(stage)
+        first = reduction.first_block(stage)
         variance = scales.square().sum(0)
-        if plan.rotation_seed(stage) is not None:
+        if reduction.rotation_seed(stage) is not None:
             variance = variance * _unrotated_share(stage, g.block_size, variance.device)
-        noise[first : first + count] += variance * (noise_factor * plan.multiplier**2)
+        noise[first : first + count] += variance * (noise_factor * reduction.multiplier**2)
     tk.dequantize_reduce(
-        inter.recv, stage.size, g.inter_bits, g.block_size, multiplier=plan.multiplier,
-        out=out[stage.start : stage.start + stage.size], blocks=stage.blocks, backend=plan.backend,
-        rotation_seed=plan.rotation_seed(stage),
+        inter.recv, stage.size, g.inter_bits, g.block_size, multiplier=reduction.multiplier,
+        out=out[stage.start : stage.start + stage.size], blocks=stage.blocks, backend=reduction.backend,
+        rotation_seed=reduction.rotation_seed(stage),
     )  # fmt: skip
 
 

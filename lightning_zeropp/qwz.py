@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from . import kernels as tk
 from .collectives import all_gather_flat
-from .config import ZeroPPConfig
+from .commplan import ForwardGather
 from .ledger import CommLedger
 
 
@@ -48,15 +48,17 @@ def quantized_all_gather(
     group: dist.ProcessGroup,
     ranks: list[int],
     ledger: CommLedger,
-    config: ZeroPPConfig,
+    gather: ForwardGather,
     kind: str,
     async_op: bool,
     blocks: tk.Blocks | None = None,
+    backend: str = "auto",
 ) -> dist.Work | None:
-    """Quantizes this rank's shard, all-gathers the quantized buffers and dequantizes them into ``output``. The
-    caller sends units whose flat buffer is not floating point (FSDP's raw bytes for mixed dtypes) exactly.
-    ``blocks``: the shard's parameter-aligned blocks (the same in every rank's shard); None: flat blocks."""
-    bits, block, backend = config.weight_bits, config.weight_block_size, config.kernel_backend
+    """Quantizes this rank's shard, all-gathers the quantized buffers and dequantizes them into ``output``, in the
+    bits and blocks of ``gather`` (the job plan's quantized forward gather). The caller sends units whose flat buffer
+    is not floating point (FSDP's raw bytes for mixed dtypes) exactly. ``blocks``: the shard's parameter-aligned
+    blocks (the same in every rank's shard); None: flat blocks. ``backend``: the kernels'."""
+    bits, block = gather.bits, gather.block_size
     numel, world = input.numel(), len(ranks)
     packed = tk.quantize(input, bits, block, blocks=blocks, backend=backend)
     gathered = torch.empty(world * packed.numel(), dtype=torch.uint8, device=input.device)

@@ -18,7 +18,7 @@ full precision: ``L x element`` bytes out of every rank, half of them twice (red
 Step 5 is the same for the piece's owner, which reads back what it sent rather than its fp32 sum, so every replica
 holds the same bits. Bytes out of a rank per unit: ``K - 1`` INT4 pieces (about L / 2 / K bytes each plus scales) and
 ``K - 1`` copies of its INT8 piece (about L / K bytes each): ~1.5 L (K - 1) / K against FSDP's 2 L (K - 1) / K x 4
-bytes in fp32 (0.19x) or x 2 in bf16 (0.38x).
+bytes in fp32 (1.5 / 8 of its bytes) or x 2 in bf16 (1.5 / 4).
 """
 
 from __future__ import annotations
@@ -126,34 +126,36 @@ class RailReduction:
 
 def all_reduce(
     shard: torch.Tensor,
-    plan: RailReduction,
+    reduction: RailReduction,
     rail: dist.ProcessGroup,
     ledger: CommLedger,
     residuals: list[dict[str, Any]] | None = None,
     gather_residual: dict[str, Any] | None = None,
 ) -> None:
-    """Replaces ``shard`` (this rank's node-reduced shard) by the mean (sum, as ``plan.multiplier`` says) over the rail,
-    in place, identical on every rail rank. ``residuals``: error feedback keywords per piece (``residual`` ``(1, size)``
-    and so on; updated in place); ``gather_residual``: the same for the reduced piece this rank sends to every rail
-    rank (INT4 / INT8 gather: the owner keeps what its rounding lost)."""
-    g, topo = plan.gradients, plan.topology
+    """Replaces ``shard`` (this rank's node-reduced shard) by the mean (sum, as ``reduction.multiplier`` says) over the
+    rail, in place, identical on every rail rank. ``residuals``: error feedback keywords per piece (``residual``
+    ``(1, size)`` and so on; updated in place); ``gather_residual``: the same for the reduced piece this rank sends to
+    every rail rank (INT4 / INT8 gather: the owner keeps what its rounding lost)."""
+    g, topo = reduction.gradients, reduction.topology
     flat = shard.view(-1)
-    planned = sum(p.size for p in plan.pieces)
-    if flat.numel() != planned:
-        raise RuntimeError(f"quantized HSDP: the shard has {flat.numel()} elements, but the plan is for {planned}.")
+    expected = sum(p.size for p in reduction.pieces)
+    if flat.numel() != expected:
+        raise RuntimeError(
+            f"quantized HSDP: the shard has {flat.numel()} elements, but the reduction is for {expected}."
+        )
     rail_ranks, block, bits = topo.rail_ranks(), g.block_size, g.inter_bits
-    mine = plan.mine
+    mine = reduction.mine
     # 2. quantize every piece for its owner; one all-to-all
     rows = []
-    for p in plan.pieces:
+    for p in reduction.pieces:
         if not p.size:
             rows.append(torch.empty(0, dtype=torch.uint8, device=flat.device))
             continue
         feedback = residuals[p.index] if residuals is not None else {}
         rows.append(
             tk.quantize(
-                flat[p.start : p.start + p.size].view(1, -1), bits, block, blocks=p.blocks, backend=plan.backend,
-                stochastic=g.stochastic, seed=plan.seed(p), rotation_seed=plan.rotation_seed(p), **feedback,
+                flat[p.start : p.start + p.size].view(1, -1), bits, block, blocks=p.blocks, backend=reduction.backend,
+                stochastic=g.stochastic, seed=reduction.seed(p), rotation_seed=reduction.rotation_seed(p), **feedback,
             ).view(-1)
         )  # fmt: skip
     sent = [row.numel() for row in rows]
@@ -165,8 +167,9 @@ def all_reduce(
     reduced = None
     if mine.size:
         reduced = tk.dequantize_reduce(
-            received.view(len(rail_ranks), wire), mine.size, bits, block, multiplier=plan.multiplier,
-            dtype=torch.float32, blocks=mine.blocks, backend=plan.backend, rotation_seed=plan.rotation_seed(mine),
+            received.view(len(rail_ranks), wire), mine.size, bits, block, multiplier=reduction.multiplier,
+            dtype=torch.float32, blocks=mine.blocks, backend=reduction.backend,
+            rotation_seed=reduction.rotation_seed(mine),
         )  # fmt: skip
     # 4. the reduced piece, rounded for the wire, to every rail rank (myself included: replicas match bit for bit)
     gather_bits = g.gather_bits
@@ -175,9 +178,9 @@ def all_reduce(
     elif gather_bits == 16:
         own = reduced.to(torch.bfloat16).view(torch.uint8)
     else:
-        own = tk.quantize(reduced.view(1, -1), gather_bits, block, blocks=mine.blocks, backend=plan.backend,
+        own = tk.quantize(reduced.view(1, -1), gather_bits, block, blocks=mine.blocks, backend=reduction.backend,
                           **(gather_residual or {})).view(-1)  # fmt: skip
-    gathered_sizes = [p.wire(gather_bits, block) for p in plan.pieces]
+    gathered_sizes = [p.wire(gather_bits, block) for p in reduction.pieces]
     gathered = torch.empty(sum(gathered_sizes), dtype=torch.uint8, device=flat.device)
     ledger.record_to_peers(GATHER_KIND, rail_ranks, own.numel())
     dist.all_to_all_single(
@@ -185,7 +188,7 @@ def all_reduce(
     )
     # 5. every piece into the shard
     at = 0
-    for p, size in zip(plan.pieces, gathered_sizes):
+    for p, size in zip(reduction.pieces, gathered_sizes):
         row, at = gathered[at : at + size], at + size
         if not p.size:
             continue
@@ -194,7 +197,7 @@ def all_reduce(
             target.copy_(row.view(torch.bfloat16))
         else:
             tk.dequantize(row, p.size, gather_bits, block, target.dtype, out=target, blocks=p.blocks,
-                          backend=plan.backend)  # fmt: skip
+                          backend=reduction.backend)  # fmt: skip
 
 
 def exact_all_reduce(shard: torch.Tensor, multiplier: float, rail: dist.ProcessGroup, topology: Topology,

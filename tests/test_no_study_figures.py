@@ -15,10 +15,12 @@ SOURCES = sorted([*(ROOT / "lightning_zeropp").rglob("*.py"), *(ROOT / "triton_k
 PERCENT = re.compile(r"(?<![:.\d])[+-]?\d+(?:\.\d+)?%")  # ``x % y``, the operator, has spaces
 SEEDS = re.compile(r"\b\d+\s+seeds?\b|\bseeds?\s+\d+\s*(?:-|to|and)\s*\d+", re.IGNORECASE)
 SPREAD = re.compile("±")
+TIMES = re.compile(r"(?<![\w.])\d+\.\d+x\b")  # a measured speedup or ratio: ``2.49x``, ``0.19x``
+SHARE = re.compile(r"\b0\.\d+ of (?:the )?[A-Za-z0-9-]+'s")  # a measured share: ``0.27 of HSDP's``
 
 
 def figures(text: str) -> list[str]:
-    return [m.group(0) for pattern in (PERCENT, SEEDS, SPREAD) for m in pattern.finditer(text)]
+    return [m.group(0) for pattern in (PERCENT, SEEDS, SPREAD, TIMES, SHARE) for m in pattern.finditer(text)]
 
 
 def test_the_patterns_catch_the_figures_that_were_in_the_source_and_not_computed_ones():
@@ -26,6 +28,8 @@ def test_the_patterns_catch_the_figures_that_were_in_the_source_and_not_computed
     assert figures(old) == ["+0.13%", "+0.06%", "-0.012%", "0.034%", "10 seeds", "±"]
     assert figures('f"predicted step {extra:+.0%} ({share:.1%} of it)"') == []
     assert figures("seed 1 to 5") != [] and figures("about 0.5% of the learning rate") == ["0.5%"]
+    assert figures("5.06x faster, 0.27 of HSDP's bytes") == ["5.06x", "0.27 of HSDP's"]
+    assert figures("x 2 in bf16, f(x) = 2x, a 0x10 mask, dim 4096x4096") == []
 
 
 @pytest.mark.parametrize("path", SOURCES, ids=[str(p.relative_to(ROOT)) for p in SOURCES])

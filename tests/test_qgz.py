@@ -79,6 +79,7 @@ def _qgz_worker(rank, world, ranks_per_node, backends=("torch",)):
     import torch.distributed as dist
 
     from lightning_zeropp.comm import exact_reduce_scatter
+    from lightning_zeropp.commplan import two_hop
     from lightning_zeropp.config import ZeroPPConfig
     from lightning_zeropp.ledger import CommLedger
     from lightning_zeropp.qgz import Reduction, quantized_reduce_scatter
@@ -101,8 +102,8 @@ def _qgz_worker(rank, world, ranks_per_node, backends=("torch",)):
             )  # fmt: skip
             ledger = CommLedger(topo)
             outs.append(torch.empty(chunk, dtype=dtype))
-            plan = Reduction.of(topo, config, chunk, base, premul)
-            quantized_reduce_scatter(outs[-1], mine.clone(), plan, groups, ledger)
+            reduction = Reduction.of(topo, two_hop(config), chunk, base, premul, backend=backend)
+            quantized_reduce_scatter(outs[-1], mine.clone(), reduction, groups, ledger)
         out = outs[0]
         # each other backend against the first, bit for bit (NaN compares equal to NaN)
         backends_agree = [torch.equal(o.nan_to_num(), out.nan_to_num()) for o in outs[1:]]

@@ -59,6 +59,7 @@ def exposed_large(n: int) -> torch.Tensor:
 def _reduce(x, groups, rounding, call):
     import torch.distributed as dist
 
+    from lightning_zeropp.commplan import two_hop
     from lightning_zeropp.config import ZeroPPConfig
     from lightning_zeropp.ledger import CommLedger
     from lightning_zeropp.qgz import Reduction, quantized_reduce_scatter
@@ -69,8 +70,9 @@ def _reduce(x, groups, rounding, call):
     )  # fmt: skip
     out = torch.empty(x.numel() // groups.topology.world_size)
     ledger = CommLedger(groups.topology)
-    plan = Reduction.of(groups.topology, config, out.numel(), dist.ReduceOp.AVG, None, call=call)
-    quantized_reduce_scatter(out, x.clone(), plan, groups, ledger)
+    reduction = Reduction.of(groups.topology, two_hop(config), out.numel(), dist.ReduceOp.AVG, None, call=call,
+                             backend=config.kernel_backend)  # fmt: skip
+    quantized_reduce_scatter(out, x.clone(), reduction, groups, ledger)
     return out
 
 

@@ -142,6 +142,7 @@ def test_strategy_takes_rotation_with_triton_kernels_on_gpus():
 def _rotation_worker(rank, world, ranks_per_node):
     import torch.distributed as dist
 
+    from lightning_zeropp.commplan import two_hop
     from lightning_zeropp.config import ZeroPPConfig
     from lightning_zeropp.ledger import CommLedger
     from lightning_zeropp.qgz import Reduction, quantized_reduce_scatter
@@ -159,18 +160,18 @@ def _rotation_worker(rank, world, ranks_per_node):
         name = "aligned" if blocks is not None else "uniform"
         for rotation in ("none", "hadamard"):
             config = ZeroPPConfig(gradient_pieces=2, gradient_rotation=rotation, gradient_block_size=128)
-            plan = Reduction.of(topo, config, chunk, dist.ReduceOp.AVG, None, call=5, blocks=blocks)
+            reduction = Reduction.of(topo, two_hop(config), chunk, dist.ReduceOp.AVG, None, call=5, blocks=blocks)
             out = torch.empty(chunk)
             ledger = CommLedger(topo)
-            quantized_reduce_scatter(out, every[rank].clone(), plan, groups, ledger)
+            quantized_reduce_scatter(out, every[rank].clone(), reduction, groups, ledger)
             report[(name, rotation)] = {
                 "error": ((out.double() - truth).norm() / truth.norm()).item(),
                 "bytes": ledger.total("gradient_all_to_all_inter").inter_node_bytes,
             }
             if rotation == "hadamard":  # recomputed in one process from every rank's input, in qgZ's order
                 expected = torch.empty(chunk)
-                for stage in plan.busy:
-                    seed = plan.rotation_seed(stage)
+                for stage in reduction.busy:
+                    seed = reduction.rotation_seed(stage)
                     pieces = []
                     for k in range(K):  # node k's sum of its ranks' INT8 pieces of my chunk, rotated, to INT4
                         node = [every[k * N + i].view(world, chunk)[rank, stage.start : stage.start + stage.size]
@@ -188,7 +189,7 @@ def _rotation_worker(rank, world, ranks_per_node):
                         torch.stack(pieces), stage.size, 4, 128, blocks=stage.blocks, multiplier=1 / world,
                         rotation_seed=seed)  # fmt: skip
                 report[(name, rotation)]["as_simulated"] = torch.equal(out, expected)
-                report[(name, rotation)]["seeds"] = [plan.rotation_seed(s) for s in plan.busy]
+                report[(name, rotation)]["seeds"] = [reduction.rotation_seed(s) for s in reduction.busy]
     dist.destroy_process_group()
     return report
 

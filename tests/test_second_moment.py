@@ -287,6 +287,7 @@ def _estimate_worker(rank, world, aligned, kwargs):
     from lightning_zeropp import kernels as tk
     from lightning_zeropp import qgz
     from lightning_zeropp.comm import _flat_starts, exact_reduce_scatter
+    from lightning_zeropp.commplan import two_hop
     from lightning_zeropp.ledger import CommLedger
     from lightning_zeropp.topology import ProcessGroups, Topology
 
@@ -304,12 +305,13 @@ def _estimate_worker(rank, world, aligned, kwargs):
     total = torch.zeros(2)
     for call in range(4):
         x = torch.randn(world * chunk, generator=gen) * scale
-        plan = qgz.Reduction.of(topo, config, chunk, dist.ReduceOp.AVG, None, call=call, blocks=blocks)
+        reduction = qgz.Reduction.of(topo, two_hop(config), chunk, dist.ReduceOp.AVG, None, call=call, blocks=blocks,
+                                     backend=config.kernel_backend)  # fmt: skip
         noise = torch.zeros(len(starts) - 1)
         out, exact = torch.empty(chunk), torch.empty(chunk)
         exact_reduce_scatter(exact, x.clone(), dist.ReduceOp.AVG, None, groups, CommLedger(topo))
         factor = noise_factor(config.gradient_rounding, False)
-        qgz.quantized_reduce_scatter(out, x, plan, groups, CommLedger(topo), None, noise, factor)
+        qgz.quantized_reduce_scatter(out, x, reduction, groups, CommLedger(topo), None, noise, factor)
         lengths = torch.tensor(starts).diff()
         assert (noise > 0).all()
         total[0] += float((noise * lengths).sum())

@@ -20,6 +20,7 @@ import torch
 
 from lightning_zeropp import ZeroPPStrategy
 from lightning_zeropp import kernels as tk
+from lightning_zeropp.commplan import resolve
 from lightning_zeropp.config import ZeroPPConfig
 from lightning_zeropp.deltas import WeightDeltas
 from lightning_zeropp.ledger import CommLedger
@@ -81,7 +82,9 @@ def test_every_shard_has_one_holder_per_node(world, per_node):
     parts = []
     for rank in range(world):
         topology = Topology(world, per_node, rank, per_node)
-        parts.append(WeightDeltas(config, topology, CommLedger(topology)))
+        forward = resolve(config, topology).forward
+        assert forward.kind == "node_copy"
+        parts.append(WeightDeltas(forward, topology, CommLedger(topology)))
     for owner, part in enumerate(parts):
         assert sorted(h // per_node for h in part.holders) == list(range(world // per_node))
         for holder in part.holders:

@@ -149,17 +149,17 @@ class Signals(Callback):
     asynchronous all-to-all), ``weight_delta_exchange`` (as the deltas are exchanged), ``checkpoint_save`` (as
     ``torch.distributed.checkpoint.save`` starts writing)."""
 
-    def __init__(self, plan: dict[str, tuple[int | None, Callable[[Trainer], None]]]) -> None:
-        self.plan = plan
+    def __init__(self, schedule: dict[str, tuple[int | None, Callable[[Trainer], None]]]) -> None:
+        self.schedule = schedule
         self.done: dict[str, int] = {}  # point: the global step at which its action ran
         self.trainer: Trainer | None = None
         self._undo: list[Callable[[], None]] = []
 
     def fire(self, point: str) -> None:
         trainer = self.trainer
-        if point not in self.plan or point in self.done or trainer is None:
+        if point not in self.schedule or point in self.done or trainer is None:
             return
-        at, action = self.plan[point]
+        at, action = self.schedule[point]
         if trainer.global_step != at:
             return
         self.done[point] = trainer.global_step
@@ -225,7 +225,7 @@ class Signals(Callback):
         self.undo()
 
 
-def plan(case: str, rank: int, root: Path) -> dict[str, tuple[int | None, Callable[[Trainer], None]]]:
+def schedule(case: str, rank: int, root: Path) -> dict[str, tuple[int | None, Callable[[Trainer], None]]]:
     """What :class:`Signals` does on ``rank`` for ``case`` (see :data:`POINTS` and :data:`CASES`)."""
     at, _ = CASES[case]
     usr1 = raise_signal(signal.SIGUSR1)
@@ -314,7 +314,7 @@ def _fit(
 def preemption_worker(
     rank: int, world: int, out: str, bin_dir: str, init_path: str, data_path: str, cases: list[str], timeout_s: float
 ) -> dict[str, Any]:
-    """The reference run, then for each case a run signalled as :func:`plan` says and its resumed run. Returns rank
+    """The reference run, then for each case a run signalled as :func:`schedule` says and its resumed run. Returns rank
     0's final weights of each run; per case, on every rank: the global step each planned action ran at, the global
     step the resumed run started from, and the warnings of the signalled run and the resumed run."""
     env = slurm_task_environment(rank, world) | {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
@@ -324,7 +324,7 @@ def preemption_worker(
         report: dict[str, Any] = {"reference": keep(reference), "cases": {}}
         for case in cases:
             root = Path(out, case)
-            signals = Signals(plan(case, rank, root))
+            signals = Signals(schedule(case, rank, root))
             callbacks: list = [signals]
             if case == "checkpoint_save":
                 callbacks.append(ModelCheckpoint(dirpath=root / "every2", every_n_train_steps=2, save_top_k=-1))

@@ -1,0 +1,899 @@
+"""``python -m lightning_zeropp.planner``: what ZeRO-3, HSDP, quantized HSDP and ZeRO++ would cost on a cluster you
+cannot rent.
+
+Given a model (its units' shapes: the example GPT's sizes, a litgpt config name, or a parameter count), a cluster and
+a workload, it prints per configuration the memory per GPU by part, whether it fits, the bytes each GPU sends per step
+inside and across nodes (exact: :mod:`lightning_zeropp.costs`, the ledger's arithmetic), and the predicted compute,
+communication and step time, with the speedup over ZeRO-3.
+
+The time model, stated:
+
+- compute: ``6 x parameters x tokens`` FLOPs per GPU (8x with activation checkpointing: the forward runs twice) at
+  ``efficiency x peak``, plus the quantization kernels' and the second-moment correction's reads and writes at the
+  device memory's bandwidth;
+- a collective over all ranks (FSDP's all-gathers and reduce-scatter, qwZ's all-gather) runs as a ring: the link
+  into each node carries ``(W - 1)`` shards, every GPU's own link ``(W - 1)`` shards, concurrently, so it takes the
+  longer of the two, plus one latency per ring step; an all-to-all (qgZ's hops, weight deltas) or an all-reduce on
+  the rails (HSDP; quantized HSDP's reduce-scatter and all-gather) sends what the ledger counts, all of a node's GPUs
+  sharing the node's inter-node link; collectives
+  inside a node (hpZ, HSDP's gathers) use the GPUs' own links;
+- overlap: FSDP2 prefetches the next unit's all-gather and reduces the last unit's gradients while the current unit
+  computes, so a step takes ``max(compute, comm) + (1 - overlap) x min(compute, comm)``.
+
+``efficiency`` and ``overlap`` are the model's two free parameters; their defaults are the values fitted on the
+paper's end-to-end table (``benchmarks/plan_check.py --paper``, RESULTS.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, NoReturn
+
+from .commplan import resolve
+from .config import ZeroPPConfig
+from .core import HSDP_ARGUMENTS, QUANTIZED_HSDP_ARGUMENTS
+from .costs import (
+    ELEMENT_BYTES,
+    Unit,
+    collective_buffers,
+    correction_bytes,
+    gpt_units,
+    kernel_bytes,
+    parameters,
+    persistent_memory,
+    step_bytes,
+)
+from .topology import Topology
+
+CONFIGS: dict[str, dict[str, Any]] = {
+    "zero3": dict(quantize_weights=False, hpz_partition_size=1, quantize_gradients=False),
+    "hsdp": dict(HSDP_ARGUMENTS),
+    "qhsdp": dict(QUANTIZED_HSDP_ARGUMENTS),
+    "zeropp": {},
+    "zeropp+ef": dict(gradient_error_feedback=True),
+    "zeropp+deltas": dict(weight_deltas=True),
+    "zeropp+qgz8": dict(gradient_bits=8),
+}
+"""The configurations the planner compares, by the names the README and the benchmarks use."""
+
+LONG_RUN = "zeropp+qgz8"
+"""The setting for long runs where the last fraction of a percent of loss matters and the optimizer is not
+Adam-family (qgZ's inter-node hop in INT8, which removes most of the late loss gap of ZeRO++ without the second-moment
+correction: docs/accuracy.md). It sends more than the defaults, so the verdict never picks it for speed; when the
+verdict is ZeRO++, the planner says what it would cost instead."""
+
+RING_KINDS = {"weight_all_gather", "weight_all_gather_backward", "gradient_reduce_scatter"}
+"""Collectives FSDP (or qwZ) runs over all ranks as one ring (HSDP: inside the node); the rest are all-to-alls, rail
+all-reduces or collectives inside an hpZ group."""
+
+EFFICIENCY, OVERLAP = 0.645, 0.0
+"""The two free parameters as fitted on the paper's table (V100s, ``benchmarks/plan_check.py --paper``): pass your
+own (``--efficiency``, ``--overlap``) when you have measured your hardware."""
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The hardware: ``nodes`` x ``gpus_per_node``; bandwidths in Gbit/s (inter-node: the node's, shared by its
+    GPUs; intra-node: each GPU's), latencies in microseconds, memory in GiB, peak in TFLOP/s and device memory
+    bandwidth (``hbm_gbps``, GB/s: the quantization kernels' speed) per GPU; the backend:
+    ``"nccl"`` runs all-gathers and reduce-scatters as rings, ``"gloo"`` (the emulated cluster) its all-gathers as
+    rings and its reduce-scatter with twice a ring's bytes (measured: RESULTS.md, the link/ledger arithmetic)."""
+
+    nodes: int
+    gpus_per_node: int
+    inter_gbps: float
+    intra_gbps: float
+    inter_latency_us: float = 5.0
+    intra_latency_us: float = 2.0
+    gpu_memory_gib: float = 80.0
+    peak_tflops: float = 989.0
+    backend: str = "nccl"
+    hbm_gbps: float = 3350.0
+    kernel_gbps: float | None = None
+    """The quantization kernels' speed, GB/s by device time, where a GPU run measured it (:func:`measured_kernels`);
+    None: assumed at ``hbm_gbps``."""
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("nccl", "gloo"):
+            raise ValueError(f"planner: `backend={self.backend!r}` must be 'nccl' or 'gloo'.")
+        for name in ("nodes", "gpus_per_node"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"planner: `{name}={getattr(self, name)!r}` must be an int >= 1.")
+        for name in ("inter_gbps", "intra_gbps", "gpu_memory_gib", "peak_tflops", "hbm_gbps"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"planner: `{name}={getattr(self, name)!r}` must be > 0.")
+        if self.kernel_gbps is not None and not self.kernel_gbps > 0:
+            raise ValueError(f"planner: `kernel_gbps={self.kernel_gbps!r}` must be > 0 (or None: at hbm_gbps).")
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Tokens each GPU processes per optimizer step, the precision, the optimizer's state per parameter (Adam: 2
+    fp32 values), activation checkpointing, and the model's width for the activation estimate."""
+
+    tokens_per_gpu: int
+    precision: str = "bf16-mixed"
+    optimizer_states: int = 2
+    activation_checkpointing: bool = True
+    efficiency: float = EFFICIENCY
+    overlap: float = OVERLAP
+
+
+@dataclass
+class Row:
+    """One configuration's prediction: memory per GPU by part, bytes, compute, communication and step time."""
+
+    config: str
+    memory_gib: dict[str, float]
+    fits: bool
+    inter_node_gb: float
+    intra_node_gb: float
+    bytes_by_kind: dict[str, tuple[int, int, int]]
+    compute_s: float
+    comm_s: float
+    step_s: float
+    speedup: float = 1.0
+    tflops_per_gpu: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+
+# ------------------------------------------------------------------------------------------------ time
+def collective_seconds(kind: str, intra: int, inter: int, calls: int, cluster: Cluster, config: ZeroPPConfig) -> float:
+    """Seconds one step's ``calls`` collectives of ``kind`` take, from the bytes one GPU sends (module docstring)."""
+    N, W = cluster.gpus_per_node, cluster.world
+    inter_Bps, intra_Bps = cluster.inter_gbps * 1e9 / 8, cluster.intra_gbps * 1e9 / 8
+    lat_inter, lat_intra = cluster.inter_latency_us * 1e-6, cluster.intra_latency_us * 1e-6
+    if kind in RING_KINDS and inter:  # a ring over all W ranks: shard = inter / (W - N) bytes per peer
+        shard = inter / (W - N)
+        wire = shard * (W - 1) * (2 if cluster.backend == "gloo" and kind == "gradient_reduce_scatter" else 1)
+        return max(wire / inter_Bps, wire / intra_Bps) + calls * (W - 1) * lat_inter
+    if kind in RING_KINDS and not inter:  # a ring inside the node (HSDP, or one node)
+        return intra / intra_Bps + calls * (N - 1) * lat_intra
+    seconds = intra / intra_Bps + (N * inter) / inter_Bps
+    return seconds + calls * ((lat_inter if inter else 0.0) + (lat_intra if intra else 0.0))
+
+
+def step_seconds(compute: float, comm: float, overlap: float) -> float:
+    """A step's time from its compute and communication times (module docstring)."""
+    return max(compute, comm) + (1 - overlap) * min(compute, comm)
+
+
+def comm_seconds(units: list[Unit], config: ZeroPPConfig, cluster: Cluster, precision: str) -> float:
+    """Seconds one step's collectives take on ``cluster`` (rank 0's bytes; ranks differ by padding only)."""
+    by_kind = step_bytes(units, config, cluster.world, cluster.gpus_per_node, 0, precision)
+    return sum(collective_seconds(k, *v, cluster, config) for k, v in by_kind.items())
+
+
+def compute_seconds(units: list[Unit], config: ZeroPPConfig, cluster: Cluster, workload: Workload) -> float:
+    """The model's FLOPs at ``efficiency`` x peak, plus the quantization kernels' bytes and the second-moment
+    correction's at the device memory's bandwidth (they run on the compute stream, between the layers and before the
+    update; the correction's where the optimizer keeps Adam's two states)."""
+    flops = step_flops(units, workload) / (cluster.peak_tflops * 1e12 * workload.efficiency)
+    kernels = kernel_bytes(units, config, cluster.world, cluster.gpus_per_node, workload.precision)
+    moved = 0
+    if workload.optimizer_states >= 2:  # no Adam: nothing is lowered ("auto" leaves it alone)
+        moved += correction_bytes(units, config, cluster.world, cluster.gpus_per_node, workload.precision)
+    return flops + kernels / ((cluster.kernel_gbps or cluster.hbm_gbps) * 1e9) + moved / (cluster.hbm_gbps * 1e9)
+
+
+# The kernels the defaults launch, as benchmarks/kernels.py names its rows: qwZ's INT8 quantize and dequantize on
+# parameter-aligned blocks, qgZ's swizzle-quantize, INT8 -> INT4 re-quantization and INT4 dequantize-reduce.
+DEFAULT_KERNELS = ("quantize int8 param-blocks", "dequantize int8 param-blocks", "swizzle_quantize int8",
+                   "dequantize_reduce_quantize 8->4", "dequantize_reduce int4")  # fmt: skip
+MEASURED_FROM_MB = 12.0
+"""Rows of at least this many MB count (a 7B layer's per-rank shard is 12.65 MB): smaller ones are launch-bound."""
+
+
+def measured_kernels(path: Path) -> tuple[float, str]:
+    """(GB/s, where it came from) of the defaults' kernels in a table ``benchmarks/kernels.py --json`` wrote on a GPU:
+    their bytes over their device time, summed over the rows of :data:`DEFAULT_KERNELS` at >= 12 MB. Raises
+    :class:`InputError` for a file that is not such a table, a table timed with the launcher inside (written before
+    device time was measured apart), or one whose device waited for the host."""
+    try:
+        table = json.loads(Path(path).read_text())
+        rows = table["rows"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise InputError(f"--kernels {path}: not a table of benchmarks/kernels.py --json ({err})") from None
+    if not rows or "device_s" not in rows[0]:
+        raise InputError(f"--kernels {path}: its times include the launcher (no device_s column); rerun"
+                         " benchmarks/kernels.py --json on the GPU, which measures device time apart")  # fmt: skip
+    used = [r for r in rows if r["kernel"] in DEFAULT_KERNELS and r["size_mb"] >= MEASURED_FROM_MB]
+    missing = sorted(set(DEFAULT_KERNELS) - {r["kernel"] for r in used})
+    if missing:
+        raise InputError(f"--kernels {path}: no rows of {', '.join(missing)} at >= {MEASURED_FROM_MB:g} MB; rerun"
+                         " benchmarks/kernels.py with its default sizes")  # fmt: skip
+    starved = sorted({r["kernel"] for r in used if r.get("starved")})
+    if starved:
+        raise InputError(f"--kernels {path}: the device waited for the host in {', '.join(starved)} (device time"
+                         " not measured); rerun benchmarks/kernels.py")  # fmt: skip
+    gbps = sum(r["bytes_moved"] for r in used) / sum(r["device_s"] for r in used) / 1e9
+    return gbps, f"{table.get('device', 'a GPU')}, {path}"
+
+
+def step_flops(units: list[Unit], workload: Workload) -> float:
+    """FLOPs one GPU computes per optimizer step (module docstring)."""
+    return (8 if workload.activation_checkpointing else 6) * parameters(units) * workload.tokens_per_gpu
+
+
+def memory_parts(
+    units: list[Unit], config: ZeroPPConfig, cluster: Cluster, workload: Workload, n_embd: int
+) -> dict[str, float]:
+    """Bytes per GPU by part: the sharded parameters, gradients and optimizer state; hpZ's copy (1/R of the weights,
+    kept from a unit's forward to its backward); two units unsharded (the one computing and the one prefetched); the
+    quantized collectives' buffers (:func:`~lightning_zeropp.costs.collective_buffers`);
+    activations (``34 x tokens x width`` bytes per layer, as Korthikanti et al. count them with attention scores
+    fused away; with checkpointing, one layer's plus every layer's input); the feedback residual, the second-moment
+    correction's noise estimates (none where the optimizer keeps fewer than Adam's two states: "auto" skips it) and
+    weight deltas' copies (``strategy.persistent_memory``)."""
+    stored, e, _ = ELEMENT_BYTES[workload.precision]
+    W, N = cluster.world, cluster.gpus_per_node
+    _, R = config.resolve(W, N)
+    plan = resolve(config, Topology(W, N, 0, R), workload.precision)
+    S = N if plan.hybrid else W
+    shard = sum(sum(u.shards(S)) for u in units)
+    layers = max(len(units) - 1, 1)
+    T = workload.tokens_per_gpu
+    per_layer = 34 * T * n_embd
+    activations = per_layer + (layers * 2 * T * n_embd if workload.activation_checkpointing else layers * per_layer)
+    biggest = sorted((u.numel for u in units), reverse=True)[:2]
+    out = {
+        "parameters": shard * stored,
+        "gradients": shard * stored,
+        "optimizer": shard * 4 * workload.optimizer_states,
+        "hpz_copy": sum(sum(u.shards(W)) * (W // R) for u in units) * e if 1 < R < W else 0,
+        "unsharded_units": sum(biggest) * e * 2,
+        "collective_buffers": collective_buffers(units, config, W, N),
+        "activations": activations,
+    }
+    out.update(persistent_memory(units, config, W, N, workload.precision))
+    if workload.optimizer_states < 2 and not plan.gradients.second_moment_strict:  # no Adam: "auto" leaves it alone
+        out["second_moment_noise"] = 0
+    return out
+
+
+def predict(
+    units: list[Unit], cluster: Cluster, workload: Workload, configs: dict[str, dict] | None = None, n_embd: int = 0
+) -> list[Row]:
+    """One :class:`Row` per configuration (default :data:`CONFIGS`), the speedups against the first."""
+    rows = []
+    for name, kwargs in (configs or CONFIGS).items():
+        config = ZeroPPConfig(**kwargs)
+        by_kind = step_bytes(units, config, cluster.world, cluster.gpus_per_node, 0, workload.precision)
+        comm = sum(collective_seconds(k, *v, cluster, config) for k, v in by_kind.items())
+        flops = step_flops(units, workload)
+        compute = compute_seconds(units, config, cluster, workload)
+        step = step_seconds(compute, comm, workload.overlap)
+        memory = memory_parts(units, config, cluster, workload, n_embd)
+        total = sum(memory.values())
+        rows.append(
+            Row(
+                config=name,
+                memory_gib={k: v / 2**30 for k, v in memory.items()} | {"total": total / 2**30},
+                fits=total <= cluster.gpu_memory_gib * 2**30,
+                inter_node_gb=sum(v[1] for v in by_kind.values()) / 1e9,
+                intra_node_gb=sum(v[0] for v in by_kind.values()) / 1e9,
+                bytes_by_kind=by_kind,
+                compute_s=compute,
+                comm_s=comm,
+                step_s=step,
+                tflops_per_gpu=flops / step / 1e12 * (6 / 8 if workload.activation_checkpointing else 1),
+            )
+        )
+    for row in rows:
+        row.speedup = rows[0].step_s / row.step_s
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------ verdict
+MARGIN = 0.10
+"""How much shorter a configuration's predicted step must be than the current choice's (a fraction of the step)
+before the verdict moves to it (``--margin``). :data:`CONFIGS` are in the order of what each costs beyond the one
+before: HSDP memory (a node holds the whole state), quantized HSDP accuracy (its gradients cross nodes quantized),
+ZeRO++ accuracy (its weights cross nodes quantized too; sharded over every rank again, it holds less than HSDP),
+error feedback and weight deltas memory (and deltas' forward weights trail the exact ones by their INT4 rounding);
+a predicted gain inside the time model's own error buys nothing for that."""
+
+LABELS = {
+    "zero3": "ZeRO-3 (FSDP2 full sharding; exact)",
+    "hsdp": "HSDP (sharded inside each node, replicated across nodes; exact)",
+    "qhsdp": "quantized HSDP (HSDP, its gradients all-reduced across nodes as INT4 then INT8; lossy)",
+    "zeropp": "ZeRO++ (INT8 weights, hpZ, INT4 gradients across nodes; lossy)",
+    "zeropp+ef": "ZeRO++ with gradient error feedback (lossy)",
+    "zeropp+deltas": "ZeRO++ with INT4 weight deltas (lossy)",
+    "zeropp+qgz8": "ZeRO++ with INT8 gradients across nodes (lossy; the long-run setting)",
+}
+"""What each of :data:`CONFIGS` is, in the verdict's words."""
+
+
+@dataclass
+class Verdict:
+    """The configuration to use and why; ``config`` is ``None`` when none fits."""
+
+    config: str | None
+    label: str
+    reason: str
+    speedup: float
+    margin: float
+    passed_over: list[str]
+    python: str = ""
+    alias: str | None = None
+    yaml: str = ""
+    long_run: str = ""
+    launch: tuple[str, ...] = ()
+
+
+def lossy(name: str) -> bool:
+    """Whether a configuration of :data:`CONFIGS` sends anything quantized (qwZ, qgZ, quantized HSDP or weight
+    deltas) where its techniques are on: its plan on two nodes of two ranks."""
+    config = ZeroPPConfig(**CONFIGS[name])
+    ranks_per_node, hpz = config.resolve(4, 2)
+    plan = resolve(config, Topology(4, ranks_per_node, 0, hpz))
+    return plan.forward.kind != "exact" or plan.quantizes_gradients_at(0)
+
+
+def verdict(rows: list[Row], cluster: Cluster, margin: float = MARGIN, adam: bool = True) -> Verdict:
+    """The configuration to use, from :func:`predict`'s rows (in :data:`CONFIGS` order, the first ZeRO-3); ``adam``: the
+    optimizer keeps Adam's two states (what the long-run advice depends on).
+
+    Starting from the first that fits, each later one replaces the choice only if it fits and its step is more than
+    ``margin`` shorter than the choice's (:data:`MARGIN`). On one node nothing crosses nodes, so nothing lossy is
+    chosen: ZeRO++ would save no link time there and only add quantization error. Every row faster than the choice
+    is listed with the reason it lost."""
+    one_node = cluster.nodes == 1
+    choice = None
+    for row in rows:
+        if row.fits and not (one_node and lossy(row.config)):
+            if choice is None or choice.step_s > row.step_s * (1 + margin):
+                choice = row
+    if choice is None:
+        need = min(r.memory_gib["total"] for r in rows)
+        return Verdict(None, "nothing fits", f"the smallest needs {need:.1f} GiB per GPU of {cluster.gpu_memory_gib:g}:"
+                       " more GPUs, fewer --tokens per GPU, activation checkpointing, or CPU offload"
+                       " (cpu_offload=True, which the planner does not model)", 0.0, margin, [])  # fmt: skip
+    passed_over = []
+    for row in rows:
+        if row.step_s >= choice.step_s:
+            continue
+        faster = f"{row.config} is {choice.step_s / row.step_s - 1:.0%} faster,"
+        if not row.fits:
+            why = f"but needs {row.memory_gib['total']:.1f} GiB per GPU of {cluster.gpu_memory_gib:g}"
+        elif one_node and lossy(row.config):
+            why = "but lossy, and on one node there is no cross-node traffic for it to cut"
+        else:
+            lossier = lossy(row.config) and not lossy(choice.config)
+            why = f"within the {margin:.0%} margin" + (", and lossy" if lossier else "")
+        passed_over.append(f"{faster} {why}")
+    bound = "communication" if choice.comm_s > choice.compute_s else "compute"
+    if choice is rows[0]:
+        reason = ["one node: nothing crosses nodes, so ZeRO++ would only add quantization error" if one_node else
+                  f"nothing else that fits is more than {margin:.0%} faster"]  # fmt: skip
+    else:
+        reason = [f"{choice.speedup:.2f}x ZeRO-3's predicted step"]
+        best = min((r for r in rows if r.fits and not lossy(r.config)), key=lambda r: r.step_s, default=None)
+        if lossy(choice.config) and best is not None and best is not rows[0]:
+            reason[0] += f" ({best.step_s / choice.step_s:.2f}x {best.config}'s, the fastest exact one)"
+    reason += [f"{bound}-bound (compute {choice.compute_s:.3g} s, communication {choice.comm_s:.3g} s)",
+               f"{choice.memory_gib['total']:.1f} of {cluster.gpu_memory_gib:g} GiB per GPU"]  # fmt: skip
+    if lossy(choice.config):
+        reason.append("lossy: compare its loss curve with zero3's early in a run (docs/accuracy.md)")
+    python, alias, yaml = strategy_code(choice.config, cluster)
+    advice = long_run_advice(rows, choice, cluster.gpu_memory_gib, adam)
+    return Verdict(choice.config, LABELS.get(choice.config, choice.config), "; ".join(reason), choice.speedup, margin,
+                   passed_over, python, alias, yaml, advice, launch_lines(cluster))  # fmt: skip
+
+
+def launch_lines(cluster: Cluster) -> tuple[str, ...]:
+    """How the job starts on ``cluster``: under SLURM (one task per GPU; the strategy reads SLURM's variables), or
+    with torchrun on each node (the torchrun-style variables)."""
+    nodes, gpus = cluster.nodes, cluster.gpus_per_node
+    return (
+        f"SLURM: srun --nodes {nodes} --ntasks-per-node {gpus} --gpus-per-node {gpus} python train.py",
+        f"torchrun, on each node: torchrun --nnodes {nodes} --nproc-per-node {gpus} --node-rank <0..{nodes - 1}>"
+        " --master-addr <node 0> --master-port 29500 train.py",
+    )
+
+
+def long_run_advice(rows: list[Row], choice: Row, gpu_memory_gib: float, adam: bool = True) -> str:
+    """For a ZeRO++ verdict (the defaults, or with feedback or weight deltas), for runs where the last fraction of a
+    percent of loss matters: with an Adam-family optimizer (``adam``), that the defaults already take qgZ's noise out
+    of its second moment (nothing to add, nothing to predict); with another, what adding ``gradient_bits=8``
+    (:data:`LONG_RUN`) would cost. "" for other verdicts, or where either row was not planned. ``gradient_bits=8``
+    changes only the inter-node gradient hop, so its cost is the difference between the ``zeropp+qgz8`` and
+    ``zeropp`` rows, added to the choice's."""
+    by_name = {r.config: r for r in rows}
+    long_run, base = by_name.get(LONG_RUN), by_name.get("zeropp")
+    if long_run is None or base is None or choice is long_run or not choice.config.startswith("zeropp"):
+        return ""
+    if choice.inter_node_gb <= 0:  # nothing crosses nodes: nothing for it to change
+        return ""
+    if adam:
+        return (
+            "the defaults take qgZ's rounding noise out of Adam's second moment (second_moment_correction='auto'),"
+            " which keeps the loss gap from growing with training, at no byte more: nothing to add (docs/accuracy.md)"
+        )
+    extra_s, extra_gb = long_run.step_s - base.step_s, long_run.inter_node_gb - base.inter_node_gb
+    memory = choice.memory_gib["total"] + long_run.memory_gib["total"] - base.memory_gib["total"]
+    words = (
+        "if the last fraction of a percent of loss matters, add gradient_bits=8 (INT8 gradients across nodes; with an"
+        " optimizer without Adam's second moment the defaults cannot correct qgZ's noise, docs/accuracy.md):"
+        f" predicted step {extra_s / choice.step_s:+.0%} ({choice.step_s + extra_s:.3g} s),"
+        f" cross-node bytes {(choice.inter_node_gb + extra_gb) / choice.inter_node_gb:.2f}x"
+    )
+    if memory > gpu_memory_gib:
+        words += f"; but it needs {memory:.1f} GiB per GPU of {gpu_memory_gib:g}"
+    return words
+
+
+def strategy_code(name: str, cluster: Cluster) -> tuple[str, str | None, str]:
+    """The Python and the LightningCLI YAML that select configuration ``name`` of :data:`CONFIGS` on ``cluster``,
+    and its registered short name (``strategy="zero3"``), if it has one."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from .strategy import ZeroPPStrategy
+
+    kwargs = CONFIGS[name]
+    aliases = [k for k, v in StrategyRegistry.items() if v["strategy"] is ZeroPPStrategy and v["init_params"] == kwargs]
+    arguments = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+    python = (f"Trainer(num_nodes={cluster.nodes}, devices={cluster.gpus_per_node},"
+              f" strategy=ZeroPPStrategy({arguments}))")  # fmt: skip
+    yaml = [
+        "trainer:",
+        f"  num_nodes: {cluster.nodes}",
+        f"  devices: {cluster.gpus_per_node}",
+        "  strategy:",
+        "    class_path: lightning_zeropp.ZeroPPStrategy",
+    ]
+    if kwargs:  # JSON's scalars are YAML's: true/false, numbers, quoted strings
+        yaml += ["    init_args:", *(f"      {k}: {json.dumps(v)}" for k, v in kwargs.items())]
+    return python, (aliases[0] if aliases else None), "\n".join(yaml)
+
+
+def verdict_text(v: Verdict) -> str:
+    """The verdict as the CLI prints it: the choice and why, what lost and why, the code that selects it."""
+    if v.config is None:
+        return f"verdict: {v.label}: {v.reason}"
+    verb = "stay on" if v.config == next(iter(CONFIGS)) else "use"
+    lines = [f"verdict: {verb} {v.label} [{v.config}]", f"  why: {v.reason}"]
+    lines += [f"  not chosen: {p}" for p in v.passed_over]
+    if v.long_run:
+        lines.append(f"  long runs: {v.long_run}")
+    lines += ["  python: from lightning_zeropp import ZeroPPStrategy", f"          {v.python}"]
+    if v.alias:
+        lines.append(f'          # the same: strategy="{v.alias}", a name lightning_zeropp registers when imported')
+    lines += ["  LightningCLI YAML:", *(f"    {line}" for line in v.yaml.splitlines())]
+    if v.launch:
+        lines += ["  launch:", *(f"    {line}" for line in v.launch)]
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------ models
+DEMO = dict(n_layer=4, n_embd=256, vocab=256, block_size=128)
+"""The example GPT's demo size (``examples/gpt``: bytes as tokens), planned when no model is given."""
+
+LLM_VOCAB, LLM_BLOCK = 50304, 4096
+"""A real model's vocabulary (GPT-2's, padded to a multiple of 64) and positions, when ``--params`` or a shape is
+given without them: a 256-entry vocabulary would leave out the largest unit, the embedding."""
+
+PARAMS_TOLERANCE = 0.10
+"""How far the model planned may be from ``--params``: its shape is whole layers of a width that is a multiple of
+128, or given."""
+
+
+_SUFFIXES = {"K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}
+
+
+def parameter_count(text: str) -> float:
+    """``--params``: a number (``7e9``, ``1300000000``) or one with a suffix, as models are named (``7B``, ``1.3B``,
+    ``350M``, ``70b``)."""
+    value = text.strip().replace("_", "")
+    scale = _SUFFIXES.get(value[-1:].upper(), 1.0) if value else 1.0
+    number = value[:-1] if scale != 1.0 else value
+    try:
+        count = float(number) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a parameter count; use a number (7e9) or one with K, M, B or T (7B, 1.3B, 350M)"
+        ) from None
+    return count  # its range is checked with the other arguments' (``RULES``)
+
+
+class InputError(ValueError):
+    """An argument the planner cannot use; the message names it and the fix."""
+
+
+@dataclass
+class Model:
+    """The model planned: its units, width (for the activations), vocabulary and positions, and where it came from
+    (``"demo"``, ``"params"``, ``"shape"`` or ``"litgpt"``)."""
+
+    units: list[Unit]
+    width: int
+    description: str
+    source: str
+    vocab: int
+    block_size: int
+    layers: int
+
+
+def model_of(args: argparse.Namespace) -> Model:
+    """The model the arguments name (``--litgpt``, ``--params`` with or without a shape, a shape, or the demo), or
+    :class:`InputError` naming the conflict."""
+    shape = [f"--{k.replace('_', '-')}" for k in ("params", "n_layer", "n_embd", "vocab", "block_size")
+             if getattr(args, k) is not None]  # fmt: skip
+    if args.litgpt:
+        if shape:
+            raise InputError(f"--litgpt {args.litgpt} takes the model's shape from litgpt's config: drop"
+                             f" {', '.join(shape)}")  # fmt: skip
+        return _litgpt_model(args.litgpt)
+    if args.params is None and args.n_layer is None and args.n_embd is None:
+        vocab, block = args.vocab or DEMO["vocab"], args.block_size or DEMO["block_size"]
+        units = gpt_units(vocab, block, DEMO["n_layer"], DEMO["n_embd"])
+        described = (f"the example's demo GPT, {DEMO['n_layer']} layers x {DEMO['n_embd']} wide, vocabulary {vocab},"
+                     f" {block} positions ({_count(parameters(units))})")  # fmt: skip
+        return Model(units, DEMO["n_embd"], described, "demo", vocab, block, DEMO["n_layer"])
+    vocab, block = args.vocab or LLM_VOCAB, args.block_size or LLM_BLOCK
+    layers, width = args.n_layer, args.n_embd
+    if args.params is None and not (layers and width):
+        given, missing = ("--n-layer", "--n-embd") if layers else ("--n-embd", "--n-layer")
+        raise InputError(f"{given} alone is half a shape: add {missing}, or --params to derive it")
+    if args.params is not None and not (layers and width):
+        layers, width = _derive_shape(args.params, layers, width, vocab + block)
+    units = gpt_units(vocab, block, layers, width)
+    count = parameters(units)
+    described = f"GPT, {layers} layers x {width} wide, vocabulary {vocab}, {block} positions ({_count(count)})"
+    if args.params is not None:
+        if abs(count / args.params - 1) > PARAMS_TOLERANCE:
+            fix = ("pass --n-layer and --n-embd that make it" if args.n_layer and args.n_embd else
+                   "pass --n-layer and --n-embd (and --vocab, --block-size) for a model of this size")  # fmt: skip
+            raise InputError(f"--params {_sci(args.params)}: the shape {layers} layers x {width} wide (vocabulary"
+                             f" {vocab}, {block} positions) has {_count(count)}, more than {PARAMS_TOLERANCE:.0%}"
+                             f" away: {fix}")  # fmt: skip
+        return Model(units, width, described, "params", vocab, block, layers)
+    return Model(units, width, described, "shape", vocab, block, layers)
+
+
+def _sci(x: float) -> str:
+    """``x`` as a user would type it: 7e9, 1.3e9, 70e9 as 7e10."""
+    return f"{x:.4g}".replace("e+0", "e").replace("e+", "e")
+
+
+def _count(n: float) -> str:
+    """``n`` parameters, in words: 7.08B parameters."""
+    return f"{n / 1e9:.2f}B parameters" if n >= 1e9 else f"{n / 1e6:.2f}M parameters"
+
+
+def _derive_shape(params: float, layers: int | None, width: int | None, embedded: int) -> tuple[int, int]:
+    """Layers and width (a multiple of 128) of a GPT of ``params`` parameters: ``12 L d^2`` in the blocks and
+    ``embedded x d`` in the embeddings (vocabulary and positions); ``L = d / 128`` (as Llama's 7B and 13B) when neither
+    is given."""
+    if width is None and layers:
+        exact = (-embedded + math.sqrt(embedded**2 + 48 * layers * params)) / (24 * layers)
+        return layers, max(128, round(exact / 128) * 128)
+    if width is None:
+        width = max(128, round((params * 128 / 12) ** (1 / 3) / 128) * 128)
+    return max(1, round((params - embedded * width) / (12 * width * width))), width
+
+
+def _litgpt_model(name: str) -> Model:
+    try:
+        import torch
+        from litgpt import GPT, Config
+    except ImportError:
+        raise InputError(f"--litgpt {name} needs litgpt installed (pip install litgpt), or describe the model with"
+                         " --params / --n-layer and --n-embd") from None  # fmt: skip
+    from .costs import units_of
+
+    try:
+        config = Config.from_name(name)
+    except ValueError:  # litgpt's message lists every name it knows: too long for one line
+        raise InputError(f"--litgpt {name}: litgpt has no config of that name (its names: litgpt.config.name_to_config,"
+                         " e.g. pythia-1b, Llama-2-7b-hf)") from None  # fmt: skip
+    with torch.device("meta"):
+        model = GPT(config)
+    units = units_of(model)
+    count = _count(parameters(units))
+    described = (f"litgpt {name}, {config.n_layer} layers x {config.n_embd} wide, vocabulary"
+                 f" {config.padded_vocab_size}, {config.block_size} positions ({count})")  # fmt: skip
+    return Model(units, config.n_embd, described, "litgpt", config.padded_vocab_size, config.block_size, config.n_layer)
+
+
+# ------------------------------------------------------------------------------------------------ output
+MEMORY_GROUPS = {
+    "sharded state": ("parameters", "gradients", "optimizer"),
+    "hpZ copy": ("hpz_copy",),
+    "feedback / deltas": (
+        "error_feedback",
+        "second_moment_noise",
+        "weight_deltas_node_copy",
+        "weight_deltas_tracked_copy",
+    ),
+    "activations, buffers": ("activations", "unsharded_units", "collective_buffers"),
+}
+"""How the table groups the memory parts (the JSON keeps each part)."""
+
+
+def table(rows: list[Row]) -> str:
+    head = ["config", "GiB per GPU", *MEMORY_GROUPS, "fits", "inter GB/GPU", "intra GB/GPU", "compute s", "comm s",
+            "step s", "speedup"]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        groups = [sum(r.memory_gib[p] for p in parts) for parts in MEMORY_GROUPS.values()]
+        cells = [r.config, f"{r.memory_gib['total']:.2f}", *[f"{g:.2f}" for g in groups], "yes" if r.fits else "NO",
+                 f"{r.inter_node_gb:.3f}", f"{r.intra_node_gb:.3f}", f"{r.compute_s:.3f}", f"{r.comm_s:.3f}",
+                 f"{r.step_s:.3f}", f"{r.speedup:.2f}x"]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(
+    units: list[Unit], cluster: Cluster, workload: Workload, path: Path, title: str, configs: dict | None = None
+) -> None:
+    """Step time against inter-node bandwidth for every configuration (default :data:`CONFIGS`; log-log)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bandwidths = [cluster.inter_gbps * f for f in (1 / 16, 1 / 8, 1 / 4, 1 / 2, 1, 2, 4, 8)]
+    series: dict[str, list[float]] = {}
+    for bw in bandwidths:
+        at = Cluster(**{**asdict(cluster), "inter_gbps": bw})
+        for row in predict(units, at, workload, configs):
+            series.setdefault(row.config, []).append(row.step_s)
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for name, times in series.items():
+        ax.plot(bandwidths, times, marker="o", label=name, linestyle="--" if name.endswith("+ef") else "-")
+    ax.axvline(cluster.inter_gbps, color="grey", linestyle=":", label=f"{cluster.inter_gbps:g} Gbit/s")
+    ax.set(xscale="log", yscale="log", xlabel="inter-node bandwidth per node (Gbit/s)", ylabel="step time (s)")
+    ax.set_title(title.replace(" on ", "\non ", 1), fontsize=9)  # two lines: it fits the figure
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------------------------ arguments
+GPUS: dict[str, dict[str, float]] = {
+    "V100": dict(gpu_memory_gib=32.0, peak_tflops=125.0, hbm_gbps=900.0, intra_gbps=1200.0),
+    "A100": dict(gpu_memory_gib=80.0, peak_tflops=312.0, hbm_gbps=2039.0, intra_gbps=2400.0),
+    "H100": dict(gpu_memory_gib=80.0, peak_tflops=989.0, hbm_gbps=3350.0, intra_gbps=3600.0),
+    "H200": dict(gpu_memory_gib=140.0, peak_tflops=989.0, hbm_gbps=4800.0, intra_gbps=3600.0),
+}
+"""``--gpu``: the SXM parts' datasheet figures. Memory: the datasheet's GB read as GiB, as the parts report it (an "80
+GB" A100 has 80 GiB), H200's 141 GB as 140 GiB; peak: dense fp16/bf16 tensor TFLOP/s, no sparsity (V100: fp16, it has
+no bf16); HBM: GB/s; ``intra_gbps``: NVLink per GPU and direction in Gbit/s (NVLink 2, 3, 4: 150, 300, 450 GB/s)."""
+
+GPU = "H100"
+"""The ``--gpu`` preset when none is given (the figures the planner used before it had presets, NVLink aside)."""
+
+RULES: dict[str, tuple[Any, str]] = {
+    "params": (lambda v: v >= 1, "a parameter count >= 1, e.g. 7e9 or 7B"),
+    "n_layer": (lambda v: v >= 1, "a number of layers >= 1 (leave it out to derive it from --params)"),
+    "n_embd": (lambda v: v >= 1, "a width >= 1 (leave it out to derive it from --params)"),
+    "vocab": (lambda v: v >= 1, "a vocabulary size >= 1, e.g. 50304"),
+    "block_size": (lambda v: v >= 1, "a number of positions >= 1, e.g. 4096"),
+    "nodes": (lambda v: v >= 1, "a number of nodes >= 1"),
+    "gpus_per_node": (lambda v: v >= 1, "a number of GPUs per node >= 1, e.g. 8"),
+    "inter_gbps": (lambda v: v > 0, "Gbit/s > 0 into each node, e.g. 400 per InfiniBand NDR port"),
+    "intra_gbps": (lambda v: v > 0, "Gbit/s > 0 per GPU inside a node, e.g. 3600 (NVLink 4)"),
+    "inter_latency_us": (lambda v: v >= 0, "microseconds >= 0"),
+    "intra_latency_us": (lambda v: v >= 0, "microseconds >= 0"),
+    "gpu_memory_gib": (lambda v: v > 0, "GiB > 0 per GPU, e.g. 80"),
+    "peak_tflops": (lambda v: v > 0, "dense TFLOP/s > 0 per GPU, e.g. 989"),
+    "hbm_gbps": (lambda v: v > 0, "GB/s > 0 per GPU, e.g. 3350"),
+    "tokens": (lambda v: v >= 1, "tokens per GPU per optimizer step >= 1, e.g. 4096"),
+    "optimizer_states": (lambda v: v >= 0, "fp32 values per parameter >= 0 (Adam: 2, SGD with momentum: 1)"),
+    "efficiency": (lambda v: 0 < v <= 1, "a fraction of peak in (0, 1], e.g. 0.645"),
+    "overlap": (lambda v: 0 <= v <= 1, "a fraction in [0, 1]"),
+    "margin": (lambda v: v >= 0, "a fraction >= 0, e.g. 0.1 for a tenth"),
+}
+"""Each numeric argument's valid values and what to pass instead, checked before anything is planned."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """Errors in one line on stderr, exit code 2: the usage above them would bury the line that matters."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+class _ShowDefaults:
+    """Adds arguments to a parser or group (``target``), each one's default after its help unless it has none."""
+
+    def __init__(self, target: Any) -> None:
+        self.target = target
+
+    def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
+        action = self.target.add_argument(*args, **kwargs)
+        if action.help and action.default is not None and action.default is not False:
+            action.help += " (default: %(default)s)"
+        return action
+
+
+def parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="python -m lightning_zeropp.planner",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    shown = _ShowDefaults(p)
+    m = _ShowDefaults(p.add_argument_group("model (none given: the example's 3.26M demo GPT, which is not your model)"))
+    m.add_argument("--params", type=parameter_count, help="parameter count of a GPT: 7e9, 7B, 1.3B, 350M; its shape is"
+                   " derived (layers = width / 128) unless given; beside --n-layer and --n-embd, a check: they must"
+                   f" make it within {PARAMS_TOLERANCE:.0%}%")  # fmt: skip
+    m.add_argument("--n-layer", type=int, help="layers (units); with --n-embd, the shape; with --params, the width is"
+                   " derived")  # fmt: skip
+    m.add_argument("--n-embd", type=int, help="width; with --n-layer, the shape; with --params, the layers are derived")
+    m.add_argument("--vocab", type=int, help=f"vocabulary (default: {LLM_VOCAB} for --params or a shape; the demo's"
+                   f" {DEMO['vocab']} bytes without)")  # fmt: skip
+    m.add_argument("--block-size", type=int, help=f"positions (default: {LLM_BLOCK} for --params or a shape; the"
+                   f" demo's {DEMO['block_size']} without)")  # fmt: skip
+    m.add_argument("--litgpt", help="a litgpt config name, e.g. pythia-1b (needs litgpt); alone: it is the shape")
+    c = _ShowDefaults(p.add_argument_group("cluster"))
+    c.add_argument("--nodes", type=int, default=2, help="nodes (machines) in the job")
+    c.add_argument("--gpus-per-node", type=int, default=8, help="GPUs (ranks) per node")
+    c.add_argument("--gpu", choices=sorted(GPUS), default=GPU, help="memory, peak, HBM and NVLink presets: "
+                   + "; ".join(f"{k}: {v['gpu_memory_gib']:g} GiB, {v['peak_tflops']:g} TFLOP/s, {v['hbm_gbps']:g}"
+                               f" GB/s, {v['intra_gbps']:g} Gbit/s" for k, v in GPUS.items())
+                   + "; the four flags below override it")  # fmt: skip
+    c.add_argument("--gpu-memory-gib", type=float, help="memory per GPU, GiB (default: --gpu's)")
+    c.add_argument("--peak-tflops", type=float, help="dense bf16/fp16 peak per GPU, TFLOP/s (default: --gpu's)")
+    c.add_argument("--hbm-gbps", type=float, help="device memory bandwidth per GPU, GB/s (default: --gpu's)")
+    c.add_argument(
+        "--kernels",
+        type=Path,
+        help="the quantization kernels' measured speed: the JSON"
+        " benchmarks/kernels.py --json wrote on your GPU (default: they run at --hbm-gbps, an upper bound)",
+    )
+    c.add_argument("--intra-gbps", type=float, help="intra-node bandwidth per GPU and direction, Gbit/s (default:"
+                   " --gpu's NVLink)")  # fmt: skip
+    c.add_argument("--inter-gbps", type=float, default=100.0, help="inter-node bandwidth per node (all its NICs),"
+                   " Gbit/s; 8 x 400G InfiniBand: 3200")  # fmt: skip
+    c.add_argument("--inter-latency-us", type=float, default=5.0, help="per message between nodes, microseconds")
+    c.add_argument("--intra-latency-us", type=float, default=2.0, help="per message inside a node, microseconds")
+    w = _ShowDefaults(p.add_argument_group("workload"))
+    w.add_argument("--tokens", type=int, default=4096, help="tokens per GPU per optimizer step")
+    w.add_argument("--precision", default="bf16-mixed", choices=sorted(ELEMENT_BYTES), help="Lightning's precision")
+    w.add_argument(
+        "--optimizer-states",
+        type=int,
+        default=2,
+        help="fp32 values per parameter (Adam: 2, SGD: 1; below 2: no second moment to correct)",
+    )
+    w.add_argument("--no-activation-checkpointing", action="store_true", help="predict without it (default: with)")
+    w.add_argument("--efficiency", type=float, default=EFFICIENCY, help="compute's fraction of peak (fitted on the"
+                   " paper's V100 table: measure yours)")  # fmt: skip
+    w.add_argument("--overlap", type=float, default=OVERLAP, help="share of the shorter of compute/comm hidden"
+                   " (fitted as above)")  # fmt: skip
+    shown.add_argument("--margin", type=float, default=MARGIN, help="a configuration is recommended over a simpler one"
+                   " only when its step is more than this fraction shorter")  # fmt: skip
+    shown.add_argument("--json", type=Path, help="write the predictions and the verdict to this file")
+    shown.add_argument("--plot", type=Path, help="a PNG of step time against inter-node bandwidth (needs matplotlib)")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The arguments, checked (:data:`RULES`, the output files' folders, the plot's matplotlib), the ``--gpu``
+    preset filled in where no flag overrides it; ``args.defaults`` names those the command line left out."""
+    p = parser()
+    args = p.parse_args(argv)
+    unset = object()  # argparse fills in a default only where the namespace lacks the attribute
+    given = p.parse_args(argv, argparse.Namespace(**{k: unset for k in vars(args)}))
+    args.defaults = {k for k, v in vars(given).items() if v is unset}
+    for name, value in GPUS[args.gpu].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+            if "gpu" not in args.defaults:  # the preset the user chose, not a default
+                args.defaults.discard(name)
+    for name, (valid, fix) in RULES.items():
+        value = getattr(args, name)
+        if value is not None and not (math.isfinite(value) and valid(value)):
+            p.error(f"--{name.replace('_', '-')}={_sci(value)}: must be {fix}")
+    for flag in ("json", "plot"):
+        path = getattr(args, flag)
+        if path is not None and not path.parent.is_dir():
+            p.error(f"--{flag} {path}: the folder {path.parent} does not exist: create it or write elsewhere")
+    if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
+        p.error(f"--plot {args.plot} needs matplotlib (pip install matplotlib): install it or drop --plot")
+    return args
+
+
+def header(args: argparse.Namespace, model: Model, cluster: Cluster, workload: Workload) -> str:
+    """Every assumption the predictions rest on, a ``*`` after each one left at its default."""
+    c, w = cluster, workload
+    shown = {
+        "nodes": f"{c.nodes} node" + "s" * (c.nodes > 1), "gpus_per_node": f"{c.gpus_per_node} GPUs", "gpu": args.gpu,
+        "gpu_memory_gib": f"{c.gpu_memory_gib:g} GiB", "peak_tflops": f"{c.peak_tflops:g} TFLOP/s",
+        "hbm_gbps": f"{c.hbm_gbps:g} GB/s", "inter_gbps": f"{c.inter_gbps:g} Gbit/s",
+        "intra_gbps": f"{c.intra_gbps:g} Gbit/s", "inter_latency_us": f"{c.inter_latency_us:g} us",
+        "intra_latency_us": f"{c.intra_latency_us:g} us", "tokens": f"{w.tokens_per_gpu} tokens",
+        "precision": w.precision, "optimizer_states": f"{w.optimizer_states} fp32 optimizer values",
+        "no_activation_checkpointing": "activation checkpointing" + ("" if w.activation_checkpointing else " off"),
+        "efficiency": f"efficiency {w.efficiency:g}", "overlap": f"overlap {w.overlap:g}",
+        "margin": f"verdict margin {args.margin:.0%}",
+        "vocab": f"vocabulary {model.vocab}", "block_size": f"{model.block_size} positions",
+    }  # fmt: skip
+    v = {k: text + ("*" if k in args.defaults or getattr(args, k) is None else "") for k, text in shown.items()}
+    lines = []
+    if model.source == "demo":
+        lines.append(f"NOTE: no model given, so this plans the example's demo model, {_count(parameters(model.units))}:"
+                     " pass --params or --litgpt for yours")  # fmt: skip
+    described = model.description
+    if model.source in ("params", "shape"):
+        asked = f", --params {_sci(args.params)}" if model.source == "params" else ""
+        described = (f"GPT, {model.layers} layers x {model.width} wide, {v['vocab']}, {v['block_size']}"
+                     f" ({_count(parameters(model.units))}{asked})")  # fmt: skip
+    lines += [
+        f"model:    {described}",
+        f"cluster:  {v['nodes']} x {v['gpus_per_node']} = {c.world} GPUs, {v['gpu']}: {v['gpu_memory_gib']},"
+        f" {v['peak_tflops']} dense, {v['hbm_gbps']} HBM per GPU",
+        "kernels:  "
+        + (
+            f"{c.kernel_gbps:.0f} GB/s by device time, measured ({args.kernels_source})"
+            if c.kernel_gbps
+            else "at the HBM bandwidth: assumed, an upper bound (--kernels FILE: a table benchmarks/kernels.py --json"
+            " wrote on your GPU)"
+        ),
+        f"links:    {v['inter_gbps']} into each node ({v['inter_latency_us']}), {v['intra_gbps']} per GPU inside a"
+        f" node ({v['intra_latency_us']})",
+        f"workload: {v['tokens']} per GPU per step, {v['precision']}, {v['optimizer_states']} per parameter,"
+        f" {v['no_activation_checkpointing']}",
+        f"time:     {v['efficiency']} of peak, {v['overlap']} (fitted on the paper's V100 table: measure yours);"
+        f" {v['margin']}",
+        "          * = a default: check it against your job",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> list[Row]:
+    args = parse_args(argv)
+    try:
+        model = model_of(args)
+        kernel_gbps, args.kernels_source = measured_kernels(args.kernels) if args.kernels else (None, None)
+        cluster = Cluster(args.nodes, args.gpus_per_node, args.inter_gbps, args.intra_gbps, args.inter_latency_us,
+                          args.intra_latency_us, args.gpu_memory_gib, args.peak_tflops,
+                          hbm_gbps=args.hbm_gbps, kernel_gbps=kernel_gbps)  # fmt: skip
+        workload = Workload(args.tokens, args.precision, args.optimizer_states, not args.no_activation_checkpointing,
+                            args.efficiency, args.overlap)  # fmt: skip
+        configs, unplanned = {}, []
+        for name, kwargs in CONFIGS.items():  # weight deltas need hpZ, which needs 2 or more GPUs per node
+            try:
+                ZeroPPConfig(**kwargs).resolve(cluster.world, cluster.gpus_per_node)
+                configs[name] = kwargs
+            except ValueError as e:
+                unplanned.append(f"{name}: {e}")
+        rows = predict(model.units, cluster, workload, configs, n_embd=model.width)
+        choice = verdict(rows, cluster, args.margin, adam=workload.optimizer_states >= 2)
+    except ValueError as e:  # InputError, or a check deeper down (ZeroPPConfig, costs): one line, no traceback
+        parser().error(str(e).replace("\n", " "))
+    print(header(args, model, cluster, workload) + "\n")
+    print(table(rows))
+    for line in unplanned:
+        print(f"not planned: {line}")
+    print("\n" + verdict_text(choice))
+    if args.json:
+        args.json.write_text(json.dumps({"model": model.description, "cluster": asdict(cluster),
+                                         "workload": asdict(workload), "margin": args.margin,
+                                         "rows": [asdict(r) for r in rows], "recommendation": asdict(choice),
+                                         "not_planned": unplanned}, indent=2))  # fmt: skip
+        print(f"wrote {args.json}")
+    if args.plot:
+        title = (f"{model.description} on {cluster.nodes} x {cluster.gpus_per_node} GPUs, {cluster.inter_gbps:g}"
+                 f" Gbit/s between nodes, {workload.tokens_per_gpu} tokens per GPU")  # fmt: skip
+        plot(model.units, cluster, workload, args.plot, title, configs)
+        print(f"wrote {args.plot}")
+    return rows
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
