@@ -35,7 +35,6 @@ twice that with error feedback).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -43,6 +42,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = Path(__file__).resolve().parent
 EXAMPLE = ROOT / "examples" / "gpt"
+if str(BENCH) not in sys.path:
+    sys.path.insert(0, str(BENCH))
+
+import record  # noqa: E402
 
 FLOOR = 0.5
 VARIANTS = ("plain", "v_exact", "every_code", "codes_nonzero")
@@ -69,9 +72,9 @@ class NoiseCapture:
         original = qgz._finish
         capture = self
 
-        def finish(plan, stage, inter, out, *rest):
-            original(plan, stage, inter, out, *rest)
-            g = plan.gradients
+        def finish(reduction, stage, inter, out, *rest):
+            original(reduction, stage, inter, out, *rest)
+            g = reduction.gradients
             bits, size, blocks = g.inter_bits, stage.size, stage.blocks
             recv = inter.recv.view(-1, inter.recv.shape[-1])
             values = reference._dequantize_rows(recv, size, bits, g.block_size, blocks)  # (K, size)
@@ -85,10 +88,10 @@ class NoiseCapture:
                     lengths[-1] = size % g.block_size
             scales = recv[:, offset : offset + 4 * count].contiguous().view(torch.float32)  # (K, count)
             squares = scales.double().square()
-            if plan.rotation_seed(stage) is not None:  # as the runtime: the inverse rotation spreads the error
+            if reduction.rotation_seed(stage) is not None:  # as the runtime: the inverse rotation spreads the error
                 squares = squares * qgz._unrotated_share(stage, g.block_size, squares.device).double()
             step2 = torch.repeat_interleave(squares, lengths, dim=1) * capture.factor  # (K, size)
-            m2 = float(plan.multiplier) ** 2
+            m2 = float(reduction.multiplier) ** 2
             every = step2.sum(0) * m2
             nonzero = (step2 * (values != 0)).sum(0) * m2
             key = out.data_ptr()
@@ -318,7 +321,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = [measure(args.steps, nodes, per_node, dict(sc.MODEL), seed, c) for c in args.configs for seed in args.seeds]
     print(table(rows))
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=2))
+        record.write(args.json, rows, None if argv is None else [__file__, *argv])
         print(f"wrote {args.json}")
 
 

@@ -19,10 +19,12 @@ of the repeats' distribution it covers 1 - 2**(1 - R): 75% at 3 repeats, 94% at 
 a configuration against repeat r of ZeRO-3, run in the same round, so the load both saw is alike; its median and
 interval are those of the R paired ratios. Two configurations differ when their intervals do not overlap. Needs root.
 
-    sudo python benchmarks/cluster.py [--rates 50 200 1000 unshaped] [--repeats 3] [--json benchmarks/cluster.json]
+    sudo python benchmarks/cluster.py [--rates 50 200 1000 unshaped] [--repeats 3] \\
+        [--json benchmarks/data/slow_link/cluster.json]
 
 With ``--json`` a figure of the table (step time and speedup per configuration and link rate) goes beside it
-(``--png``; again from the JSON alone: ``python benchmarks/plots.py cluster benchmarks/cluster.json out.png``).
+(``--png``; again from the JSON alone:
+``python benchmarks/plots.py cluster benchmarks/data/slow_link/cluster.json out.png``).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
+import record  # noqa: E402
 from comm_volume import CONFIGS as ZEROPP_CONFIGS  # noqa: E402
 from netns import TwoNodeCluster, exit_on_signals, missing_requirements  # noqa: E402
 from plots import cluster_png, try_plot  # noqa: E402
@@ -346,7 +349,7 @@ def main(argv: list[str] | None = None) -> None:
             "batch_size": args.batch_size, "steps": args.steps, "warmup": args.warmup,
             "link_probe": probed}  # fmt: skip
     if args.json:
-        args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+        record.write(args.json, {"meta": meta, "rows": rows}, None if argv is None else [__file__, *argv])
         print(f"wrote {args.json}")
     png = args.png or (args.json.with_suffix(".png") if args.json else None)
     if png and try_plot(cluster_png, {"meta": meta, "rows": rows}, png):

@@ -12,13 +12,17 @@ strategy adds per step boundary under SLURM auto-requeue (24 bytes; ``100 x --re
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
+BENCH = Path(__file__).resolve().parent
+if str(BENCH) not in sys.path:
+    sys.path.insert(0, str(BENCH))
+
+import record  # noqa: E402
 
 
 def _worker(rank: int, world: int, per_node: int, params: int, reps: int) -> dict[str, float]:
@@ -28,6 +32,7 @@ def _worker(rank: int, world: int, per_node: int, params: int, reps: int) -> dic
     from lightning_zeropp import qgz, qwz
     from lightning_zeropp.collectives import all_gather_flat
     from lightning_zeropp.comm import exact_reduce_scatter
+    from lightning_zeropp.commplan import ForwardGather, two_hop
     from lightning_zeropp.config import ZeroPPConfig
     from lightning_zeropp.deltas import WeightDeltas, _UnitCopy
     from lightning_zeropp.feedback import ErrorFeedback
@@ -45,42 +50,43 @@ def _worker(rank: int, world: int, per_node: int, params: int, reps: int) -> dic
     out = torch.empty(chunk, dtype=torch.bfloat16)
     avg, ranks = dist.ReduceOp.AVG, list(range(world))
     # weight deltas on a copy filled once exactly; flat blocks, so no sharded module is needed for the layout
-    deltas = WeightDeltas(ZeroPPConfig(weight_deltas=True, block_alignment="flat"), topo, ledger)
+    deltas = WeightDeltas(ForwardGather("node_copy", "world", bits=4, block_size=256, refresh=1000), topo, ledger)
     unit, copy = SimpleNamespace(name="unit", weights=lambda numel: None), _UnitCopy()
     deltas._refresh(copy, shard, groups)
     hpz = groups.group("hpz")
+    qwz_int8 = ForwardGather("quantized", "world", bits=8, block_size=256)  # qwZ's defaults
 
     def qgz_with_feedback(bits: int):
         """qgZ (2 stages) with error feedback at residual width ``bits``, as ``comm.py`` calls it."""
         config = ZeroPPConfig(gradient_error_feedback=True, error_feedback_bits=bits)
         feedback = ErrorFeedback(config.error_feedback_decay, 0, bits)
-        plan = qgz.Reduction.of(topo, config, chunk, avg, None)
-        pieces = [(stage.size, stage.block_count(config.gradient_block_size)) for stage in plan.stages]
+        reduction = qgz.Reduction.of(topo, two_hop(config), chunk, avg, None)
+        pieces = [(stage.size, stage.block_count(config.gradient_block_size)) for stage in reduction.stages]
 
         def call():
             stages = feedback.pieces("unit", topo.num_nodes, pieces, grads.device, 0)
             residuals = [stage.arguments(feedback.decay) for stage in stages]
-            qgz.quantized_reduce_scatter(out, grads.clone(), plan, groups, ledger, residuals)
+            qgz.quantized_reduce_scatter(out, grads.clone(), reduction, groups, ledger, residuals)
 
         return call
 
     cases = {
         "reduce-scatter exact": lambda: exact_reduce_scatter(out, grads.clone(), avg, None, groups, ledger),
         "reduce-scatter qgZ (2 stages)": lambda: qgz.quantized_reduce_scatter(
-            out, grads.clone(), qgz.Reduction.of(topo, ZeroPPConfig(), chunk, avg, None), groups, ledger
+            out, grads.clone(), qgz.Reduction.of(topo, two_hop(ZeroPPConfig()), chunk, avg, None), groups, ledger
         ),
         "reduce-scatter qgZ (2 stages) + error feedback, INT8 residual": qgz_with_feedback(8),
         "reduce-scatter qgZ (2 stages) + error feedback, fp32 residual": qgz_with_feedback(32),
         "reduce-scatter qgZ (1 stage)": lambda: qgz.quantized_reduce_scatter(
             out,
             grads.clone(),
-            qgz.Reduction.of(topo, ZeroPPConfig(gradient_pieces=1), chunk, avg, None),
+            qgz.Reduction.of(topo, two_hop(ZeroPPConfig(gradient_pieces=1)), chunk, avg, None),
             groups,
             ledger,
         ),
         "all-gather exact": lambda: all_gather_flat(gathered, shard, groups.world),
         "all-gather qwZ INT8": lambda: qwz.quantized_all_gather(
-            gathered, shard, groups.world, ranks, ledger, ZeroPPConfig(), "weight_all_gather", False
+            gathered, shard, groups.world, ranks, ledger, qwz_int8, "weight_all_gather", False
         ),
         "weight deltas: INT4 delta exchange + node-copy gather": lambda: (
             deltas._send_delta(copy, shard, unit, groups),
@@ -129,7 +135,8 @@ def main(argv: list[str] | None = None) -> None:
     for name, seconds in times.items():
         print(f"| {name} | {seconds * 1e3:.1f} |" if seconds >= 1e-3 else f"| {name} | {seconds * 1e3:.3f} |")
     if args.json:
-        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "seconds": times}, indent=2))
+        data = {"args": vars(args) | {"json": str(args.json)}, "seconds": times}
+        record.write(args.json, data, None if argv is None else [__file__, *argv])
 
 
 if __name__ == "__main__":

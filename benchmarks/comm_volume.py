@@ -9,18 +9,22 @@ measures what a real link carries. Each row keeps every rank's bytes by kind and
 ranks differ where shards or quantized HSDP's rail pieces split unevenly); ``tests/test_costs.py`` checks the planner
 against each.
 
-    python benchmarks/comm_volume.py [--topologies 2x2 3x2 4x2] [--json benchmarks/comm_volume.json]
+    python benchmarks/comm_volume.py [--topologies 2x2 3x2 4x2] [--json benchmarks/data/bytes_per_step/comm_volume.json]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+BENCH = Path(__file__).resolve().parent
 EXAMPLE = ROOT / "examples" / "gpt"
+if str(BENCH) not in sys.path:
+    sys.path.insert(0, str(BENCH))
+
+import record  # noqa: E402
 
 CONFIGS = {
     "zero3": dict(quantize_weights=False, hpz_partition_size=1, quantize_gradients=False),
@@ -183,7 +187,7 @@ def main(argv: list[str] | None = None) -> None:
         head = f"goal {name} inter ratio vs hsdp <= {goal}: {all(v <= goal for v in vs_hsdp)}" if goal else name
         print(f"{head} ({ratios} of hsdp's cross-node bytes)")
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=2))
+        record.write(args.json, rows, None if argv is None else [__file__, *argv])
         print(f"wrote {args.json}")
 
 

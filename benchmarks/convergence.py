@@ -56,13 +56,13 @@ Duration, on this machine (2 shared cores), 8 ranks (4 nodes x 2), fp32: ~3.2 s 
 
     # calm: 5 configurations x 3 seeds x ~545 s = about 2.3 hours
     python benchmarks/convergence.py --regime calm --seeds 1 2 3 --steps 100 --evals 20 \\
-        --json benchmarks/convergence_calm.json
+        --json benchmarks/data/accuracy/convergence_calm.json
     # length: 3 configurations x 2 seeds x ~1825 s = about 3 hours (<chosen>: the best of the calm study)
     python benchmarks/convergence.py --regime calm --seeds 1 2 --steps 500 --evals 20 \\
-        --configs zero3 zeropp <chosen> --json benchmarks/convergence_calm.json
+        --configs zero3 zeropp <chosen> --json benchmarks/data/accuracy/convergence_calm.json
     # aggressive (spikes): 5 configurations x 6 seeds x ~217 s = about 1.8 hours
     python benchmarks/convergence.py --regime aggressive --seeds 1 2 3 4 5 6 --steps 40 --evals 4 \\
-        --json benchmarks/convergence_aggressive.json
+        --json benchmarks/data/accuracy/convergence_aggressive.json
 
 A smoke run (2 ranks, ~3 minutes; weight deltas need 2 ranks per node, so zeropp-deltas+ef is left out):
 ``--nodes 2 --ranks-per-node 1 --steps 4 --evals 2 --val-windows 16 --seeds 1 2 --configs zero3 zeropp zeropp+ef
@@ -88,6 +88,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "examples" / "gpt" / "configs" / "cpu_demo.yaml"
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import record  # noqa: E402
 from plots import convergence_png, try_plot  # noqa: E402
 
 # Strategy arguments by configuration; a callable takes the run's steps (settings that depend on the run's length).
@@ -271,7 +272,7 @@ def conflicts(plan: Iterable[Key], runs: list[dict], setup: dict[str, Any]) -> l
     return out
 
 
-def record(runs: list[dict], result: dict) -> None:
+def add_run(runs: list[dict], result: dict) -> None:
     """Adds ``result`` to ``runs``, replacing a record of the same key (a failed attempt)."""
     runs[:] = [r for r in runs if key_of(r) != key_of(result)]
     runs.append(result)
@@ -288,13 +289,6 @@ def load(path: Path | None) -> dict[str, Any]:
         )
     data.setdefault("meta", {}).setdefault("commands", [])
     return data
-
-
-def write(path: Path, data: dict[str, Any]) -> None:
-    """Written whole, then renamed: an interrupted write never leaves half a file to resume from."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2))
-    tmp.replace(path)
 
 
 # ----------------------------------------------------------------------------------------------- statistics
@@ -629,8 +623,8 @@ def main(argv: list[str] | None = None) -> None:
 
     def save() -> None:
         data["summary"] = summarize(runs, args.spike_margin)
-        if args.json:
-            write(args.json, data)
+        if args.json:  # written whole, then renamed (record.write): an interrupted write leaves no half file
+            record.write(args.json, data, None if argv is None else [__file__, *argv])
 
     with tempfile.TemporaryDirectory(prefix="zpp-convergence-") as tmp:
         for name, seed, _, _ in todo:
@@ -641,7 +635,7 @@ def main(argv: list[str] | None = None) -> None:
             except RuntimeError as err:  # keep the other runs' results; a rerun tries this one again
                 print(err, file=sys.stderr)
                 result.update(error=str(err)[-3000:], seconds=time.perf_counter() - started)
-            record(runs, result)
+            add_run(runs, result)
             print(f"{name} seed {seed}: {(time.perf_counter() - started) / 60:.1f} min", file=sys.stderr)
             save()
     save()

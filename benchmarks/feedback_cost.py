@@ -15,19 +15,26 @@ the ways interleaved within each repeat, so a busy machine slows them alike.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from lightning_zeropp import kernels as tk
 from lightning_zeropp import qgz
+from lightning_zeropp.commplan import two_hop
 from lightning_zeropp.config import ZeroPPConfig
 from lightning_zeropp.costs import gpt_units
 from lightning_zeropp.feedback import ErrorFeedback
 from lightning_zeropp.topology import Topology
+
+BENCH = Path(__file__).resolve().parent
+if str(BENCH) not in sys.path:
+    sys.path.insert(0, str(BENCH))
+
+import record  # noqa: E402
 
 WAYS = ("none", "int8", "bf16", "fp32")
 _BITS = {"int8": 8, "bf16": 16, "fp32": 32}
@@ -45,7 +52,7 @@ def _calls(n_embd: int, n_layer: int, nodes: int, per_node: int):
     elements = 0
     for unit in gpt_units(256, 128, n_layer, n_embd):
         blocks = tk.Blocks.of_segments(unit.shards(world), config.gradient_block_size)
-        reduction = qgz.Reduction.of(topology, config, blocks.numel, dist.ReduceOp.AVG, None, blocks=blocks)
+        reduction = qgz.Reduction.of(topology, two_hop(config), blocks.numel, dist.ReduceOp.AVG, None, blocks=blocks)
         g = reduction.gradients
         pieces = [(stage.size, stage.block_count(g.block_size)) for stage in reduction.stages]
         residuals = {way: fb.pieces(unit.name, nodes, pieces, torch.device("cpu"), 0) for way, fb in feedback.items()}
@@ -102,8 +109,7 @@ def main() -> None:
         print(f"| {r['n_embd']} | {r['elements']:,} | " + " | ".join(cells) + " |")
     if args.json:
         command = " ".join(["python benchmarks/feedback_cost.py", *sys.argv[1:]])
-        with open(args.json, "w") as f:
-            json.dump({"command": command, "rows": rows}, f, indent=1)
+        record.write(args.json, {"command": command, "rows": rows}, indent=1)
         print(f"wrote {args.json}")
 
 

@@ -9,7 +9,9 @@
 #   3. qgZ/qwZ kernel pipelines at production shapes and a short training run with kernel_backend="triton",
 #   4. the second-moment correction's step on the GPU, lowered per parameter and per unit (benchmarks/moments_cost.py).
 # Each step has its own time limit and the script goes on past a failed step, so one run reports all four; it exits
-# non-zero if any failed. Results land in $OUT (default benchmarks/gpu_check/): at most 8 files.
+# non-zero if any failed. Results land in $OUT (default benchmarks/gpu_check/) as 8 files, the most a device run
+# returns: summary.txt (the device, each step's exit), log.txt (every step's output), and kernels.json, host_cost.json
+# and gpu_smoke.json, each with its manifest (benchmarks/record.py).
 # Runs from a checkout without installing: it links lightning_zeropp/kernels to triton_kernels/ (what the editable
 # install maps) when the package does not import.
 set -uo pipefail
@@ -25,15 +27,15 @@ fi
   python -c 'import torch, triton, lightning; print(torch.cuda.get_device_name(), "torch", torch.__version__,
 "triton", triton.__version__, "lightning", lightning.__version__)'
   nvidia-smi --query-gpu=name,clocks.max.sm,memory.total,driver_version --format=csv || true
-} 2>&1 | tee "$OUT/device.txt"
+} 2>&1 | tee "$OUT/summary.txt"
 python -c 'import torch; assert torch.cuda.is_available(), "no CUDA device"' || exit 2
 failed=()
-step() {  # step NAME LIMIT_S COMMAND...: runs COMMAND under a time limit, its output into $OUT/NAME.txt
+step() {  # step NAME LIMIT_S COMMAND...: runs COMMAND under a time limit, its output appended to $OUT/log.txt
   local name=$1 limit=$2
   shift 2
-  echo "== $name (limit ${limit} s)"
+  echo "== $name (limit ${limit} s)" | tee -a "$OUT/log.txt"
   local t0=$SECONDS
-  timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.txt"
+  timeout "$limit" "$@" 2>&1 | tee -a "$OUT/log.txt"
   local rc=${PIPESTATUS[0]}
   echo "== $name: exit $rc after $((SECONDS - t0)) s" | tee -a "$OUT/summary.txt"
   [ "$rc" = 0 ] || failed+=("$name")

@@ -1,7 +1,7 @@
 """GPU smoke test for the Triton path (needs a CUDA device): qgZ's and qwZ's kernel pipelines at production shapes,
 bit for bit against the torch twins on the CPU, and a short training run with ``kernel_backend="triton"``.
 
-    python benchmarks/gpu_smoke.py [--steps 30] [--json benchmarks/gpu_smoke.json]
+    python benchmarks/gpu_smoke.py [--steps 30] [--json benchmarks/data/kernels/gpu_smoke.json]
 
 The all-to-alls of qgZ are emulated in one process (a reshape of the buffers every rank would exchange), so the five
 steps run with the same shapes and kernels as on N x K ranks. The training run is one process: it checks that the
@@ -17,6 +17,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+BENCH = Path(__file__).resolve().parent
+if str(BENCH) not in sys.path:
+    sys.path.insert(0, str(BENCH))
+
+import record  # noqa: E402
 
 
 def _same(a, b) -> bool:
@@ -128,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
     result = {"device": torch.cuda.get_device_name(), "kernels": kernel_pipelines(), "training": training(args.steps)}
     print(json.dumps(result, indent=2))
     if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
+        record.write(args.json, result, None if argv is None else [__file__, *argv])
     if not all(v for k, v in result["kernels"].items() if k.endswith("bit_exact")) or not result["training"]["finite"]:
         sys.exit("gpu_smoke: FAILED")
 

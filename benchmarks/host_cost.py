@@ -1,7 +1,7 @@
 """The launchers' own host time per kernel call, with the launch stubbed: what our Python costs before Triton's
 dispatch (checking the call, working out its tiling, allocating the output), on any machine, no GPU needed.
 
-    python benchmarks/host_cost.py [--numel 6324480] [--reps 2000] [--json benchmarks/host_cost.json]
+    python benchmarks/host_cost.py [--numel 6324480] [--reps 2000] [--json benchmarks/data/kernels/host_cost.json]
 
 Each row is one kernel of ``benchmarks/kernels.py``'s table at ``--numel`` elements (default: a Llama-2-7B decoder
 layer's shard on one of 32 ranks, 4 nodes x 8 GPUs): the first call (which works out the shape's launch metadata
@@ -13,7 +13,6 @@ the whole host time per call on a GPU.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -24,6 +23,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import kernels  # noqa: E402  (beside this script; imports neither torch nor triton)
+import record  # noqa: E402
 
 
 def measure(numel: int, reps: int) -> list[dict]:
@@ -61,7 +61,8 @@ def main(argv: list[str] | None = None) -> None:
     for r in rows:
         print(f"| {r['kernel']} | {r['first_call_us']:.0f} | {r['median_us']:.1f} | {r['min_us']:.1f} |")
     if args.json:
-        args.json.write_text(json.dumps({"machine": platform.machine(), "numel": args.numel, "rows": rows}, indent=1))
+        data = {"machine": platform.machine(), "numel": args.numel, "rows": rows}
+        record.write(args.json, data, None if argv is None else [__file__, *argv], indent=1)
         print(f"wrote {args.json}")
 
 

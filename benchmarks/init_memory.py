@@ -8,19 +8,24 @@ before the model exists (the process baseline: Python, torch, Lightning, the pro
 that held the whole model at any point would show it: 4x the shard at 4 ranks. The step uses SGD (gradients: one
 more shard; AdamW's two moments would add two) on one sequence of 64 tokens, ZeRO++ defaults at 2 nodes x 2.
 
-    python benchmarks/init_memory.py [--n-layer 20 --n-embd 2048] [--ranks 4] [--json benchmarks/init_memory.json]
+    python benchmarks/init_memory.py [--n-layer 20 --n-embd 2048] [--ranks 4] \\
+        [--json benchmarks/data/setup_memory/init_memory.json]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+BENCH = Path(__file__).resolve().parent
 EXAMPLE = ROOT / "examples" / "gpt"
 MB = 1 << 20
+if str(BENCH) not in sys.path:
+    sys.path.insert(0, str(BENCH))
+
+import record  # noqa: E402
 
 
 def measure(world: int, n_layer: int, n_embd: int, config: str = "zeropp", steps: int = 1) -> list[dict]:
@@ -67,8 +72,8 @@ def main(argv: list[str] | None = None) -> None:
     worst = max((r["setup"] - r["baseline"]) / r["local_bytes"] for r in rows)
     print(f"\ngoal setup peak <= 1.5 x shard + baseline: {worst <= 1.5} (worst rank {worst:.2f} x shard)")
     if args.json:
-        record = {"params": params, "ranks": args.ranks, "config": args.config, "steps": args.steps, "rows": rows}
-        args.json.write_text(json.dumps(record, indent=2))
+        data = {"params": params, "ranks": args.ranks, "config": args.config, "steps": args.steps, "rows": rows}
+        record.write(args.json, data, None if argv is None else [__file__, *argv])
         print(f"wrote {args.json}")
 
 

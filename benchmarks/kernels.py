@@ -3,13 +3,13 @@
 device's measured copy bandwidth (the same timer), and the speedup over the torch twins by device time (eager and
 torch.compile).
 
-    python benchmarks/kernels.py [--sizes-mb 12.65 64 256 404.8 1024] [--json benchmarks/kernels.json]
+    python benchmarks/kernels.py [--sizes-mb 12.65 64 256 404.8 1024] [--json benchmarks/data/kernels/kernels.json]
 
 The default sizes (MB of the op's bf16 input) include a 7B model's real pieces: Llama-2-7B (hidden 4096, MLP 11008)
 has 202.4M parameters per decoder layer (one unit); on 4 nodes x 8 GPUs a rank's shard of it is 6.3M elements,
 12.65 MB in bf16 (qwZ's quantize input, the INT4 dequantize-reduce's output), and the whole layer is 404.8 MB (qwZ's
 dequantize output, qgZ's swizzle-quantize input).
-    python benchmarks/kernels.py --static [--arch 90] [--json benchmarks/kernels_static.json]
+    python benchmarks/kernels.py --static [--arch 90] [--json benchmarks/data/kernels/kernels_static.json]
 
 The bandwidth table needs a CUDA device. ``--smoke`` runs tiny sizes on the CPU under TRITON_INTERPRET=1 to check
 the script itself (its figures mean nothing).
@@ -26,7 +26,6 @@ of dequantization run at a quarter of the FP32 rate).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -34,6 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import device_timer
+import record
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -205,10 +205,10 @@ def _section(c: dict) -> int:
     return 0 if _default_path(c) else 1 if k.get("ALIGNED") == "True" else 2
 
 
-def static_table(archs: list[int], json_path: Path | None) -> None:
+def static_table(archs: list[int], json_path: Path | None, command: list[str] | None = None) -> None:
     """The static performance table from the compiled code (see the module docstring): what the defaults run first,
     then every other parameter-aligned specialization, then the uniform ones, then the rotated ones (both
-    layouts)."""
+    layouts). ``command``: the argv its manifest entry records (``record.write``; ``None``: ``sys.argv``)."""
     os.environ.pop("TRITON_INTERPRET", None)
     sys.path.insert(0, str(ROOT))
     from lightning_zeropp.kernels import aot
@@ -247,7 +247,7 @@ def static_table(archs: list[int], json_path: Path | None) -> None:
             f" {100 * r['issue_ceiling_vs_H100_hbm']:.0f}% | {100 * r['issue_ceiling_vs_H200_hbm']:.0f}% |"
         )
     if json_path:
-        json_path.write_text(json.dumps({"archs": report["archs"], "rows": rows}, indent=1))
+        record.write(json_path, {"archs": report["archs"], "rows": rows}, command, indent=1)
         print(f"wrote {json_path}")
 
 
@@ -264,8 +264,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--static", action="store_true", help="the static table from compiled code (no GPU)")
     parser.add_argument("--arch", type=int, nargs="+", default=[90], help="with --static: compute capabilities")
     args = parser.parse_args(argv)
+    command = None if argv is None else [__file__, *argv]  # the manifest's (record.write; None: sys.argv)
     if args.static:
-        static_table(args.arch, args.json)
+        static_table(args.arch, args.json, command)
         return
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"
@@ -308,7 +309,7 @@ def main(argv: list[str] | None = None) -> None:
             }  # fmt: skip
             rows.append(row)
             if args.json:  # after every row: a run stopped at a time limit keeps what it measured
-                args.json.write_text(json.dumps(document, indent=2))
+                record.write(args.json, document, command)
             compiled = f"{row['speedup_vs_compile']:.1f}" if row["speedup_vs_compile"] else "-"
             eager = f"{row['speedup_vs_eager']:.1f}" if row["speedup_vs_eager"] else "-"
             flag = " (starved)" if ours.starved else ""
@@ -318,7 +319,7 @@ def main(argv: list[str] | None = None) -> None:
                 f" {compiled} |"
             )
     if args.json:
-        args.json.write_text(json.dumps(document, indent=2))
+        record.write(args.json, document, command)
         print(f"wrote {args.json}")
 
 

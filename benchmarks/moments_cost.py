@@ -17,8 +17,9 @@ The example's units (``lightning_zeropp.costs.gpt_units``): vocabulary 256, 128 
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -28,6 +29,12 @@ from lightning_zeropp.compat.torch import TorchDispatchMode
 from lightning_zeropp.costs import gpt_units
 from lightning_zeropp.kernels.layout import Blocks
 from lightning_zeropp.moments import SecondMomentCorrection
+
+BENCH = Path(__file__).resolve().parent
+if str(BENCH) not in sys.path:
+    sys.path.insert(0, str(BENCH))
+
+import record  # noqa: E402
 
 
 def _setup(n_embd: int, n_layer: int, world: int, block: int, alignment: str, device: str = "cpu"):
@@ -199,15 +206,9 @@ def main() -> None:
 
 def _write(path: str | None, rows: list[dict]) -> None:
     if path:
-        with open(path, "w") as f:
-            json.dump({"command": "python benchmarks/moments_cost.py " + " ".join(_argv()), "rows": rows}, f, indent=1)
+        command = "python benchmarks/moments_cost.py " + " ".join(sys.argv[1:])
+        record.write(path, {"command": command, "rows": rows}, indent=1)
         print(f"wrote {path}")
-
-
-def _argv() -> list[str]:
-    import sys
-
-    return sys.argv[1:]
 
 
 if __name__ == "__main__":

@@ -7,8 +7,9 @@ prints, per seed present in both, the relative gap (run - baseline) / baseline o
 first and the second half of the steps and of the final validation loss, then their mean and 2 standard errors (the
 study's resolution) where there are two seeds or more. Nothing is trained.
 
-    python benchmarks/paired_gap.py --json benchmarks/convergence_lr_cut.json --regime lr0.000297-warmup30 \\
-        --baseline benchmarks/convergence_calm_fp32.json --baseline-regime calm --steps 500
+    python benchmarks/paired_gap.py --json benchmarks/data/accuracy/convergence_lr_cut.json \\
+        --regime lr0.000297-warmup30 --baseline benchmarks/data/accuracy/convergence_calm_fp32.json \\
+        --baseline-regime calm --steps 500
 
 ``--windows 50`` adds the mean gap over the seeds in each window of 50 steps (does it grow with training?);
 ``--seeds 1 2 3`` pairs those seeds only; ``--resolution 0.03`` adds, per measure, how many seeds would bring 2 SE
@@ -18,12 +19,12 @@ to 0.03% at the spread the seeds show (the study's size for a goal); ``--out FIL
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import record
 from convergence import halves, load, mean_se
 
 MEASURES = ("first_half", "second_half", "final_val")
@@ -156,7 +157,8 @@ def main(argv: list[str] | None = None) -> dict:
             spread = "" if w["se"] is None else f" ± {pct(2 * w['se'])[1:]}"
             print(f"| {w['steps'][0]}-{w['steps'][1]} | {pct(w['mean'])}{spread} |")
     if args.out:
-        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, **result}, indent=2))
+        data = {"args": {k: str(v) for k, v in vars(args).items()}, **result}
+        record.write(args.out, data, None if argv is None else [__file__, *argv])
         print(f"wrote {args.out}")
     return result
 

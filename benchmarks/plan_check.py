@@ -1,4 +1,4 @@
-"""The planner (``python -m lightning_zeropp.plan``) checked against what it predicts.
+"""The planner (``python -m lightning_zeropp.planner``) checked against what it predicts.
 
 ``--paper``: the paper's end-to-end table (384 V100 GPUs, 24 nodes x 16; 18B-138B GPT models; 1K and 2K tokens per
 GPU; 1 or 8 InfiniBand connections of 100 Gbit/s per node; baseline ZeRO-3 and ZeRO++ TFLOP/s per GPU). The planner's
@@ -11,9 +11,9 @@ vocabulary 50304, 2048 positions.
 ``--bytes FILE``: the planner's bytes per kind against the ledgers ``benchmarks/comm_volume.py`` measured (the same
 example GPT, every configuration and topology there): equal, or the kinds that differ.
 
-    python benchmarks/plan_check.py --paper [--json benchmarks/plan_paper.json]
-    python benchmarks/plan_check.py --bytes benchmarks/comm_volume.json
-    python benchmarks/plan_check.py --cluster benchmarks/cluster_plan.json
+    python benchmarks/plan_check.py --paper [--json benchmarks/data/planner/plan_paper.json]
+    python benchmarks/plan_check.py --bytes benchmarks/data/bytes_per_step/comm_volume.json
+    python benchmarks/plan_check.py --cluster benchmarks/data/slow_link/cluster_plan.json
 
 ``--memory [CONFIG ...]``: the planner's memory per rank against the peak resident memory a CPU run adds (the
 example GPT at 4 x 1024, 4 ranks as 2 x 2, AdamW, bf16-mixed).
@@ -34,6 +34,11 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+BENCH = Path(__file__).resolve().parent
+if str(BENCH) not in sys.path:
+    sys.path.insert(0, str(BENCH))
+
+import record  # noqa: E402
 
 # (parameters, width): 12 L d^2 = P gives 40, 60, 72 and 76 layers
 MODELS = {"18B": (18e9, 6144), "49B": (49e9, 8192), "91B": (91e9, 10240), "138B": (138e9, 12288)}
@@ -56,7 +61,7 @@ def paper_rows() -> list[dict]:
     fitted parameters), from the planner's model."""
     from lightning_zeropp.config import ZeroPPConfig
     from lightning_zeropp.costs import gpt_units, kernel_bytes, step_bytes
-    from lightning_zeropp.plan import CONFIGS, Cluster, Workload, collective_seconds, step_flops
+    from lightning_zeropp.planner import CONFIGS, Cluster, Workload, collective_seconds, step_flops
 
     rows = []
     units_of = {name: gpt_units(50304, 2048, round(p / (12 * d * d)), d) for name, (p, d) in MODELS.items()}
@@ -105,7 +110,9 @@ def fit(rows: list[dict], keys: list[tuple]) -> tuple[float, float]:
     return min(itertools.product(grid_e, grid_o), key=lambda eo: loss(*eo))
 
 
-def check_paper(fit_keys: list[tuple], json_path: Path | None) -> None:
+def check_paper(fit_keys: list[tuple], json_path: Path | None, command: list[str] | None = None) -> None:
+    """The paper's table against the planner's predictions; ``command``: the argv ``json_path``'s manifest entry
+    records (``record.write``; ``None``: ``sys.argv``)."""
     rows = paper_rows()
     e, o = fit(rows, fit_keys)
     print(f"fitted on {', '.join(f'{m} {t // 1024}K {ib} IB' for m, t, ib in fit_keys)}: efficiency {e:.3f},"
@@ -127,7 +134,7 @@ def check_paper(fit_keys: list[tuple], json_path: Path | None) -> None:
               f" {'fitted' if fitted else ''} |")  # fmt: skip
     print(f"\npredicted within 20%: {within} of {len(rows) - len(fit_keys)} (goal: 14 of 14)")
     if json_path:
-        json_path.write_text(json.dumps({"efficiency": e, "overlap": o, "fit": fit_keys, "rows": rows}, indent=2))
+        record.write(json_path, {"efficiency": e, "overlap": o, "fit": fit_keys, "rows": rows}, command)
         print(f"wrote {json_path}")
 
 
@@ -176,10 +183,10 @@ def _probe_bytes(probe: str, size: int) -> tuple[int, int]:
 
 
 def fit_link(points: list[list[float]], probe: str) -> tuple[float, float]:
-    """(Gbit/s, latency in us) that make the planner's :func:`~lightning_zeropp.plan.collective_seconds` of
+    """(Gbit/s, latency in us) that make the planner's :func:`~lightning_zeropp.planner.collective_seconds` of
     ``probe`` pass through its two measured points (latency held at 0 if the two points ask for less)."""
     from lightning_zeropp.config import ZeroPPConfig
-    from lightning_zeropp.plan import Cluster, collective_seconds
+    from lightning_zeropp.planner import Cluster, collective_seconds
 
     kind, config = PROBE_CLASS[probe], ZeroPPConfig(ranks_per_node=2)
 
@@ -198,7 +205,7 @@ def fit_link(points: list[list[float]], probe: str) -> tuple[float, float]:
 
 
 def compute_from_step(step: float, comm: float, overlap: float) -> float:
-    """The compute that :func:`~lightning_zeropp.plan.step_seconds` composes with ``comm`` into ``step`` at
+    """The compute that :func:`~lightning_zeropp.planner.step_seconds` composes with ``comm`` into ``step`` at
     ``overlap`` (its inverse in the compute; 0 where the step is shorter than the communication alone)."""
     if step >= comm + (1 - overlap) * comm:  # compute >= comm: the step is compute plus the unhidden communication
         return step - (1 - overlap) * comm
@@ -219,7 +226,7 @@ def cluster_measurements(path: Path, probe_fit: bool = False, latency_us: float 
 
     from lightning_zeropp.config import ZeroPPConfig
     from lightning_zeropp.costs import gpt_units, step_bytes
-    from lightning_zeropp.plan import Cluster, collective_seconds
+    from lightning_zeropp.planner import Cluster, collective_seconds
 
     data = json.loads(path.read_text())
     model = data["meta"]["model"]
@@ -264,8 +271,8 @@ def cluster_measurements(path: Path, probe_fit: bool = False, latency_us: float 
 def predict_cluster(row: dict, efficiency: float, overlap: float) -> tuple[float, float, float]:
     """``(compute, comm, step)`` seconds of one :func:`cluster_measurements` row: the compute from the unshaped step
     at ``overlap``, the shaped link's collectives at ``efficiency``, composed by the planner's
-    :func:`~lightning_zeropp.plan.step_seconds`."""
-    from lightning_zeropp.plan import step_seconds
+    :func:`~lightning_zeropp.planner.step_seconds`."""
+    from lightning_zeropp.planner import step_seconds
 
     compute = compute_from_step(row["unshaped_s"], row["unshaped_comm_s"], overlap)
     seconds = row["comm_at"](efficiency)
@@ -279,7 +286,7 @@ def fit_cluster(rows: list[dict]) -> tuple[float, float]:
     grid_e = [i / 200 for i in range(20, 301)]
     grid_o = [i / 100 for i in range(0, 101)]
     comms = {e: [r["comm_at"](e) for r in rows] for e in grid_e}  # the link's part does not depend on the overlap
-    from lightning_zeropp.plan import step_seconds
+    from lightning_zeropp.planner import step_seconds
 
     def loss(e: float, o: float) -> float:
         total = 0.0
@@ -416,7 +423,7 @@ def check_memory(configs: list[str], steps: int) -> list[dict]:
     allocator keeps."""
     from lightning_zeropp.config import ZeroPPConfig
     from lightning_zeropp.costs import gpt_units
-    from lightning_zeropp.plan import Cluster, Workload, memory_parts
+    from lightning_zeropp.planner import Cluster, Workload, memory_parts
     from lightning_zeropp.spawn import run_local_ranks
 
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # read when the rank processes start
@@ -461,26 +468,27 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--memory", nargs="*", default=None, help="configurations for the memory check (CPU runs)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
+    command = None if argv is None else [__file__, *argv]  # the manifest's (record.write; None: sys.argv)
     if args.memory is not None:
         sys.path.insert(0, str(ROOT / "benchmarks"))
         rows = check_memory(args.memory or ["zero3", "zeropp", "hsdp"], steps=2)
         if args.json:
-            args.json.write_text(json.dumps(rows, indent=2))
+            record.write(args.json, rows, command)
         return
     if args.bytes:
         sys.exit(1 if check_bytes(args.bytes) else 0)
     if args.cluster:
-        from lightning_zeropp.plan import OVERLAP
+        from lightning_zeropp.planner import OVERLAP
 
         sys.path.insert(0, str(ROOT / "benchmarks"))
         overlap = OVERLAP if args.overlap is None else args.overlap
         rows = check_cluster(args.cluster, overlap, args.probe_fit, args.latency_us, args.calibrate,
                              args.calibrate_from)  # fmt: skip
         if args.json:
-            args.json.write_text(json.dumps(rows, indent=2))
+            record.write(args.json, rows, command)
         return
     keys = [(m, int(t), int(ib)) for m, t, ib in (k.split(":") for k in args.fit)]
-    check_paper(keys, args.json)
+    check_paper(keys, args.json, command)
 
 
 if __name__ == "__main__":

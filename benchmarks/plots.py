@@ -3,8 +3,9 @@
 The benchmark scripts call these after writing their JSON; this entry point renders a figure again from a JSON
 file already written, without rerunning anything (``cluster.py`` needs root and network namespaces):
 
-    python benchmarks/plots.py cluster benchmarks/cluster.json benchmarks/cluster.png
-    python benchmarks/plots.py convergence benchmarks/convergence.json benchmarks/convergence.png
+    python benchmarks/plots.py cluster benchmarks/data/slow_link/cluster.json benchmarks/data/slow_link/cluster.png
+    python benchmarks/plots.py convergence benchmarks/data/archive/convergence.json \\
+        benchmarks/data/archive/convergence.png
     python benchmarks/plots.py convergence study.json study.png --regime calm --steps 100   # a file of several studies
 """
 

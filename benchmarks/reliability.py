@@ -6,7 +6,7 @@ of range. A row holds what is expected, what happened, and how long after the fa
 The checkpoint scenarios (a save killed at every point, a full disk, another optimizer, a truncated shard) are
 tests of their own: ``tests/test_checkpoint_paths.py`` and ``tests/test_checkpoint_errors.py``.
 
-    python benchmarks/reliability.py [--timeout 20] [--json benchmarks/reliability.json]
+    python benchmarks/reliability.py [--timeout 20] [--json benchmarks/data/reliability/reliability.json]
 """
 
 from __future__ import annotations
@@ -23,7 +23,12 @@ from lightning_zeropp.spawn import run_local_ranks
 from lightning_zeropp.testing.faults import fault_worker, launch_worker
 
 ROOT = Path(__file__).resolve().parents[1]
+BENCH = Path(__file__).resolve().parent
 EXAMPLE = ROOT / "examples" / "gpt"
+if str(BENCH) not in sys.path:
+    sys.path.insert(0, str(BENCH))
+
+import record  # noqa: E402
 
 
 def _first_line(text: str) -> str:
@@ -108,7 +113,7 @@ def main() -> None:
     for r in rows:
         print(f"| {r['scenario']:<48} | {r['expected']:<52} | {r['seconds']:7.1f} | {r['ok']!s:<2} | {r['observed']}")
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=1) + "\n")
+        record.write(args.json, rows, indent=1)
 
 
 if __name__ == "__main__":

@@ -31,13 +31,17 @@ Sums are pooled over units, ranks and the steps of a group before the ratios are
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+BENCH = Path(__file__).resolve().parent
 EXAMPLE = ROOT / "examples" / "gpt"
+if str(BENCH) not in sys.path:
+    sys.path.insert(0, str(BENCH))
+
+import record  # noqa: E402
 
 MODEL = dict(block_size=64, n_layer=2, n_head=4, n_embd=128)
 CONFIGS = {
@@ -479,7 +483,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = measure(args.steps, nodes, per_node, model, args.configs, args.seed)
     print(table(rows))
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=2))
+        record.write(args.json, rows, None if argv is None else [__file__, *argv])
         print(f"wrote {args.json}")
 
 

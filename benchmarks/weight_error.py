@@ -10,19 +10,25 @@ owners' ``|w - tracked|``, summed over ranks) is reported beside it; the two mus
 Two regimes: ``adamw`` (lr 1e-3, weight decay 0.1: how transformers are trained) and ``sgd`` (lr 0.3, momentum 0.9:
 the test model's, whose steps move the weights by several percent each).
 
-    python benchmarks/weight_error.py [--steps 60] [--regimes adamw sgd] [--json benchmarks/weight_error.json]
+    python benchmarks/weight_error.py [--steps 60] [--regimes adamw sgd] \\
+        [--json benchmarks/data/gradient_error/weight_error.json]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+BENCH = Path(__file__).resolve().parent
+if str(BENCH) not in sys.path:
+    sys.path.insert(0, str(BENCH))
+
+import record  # noqa: E402
+
 CONFIGS = {
     "zeropp": dict(),
     "zeropp_int4w": dict(weight_bits=4),
@@ -108,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
         ratio = by["zeropp"]["mean_error"] / by["zeropp_deltas"]["mean_error"]
         print(f"{regime}: goal weight_deltas error <= 1e-3: {ok}; INT8 weights / INT4 deltas error: {ratio:.1f}x")
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=2))
+        record.write(args.json, rows, None if argv is None else [__file__, *argv])
         print(f"wrote {args.json}")
 
 

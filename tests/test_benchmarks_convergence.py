@@ -4,6 +4,7 @@ the runs done."""
 
 import json
 import math
+import shlex
 from pathlib import Path
 
 import pytest
@@ -147,7 +148,7 @@ def test_pending_skips_what_is_done_and_retries_failures():
     runs = [_run("zero3", 1, [2.0]), dict(_run("zeropp", 1, [2.0]), error="exit 1"), _run("zero3", 1, [2.0], steps=40)]
     plan = [("zero3", 1, "calm", 100), ("zeropp", 1, "calm", 100), ("zero3", 2, "calm", 100)]
     assert convergence.pending(plan, runs) == [("zeropp", 1, "calm", 100), ("zero3", 2, "calm", 100)]
-    convergence.record(runs, _run("zeropp", 1, [2.1]))  # the failed attempt is replaced
+    convergence.add_run(runs, _run("zeropp", 1, [2.1]))  # the failed attempt is replaced
     assert [convergence.key_of(r) for r in runs].count(("zeropp", 1, "calm", 100)) == 1
     assert convergence.pending(plan, runs) == [("zero3", 2, "calm", 100)]
     assert convergence.conflicts(plan, runs, SETUP) == []
@@ -197,14 +198,20 @@ def test_main_resumes_from_its_json(tmp_path, monkeypatch, capsys):
     common += ["--configs", "zero3", "zeropp", "--json", str(study), "--png", str(tmp_path / "study.png")]
     convergence.main([*common, "--regime", "calm", "--seeds", "1", "2"])
     assert calls == [("zero3", 1, 3e-4, 30), ("zeropp", 1, 3e-4, 30), ("zero3", 2, 3e-4, 30), ("zeropp", 2, 3e-4, 30)]
+    (entry,) = convergence.record.read_manifest(study)  # written after each run: one entry for the invocation
+    assert entry["command"] == shlex.join(["python", "benchmarks/convergence.py", *common, "--regime", "calm",
+                                           "--seeds", "1", "2"]) and "first_date" in entry  # fmt: skip
     calls.clear()
+    convergence.record._WRITTEN.clear()  # the next call is another invocation (a rerun is another process)
     convergence.main([*common, "--regime", "calm", "--seeds", "1", "2", "3"])  # only seed 3 is new
     assert calls == [("zero3", 3, 3e-4, 30), ("zeropp", 3, 3e-4, 30)]
     calls.clear()
+    convergence.record._WRITTEN.clear()
     convergence.main([*common, "--seeds", "1"])  # the default regime is another study in the same file
     assert calls == [("zero3", 1, 1e-3, 10), ("zeropp", 1, 1e-3, 10)]
     data = json.loads(study.read_text())
     assert len(data["runs"]) == 8 and len(data["meta"]["commands"]) == 3
+    assert len(convergence.record.read_manifest(study)) == 3
     calm = next(s for s in data["summary"] if s["regime"] == "calm")
     gap = _entry([calm], "zeropp")["final_gap"]
     assert [s for s, _ in gap["per_seed"]] == [1, 2, 3] and gap["resolution"] is not None

@@ -4,6 +4,7 @@ call on an idle stream) gives their sum; a hold too short to cover the host is c
 benchmarks/kernels.py's CPU smoke run writes both columns."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -99,6 +100,8 @@ def test_host_cost_times_every_kernel_of_the_table_with_the_launch_stubbed(tmp_p
     out = tmp_path / "host.json"
     host_cost.main(["--numel", "4096", "--reps", "5", "--json", str(out)])
     rows = json.loads(out.read_text())["rows"]
+    (entry,) = host_cost.record.read_manifest(out)  # loaded as a test loads it, the script still finds record.py
+    assert entry["command"] == f"python benchmarks/host_cost.py --numel 4096 --reps 5 --json {out}"
     kernels = load_script(ROOT / "benchmarks" / "kernels.py", "kernels_benchmark_names")
     assert [r["kernel"] for r in rows] == [name for name, _, _ in kernels.cases(4096, "cpu")]
     assert all(r["median_us"] > 0 and r["first_call_us"] > 0 for r in rows)
@@ -112,3 +115,12 @@ def test_the_gpu_checks_table_leaves_the_twins_out_and_still_writes_its_rows(tmp
     kernels.main(["--smoke", "--no-eager", "--json", str(out)])
     rows = json.loads(out.read_text())["rows"]
     assert rows and all(r["speedup_vs_eager"] is None and r["device_s"] > 0 for r in rows)
+
+
+def test_the_gpu_check_leaves_no_more_files_than_a_device_run_returns():
+    """A device run returns at most 8 files from $OUT: gpu_check.sh's own files, plus a manifest beside each JSON
+    file a benchmark writes through benchmarks/record.py."""
+    script = (Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.sh").read_text()
+    written = set(re.findall(r'"\$OUT/([\w.-]+)"', script))
+    manifests = {name.replace(".json", ".manifest.json") for name in written if name.endswith(".json")}
+    assert len(written | manifests) <= 8, sorted(written | manifests)

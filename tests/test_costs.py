@@ -21,7 +21,8 @@ from lightning_zeropp.testing.models import TinyLM
 from lightning_zeropp.testing.workers import example_gpt, save_inputs, train_worker
 
 ROOT = Path(__file__).resolve().parents[1]
-MEASURED = ROOT / "benchmarks" / "comm_volume.json"  # the ledgers of benchmarks/comm_volume.py (example GPT, bf16)
+# the ledgers of benchmarks/comm_volume.py (example GPT, bf16)
+MEASURED = ROOT / "benchmarks" / "data" / "bytes_per_step" / "comm_volume.json"
 COMM_VOLUME_MODEL = dict(block_size=128, n_layer=4, n_head=4, n_embd=256)  # comm_volume.py's MODEL
 CONFIGS = {
     "zero3": dict(quantize_weights=False, hpz_partition_size=1, quantize_gradients=False),

@@ -69,7 +69,8 @@ def test_readme_has_the_decision_table():
     rows = [line for line in section.splitlines() if line.startswith("|")]
     assert len(rows) >= 2 + 4, "README.md, 'Should I use it?': the decision table (header, rule, a row per case)"
     table = "\n".join(rows)
-    choices = ['"zeropp"', '"hsdp"', '"zero3"', "gradient_bits=8", "quantize_gradients_steps", "lightning_zeropp.plan"]
+    choices = ['"zeropp"', '"hsdp"', '"zero3"', "gradient_bits=8", "quantize_gradients_steps",
+               "lightning_zeropp.planner"]  # fmt: skip
     for choice in choices:
         assert choice in table, f"README.md's decision table does not name {choice}"
     assert re.search(r"^\| one node \|", table, re.M), "README.md's decision table has no row for one node"
@@ -118,6 +119,24 @@ def test_an_included_page_keeps_its_links(tmp_path):
         hook.expand_includes("<!-- include: ../bench/MISSING.md -->\n", page, tmp_path)
 
 
+@needs_mkdocs
+def test_a_section_of_a_page_is_included_alone(tmp_path):
+    hook = _hook()
+    (tmp_path / "docs").mkdir()
+    readme = (
+        "# T\n\n## Should I use it?\n\n| a | [b](docs/p.md) |\n\n### Long runs\n\nx\n\n"
+        "```\n## not a heading\n```\n\n## Next\n\nz\n"
+    )
+    (tmp_path / "README.md").write_text(readme)
+    page = tmp_path / "docs" / "index.md"
+    text = hook.expand_includes("<!-- include: ../README.md#should-i-use-it -->\n", page, tmp_path)
+    assert text == "| a | [b](p.md) |\n\n### Long runs\n\nx\n\n```\n## not a heading\n```\n"
+    from mkdocs.exceptions import PluginError
+
+    with pytest.raises(PluginError, match="no heading with the anchor #nowhere"):
+        hook.expand_includes("<!-- include: ../README.md#nowhere -->\n", page, tmp_path)
+
+
 @pytest.mark.slow  # 3 s on an idle machine, 7-11 s beside a training run: a subprocess building the whole site
 @needs_mkdocs
 def test_the_docs_build_strictly(tmp_path):
@@ -132,7 +151,9 @@ def test_the_docs_build_strictly(tmp_path):
     assert result.returncode == 0, f"mkdocs build --strict failed:\n{result.stdout}\n{result.stderr}"
     site = tmp_path / "site"
     assert "zeropp-gpt" in (site / "launching" / "index.html").read_text()  # the included batch file
-    assert (site / "repository" / "benchmarks" / "plan_7b.png").is_file()  # a linked repository file, published
+    # a linked repository file, published
+    assert (site / "repository" / "benchmarks" / "data" / "planner" / "plan_7b.png").is_file()
+    assert "Long runs" in (site / "index.html").read_text()  # the README's decision table, included in the guide
 
 
 def test_the_api_reference_covers_every_export_and_every_kernel_op():

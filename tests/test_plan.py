@@ -1,4 +1,4 @@
-"""``python -m lightning_zeropp.plan``: its arguments, its table, JSON and plot, the time model's behaviour, and the
+"""``python -m lightning_zeropp.planner``: its arguments, its table, JSON and plot, the time model's behaviour, and the
 paper's end-to-end table predicted from two fitted speedups."""
 
 import json
@@ -9,7 +9,7 @@ import pytest
 
 from lightning_zeropp.config import ZeroPPConfig
 from lightning_zeropp.costs import gpt_units
-from lightning_zeropp.plan import CONFIGS, Cluster, Workload, collective_seconds, main, plan
+from lightning_zeropp.planner import CONFIGS, Cluster, Workload, collective_seconds, main, predict
 
 ROOT = Path(__file__).resolve().parents[1]
 SEVEN_B = gpt_units(32000, 4096, 32, 4096)
@@ -51,7 +51,7 @@ def test_time_model_behaves():
     workload = Workload(4096)
     steps = {}
     for gbps in (25.0, 100.0, 400.0, 3200.0):
-        rows = {r.config: r for r in plan(SEVEN_B, Cluster(8, 8, gbps, 2400.0), workload)}
+        rows = {r.config: r for r in predict(SEVEN_B, Cluster(8, 8, gbps, 2400.0), workload)}
         steps[gbps] = rows
         assert rows["zeropp"].inter_node_gb < 0.3 * rows["zero3"].inter_node_gb
         assert rows["hsdp"].memory_gib["optimizer"] == pytest.approx(
@@ -70,7 +70,7 @@ def test_the_correction_s_passes_are_in_the_compute_time_where_it_runs():
     transients per element of a rank's shard) are in ZeRO++'s compute time across nodes with Adam, and nowhere else:
     not with SGD ("auto" stands down), not on one node, not with it off, not in ZeRO-3."""
     from lightning_zeropp.costs import correction_bytes, kernel_bytes
-    from lightning_zeropp.plan import compute_seconds
+    from lightning_zeropp.planner import compute_seconds
 
     cluster = Cluster(8, 8, 100.0, 2400.0)
     shard = sum(sum(u.shards(cluster.world)) for u in SEVEN_B)
@@ -146,7 +146,7 @@ def test_compute_from_step_inverts_the_step_model(compute, comm, overlap):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import plan_check
 
-    from lightning_zeropp.plan import step_seconds
+    from lightning_zeropp.planner import step_seconds
 
     step = step_seconds(compute, comm, overlap)
     back = plan_check.compute_from_step(step, comm, overlap)
@@ -157,7 +157,7 @@ def test_compute_from_step_inverts_the_step_model(compute, comm, overlap):
 
 def _synthetic_cluster_rows(efficiency, overlap):
     """Rows made by the model itself: four configurations at three rates, each with its own compute and bytes."""
-    from lightning_zeropp.plan import step_seconds
+    from lightning_zeropp.planner import step_seconds
 
     rows = []
     for k, (compute, megabits) in enumerate([(0.27, 130.0), (0.41, 22.0), (0.50, 11.0), (0.29, 44.0)]):
@@ -180,7 +180,8 @@ def test_cluster_calibration_from_another_run_predicts_every_row_of_this_one(cap
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import plan_check
 
-    a, b = ROOT / "benchmarks" / "cluster_plan.json", ROOT / "benchmarks" / "cluster_plan_2026-12-02.json"
+    a = ROOT / "benchmarks" / "data" / "slow_link" / "cluster_plan.json"
+    b = ROOT / "benchmarks" / "data" / "archive" / "cluster_plan_2026-12-02.json"
     out = plan_check.check_cluster(a, 0.0, calibrate_from=[b])
     efficiency, overlap = plan_check.fit_cluster(plan_check.cluster_measurements(b)[0])
     rows = plan_check.cluster_measurements(a)[0]

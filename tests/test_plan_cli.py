@@ -1,4 +1,4 @@
-"""``python -m lightning_zeropp.plan`` as a new user meets it: bad input refused in one line, every assumption shown
+"""``python -m lightning_zeropp.planner`` as a new user meets it: bad input refused in one line, every assumption shown
 and presets for the usual GPUs, and a verdict that can say "stay on ZeRO-3", says why a faster configuration lost,
 and prints the code that selects its choice."""
 
@@ -10,12 +10,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lightning_zeropp import plan as plan_module
+from lightning_zeropp import planner
 from lightning_zeropp.config import ZeroPPConfig
-from lightning_zeropp.plan import CONFIGS, GPUS, Cluster, Row, main, verdict
+from lightning_zeropp.planner import CONFIGS, GPUS, Cluster, Row, main, verdict
 
 # the first H200 run's kernel table: timed with the launcher inside (no device time)
-ROOT_H200_TABLE = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check_h200" / "kernels_256mb.json"
+ROOT_H200_TABLE = (
+    Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "kernels" / "gpu_check_h200" / "kernels_256mb.json"
+)
 
 
 def _refused(capsys, argv: list[str]) -> str:
@@ -98,10 +100,10 @@ def test_plot_without_matplotlib_is_one_line_before_planning(tmp_path, capsys, m
 def test_an_error_from_deeper_down_is_one_line(capsys, monkeypatch):
     """A check in ZeroPPConfig or the cost model that the CLI's own checks did not foresee: its message, one line."""
 
-    def plan(*args, **kwargs):
+    def predict(*args, **kwargs):
         raise ValueError("costs: `something=3` must divide 8;\nuse 1, 2, 4 or 8.")
 
-    monkeypatch.setattr(plan_module, "plan", plan)
+    monkeypatch.setattr(planner, "predict", predict)
     assert "`something=3` must divide 8; use 1, 2, 4 or 8." in _refused(capsys, ["--params", "1e9"])
 
 
@@ -254,7 +256,7 @@ def test_the_printed_yaml_parses_in_lightning_cli(tmp_path):
     from lightning_zeropp import ZeroPPStrategy
     from lightning_zeropp.testing.scripts import load_script
 
-    root = plan_module.Path(__file__).resolve().parents[1] / "examples" / "gpt"
+    root = planner.Path(__file__).resolve().parents[1] / "examples" / "gpt"
     train = load_script(root / "train.py", "gpt_example_train_plan")
     v = verdict(_rows({c: 1.0 if c != "hsdp" else 0.5 for c in CONFIGS}), Cluster(2, 2, 100.0, 3600.0))
     config = tmp_path / "strategy.yaml"
@@ -276,7 +278,7 @@ def test_a_zeropp_verdict_says_what_the_long_run_setting_costs(capsys):
     """gradient_bits=8 only changes the inter-node gradient hop: its cost is the zeropp+qgz8 row less the zeropp
     row, added to whichever ZeRO++ configuration was chosen; an exact choice, or a plan without either row, gets no
     advice."""
-    from lightning_zeropp.plan import LONG_RUN, long_run_advice, verdict_text
+    from lightning_zeropp.planner import LONG_RUN, long_run_advice, verdict_text
 
     assert LONG_RUN in CONFIGS and CONFIGS[LONG_RUN] == {"gradient_bits": 8}
     zero3, zeropp = _planned("zero3", 4.0, 30.0), _planned("zeropp", 1.0, 6.0)
@@ -311,7 +313,7 @@ def test_a_zeropp_verdict_says_what_the_long_run_setting_costs(capsys):
     "given, count", [("7B", 7e9), ("1.3B", 1.3e9), ("350M", 350e6), ("70b", 70e9), ("7e9", 7e9), ("1_300_000", 1.3e6)]
 )
 def test_params_takes_a_model_size_as_models_are_named(given, count):
-    assert plan_module.parameter_count(given) == pytest.approx(count)
+    assert planner.parameter_count(given) == pytest.approx(count)
 
 
 @pytest.mark.parametrize("given", ["7X", "B", "", "seven"])
@@ -332,7 +334,7 @@ def _kernel_table(path, gbps: float, starved: bool = False, sizes=(12.65, 256.0)
     rows = [
         {"kernel": name, "size_mb": mb, "bytes_moved": int(mb * 3e6), "device_s": mb * 3e6 / (gbps * 1e9),
          "host_s": 20e-6, "starved": starved}
-        for mb in sizes for name in plan_module.DEFAULT_KERNELS
+        for mb in sizes for name in planner.DEFAULT_KERNELS
     ]  # fmt: skip
     path.write_text(json.dumps({"device": "NVIDIA H200", "rows": rows}))
     return path

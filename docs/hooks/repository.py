@@ -1,15 +1,16 @@
 """MkDocs hook: the docs pages may point at files of the repository outside ``docs/``.
 
-A page links a repository file by its path relative to the page, as GitHub reads it (``../benchmarks/plan_7b.png``,
-``../examples/gpt/slurm/train.sbatch``): the hook publishes that file with the site (under ``repository/``) and points
-the link there, so the same link works on GitHub and in the built site. A target that does not exist is left alone,
+A page links a repository file by its path relative to the page, as GitHub reads it
+(``../benchmarks/data/planner/plan_7b.png``, ``../examples/gpt/slurm/train.sbatch``): the hook publishes that file
+with the site (under ``repository/``) and points the link there, so the same link works on GitHub and in the built
+site. A target that does not exist is left alone,
 and MkDocs' link check reports it (``mkdocs build --strict`` fails on it). Links to Markdown files outside ``docs/``
 are refused: MkDocs would build them as pages outside the nav; include them instead.
 
 A line ``<!-- include: PATH -->`` (PATH relative to the page, as a link) is replaced by the file's text: verbatim (a
 script inside a code fence, shown as it is in the repository), except that a Markdown file's own relative links are
-rewritten to be relative to the including page. ``benchmarks/RESULTS.md`` is included this way, since the benchmark
-scripts write it where it is.
+rewritten to be relative to the including page. ``<!-- include: PATH#ANCHOR -->`` includes one section of a Markdown
+file, the body under the heading with that anchor: the user guide shows the README's decision table so.
 """
 
 from __future__ import annotations
@@ -47,15 +48,44 @@ def expand_includes(text: str, page: Path, root: Path) -> str:
     """
 
     def include(match: re.Match) -> str:
-        path = (page.parent / match["path"]).resolve()
+        target, _, section = match["path"].partition("#")
+        path = (page.parent / target).resolve()
         if not path.is_file() or not path.is_relative_to(root):
             raise PluginError(f"{page.name}: `<!-- include: {match['path']} -->` names no file of the repository")
         body = path.read_text()
+        if section:
+            body = section_of(body, section, f"{page.name}: `<!-- include: {match['path']} -->`")
         if path.suffix == ".md":
             body = rewrite_links(body, lambda target: posixpath.relpath(path.parent / target, page.parent))
         return body.rstrip("\n")
 
     return INCLUDE.sub(include, text)
+
+
+HEADING = re.compile(r"^(?P<level>#{1,6})[ \t]+(?P<title>.+?)[ \t]*$", re.M)
+
+
+def slug(title: str) -> str:
+    """A heading's anchor as MkDocs' table of contents makes it: ``"Should I use it?"`` -> ``should-i-use-it``."""
+    text = re.sub(r"[^\w\s-]", "", title.strip().lower())
+    return re.sub(r"[-\s]+", "-", text).strip("-")
+
+
+def section_of(text: str, anchor: str, where: str) -> str:
+    """The body of the Markdown section whose heading's anchor is ``anchor``: the lines after its heading up to the
+    next heading of the same level or above (code fences skipped).
+
+    Raises:
+        PluginError: no heading has that anchor.
+    """
+    fenced = [(m.start(), m.end()) for m in re.finditer(r"^```.*?^```", text, re.S | re.M)]
+    headings = [m for m in HEADING.finditer(text) if not any(a <= m.start() < b for a, b in fenced)]
+    for i, m in enumerate(headings):
+        if slug(m["title"]) == anchor:
+            level = len(m["level"])
+            end = next((h.start() for h in headings[i + 1 :] if len(h["level"]) <= level), len(text))
+            return text[m.end() : end].strip("\n")
+    raise PluginError(f"{where}: no heading with the anchor #{anchor}")
 
 
 def rewrite_links(text: str, new_target) -> str:

@@ -1,0 +1,126 @@
+"""Bytes per training step, inside and across nodes, by configuration and node count (``comm_volume.py``)."""
+
+from __future__ import annotations
+
+from pages import Source, mb, table
+
+TITLE = "Bytes per step"
+QUESTION = """How many bytes does one training step send across nodes and inside them, for each configuration?
+
+Two optimizer steps of the example GPT in bf16-mixed on gloo ranks emulating `nodes x ranks_per_node`; the figures
+are the second step's (the steady state), by the ledger: logical payload bytes per peer, of the busiest rank. The
+ledger is exact and repeatable; what a real link carries is on [Step time on a slow link](slow_link.md)."""
+
+SOURCES = ["bytes_per_step/comm_volume.json"]
+
+ORDER = ["zero3", "hsdp", "qhsdp", "qhsdp_bf16", "qhsdp_int4", "qhsdp_ef", "qwz", "hpz", "qgz", "zeropp", "zeropp_ef",
+         "zeropp_deltas", "zeropp_deltas8"]  # fmt: skip
+
+MEANING = {
+    "zero3": "exact ZeRO-3 (FSDP2 `FULL_SHARD`), every technique off",
+    "hsdp": '`sharding_strategy="HYBRID_SHARD"`: shard inside the node, all-reduce across nodes',
+    "qhsdp": '`strategy="qhsdp"`: HSDP with the cross-node all-reduce in INT4 then INT8',
+    "qhsdp_bf16": "qhsdp with `hsdp_gather_bits=16`",
+    "qhsdp_int4": "qhsdp with `hsdp_gather_bits=4`",
+    "qhsdp_ef": "qhsdp with `gradient_error_feedback=True`",
+    "qwz": "qwZ alone (INT8 forward all-gather)",
+    "hpz": "hpZ alone (a secondary partition inside the node)",
+    "qgz": "qgZ alone (2-hop INT4 gradient all-to-all)",
+    "zeropp": "the defaults: qwZ + hpZ + qgZ",
+    "zeropp_ef": "the defaults with `gradient_error_feedback=True`",
+    "zeropp_deltas": "the defaults with `weight_deltas=True` (INT4 deltas)",
+    "zeropp_deltas8": "the defaults with `weight_deltas=True, weight_delta_bits=8`",
+}
+
+GOALS = [("zeropp", 0.26), ("zeropp_deltas", 0.12)]
+"""The goals set when the techniques were built: a configuration's cross-node bytes at most this share of ZeRO-3's."""
+
+
+def _rows(data: list[dict]) -> list[dict]:
+    known = [r for r in data if r["config"] in ORDER]
+    return sorted(known, key=lambda r: (r["nodes"], r["ranks_per_node"], ORDER.index(r["config"])))
+
+
+def _ratios(data: list[dict], config: str) -> list[float]:
+    return [r["ratio_vs_zero3"] for r in data if r["config"] == config]
+
+
+def _span(values: list[float]) -> str:
+    lo, hi = min(values), max(values)
+    return f"{lo:.4f}" if f"{lo:.4f}" == f"{hi:.4f}" else f"{lo:.4f} to {hi:.4f}"
+
+
+def _topologies(data: list[dict]) -> str:
+    return ", ".join(sorted({f"{r['nodes']}x{r['ranks_per_node']}" for r in data}))
+
+
+def render(sources: dict[str, Source]) -> str:
+    data = sources[SOURCES[0]].data
+    params = {r["params"] for r in data}
+    rows = [
+        [f"{r['nodes']}x{r['ranks_per_node']}", f"`{r['config']}`", mb(r["inter_node_bytes_per_step"]),
+         mb(r["intra_node_bytes_per_step"]), f"{r['ratio_vs_zero3']:.4f}",
+         mb(r["backward_all_gather_inter_node_bytes"]), mb(r["first_step_inter_node_bytes"])]
+        for r in _rows(data)
+    ]  # fmt: skip
+    goals = [
+        f"- `{c}`: cross-node bytes at most {g} of ZeRO-3's: **{'met' if max(_ratios(data, c)) <= g else 'NOT met'}**"
+        f" ({_span(_ratios(data, c))} at {_topologies(data)})"
+        for c, g in GOALS
+    ]
+    hpz = [r["backward_all_gather_inter_node_bytes"] for r in data if r["config"] == "hpz"]
+    goals.append(
+        f"- `hpz`: no backward all-gather byte crosses nodes: **{'met' if hpz and max(hpz) == 0 else 'NOT met'}**"
+    )
+    hsdp = {(r["nodes"], r["ranks_per_node"]): r["inter_node_bytes_per_step"] for r in data if r["config"] == "hsdp"}
+    qhsdp = [
+        [f"{r['nodes']}x{r['ranks_per_node']}", f"`{r['config']}`",
+         f"{r['inter_node_bytes_per_step'] / hsdp[(r['nodes'], r['ranks_per_node'])]:.4f}"]
+        for r in _rows(data)
+        if r["config"].startswith("qhsdp") and (r["nodes"], r["ranks_per_node"]) in hsdp
+    ]  # fmt: skip
+    legend = "\n".join(f"- `{c}`: {MEANING[c]}" for c in ORDER if any(r["config"] == c for r in data))
+    return f"""The model: the example GPT, {", ".join(f"{p:,}" for p in sorted(params))} parameters.
+
+| | |
+|---|---|
+| inter / intra MB | megabytes (10^6) per step crossing nodes / staying inside the node |
+| ratio | cross-node bytes as a share of ZeRO-3's at the same node count |
+| backward AG inter MB | the backward all-gather's cross-node bytes (hpZ's target: none) |
+| first step inter MB | the first step's cross-node bytes (weight deltas fill the node copies exactly on it) |
+
+{table(["nodes x ranks", "config", "inter MB", "intra MB", "ratio", "backward AG inter MB", "first step inter MB"],
+       rows)}
+
+{legend}
+
+## Goals
+
+{chr(10).join(goals)}
+
+## Quantized HSDP against HSDP
+
+Cross-node bytes as a share of exact HSDP's at the same node count (HSDP's only cross-node traffic is its gradient
+all-reduce, which qhsdp quantizes).
+
+{table(["nodes x ranks", "config", "share of hsdp's"], qhsdp)}
+"""  # fmt: skip
+
+
+def _of_hsdp(data: list[dict], config: str) -> list[float]:
+    hsdp = {(r["nodes"], r["ranks_per_node"]): r["inter_node_bytes_per_step"] for r in data if r["config"] == "hsdp"}
+    return [r["inter_node_bytes_per_step"] / hsdp[(r["nodes"], r["ranks_per_node"])]
+            for r in data if r["config"] == config and (r["nodes"], r["ranks_per_node"]) in hsdp]  # fmt: skip
+
+
+def snippets(sources: dict[str, Source]) -> dict[str, str]:
+    data = sources[SOURCES[0]].data
+    of_hsdp = _of_hsdp(data, "qhsdp")
+    return {
+        "qhsdp_of_hsdp": f"{min(of_hsdp):.2f}"
+        if f"{min(of_hsdp):.2f}" == f"{max(of_hsdp):.2f}"
+        else f"{min(of_hsdp):.2f}-{max(of_hsdp):.2f}",
+        "zeropp_ratio": _span(_ratios(data, "zeropp")),
+        "deltas_ratio": _span(_ratios(data, "zeropp_deltas")),
+        "topologies": _topologies(data),
+    }
