@@ -36,6 +36,7 @@ import record  # noqa: E402
 from pages import Source, table  # noqa: E402
 
 PAGES = [
+    "quick_start",
     "bytes_per_step",
     "accuracy",
     "gradient_error",
