@@ -1,0 +1,78 @@
+"""The test suite's time on the development machine, by tier (``suite_time.py``)."""
+
+from __future__ import annotations
+
+from pages import Source, table
+
+TITLE = "The test suite's time"
+QUESTION = """How long do the README's test command and its fast tier take on a 2-core machine?
+
+`benchmarks/suite_time.py` runs `python -m pytest tests -n 2` (the full suite, CI's command) or its fast tier
+(`-m "not slow"`) and records the counts, the wall time, the machine's load average before and after, and the slowest
+tests."""
+
+SOURCES = ["suite/suite_time.json"]
+
+BUDGET_S = {"full": 15 * 60, "fast": 3 * 60}
+"""The project's budgets: the full suite within 15 minutes, the fast tier within 3."""
+
+QUIET_LOAD = 1.0
+"""A run is quiet when the load average before it was below this (nothing else running on the 2 cores)."""
+
+
+def _quiet(r: dict) -> bool:
+    return r["load_before"] < QUIET_LOAD
+
+
+def _minutes(seconds: float) -> str:
+    return f"{int(seconds // 60)} min {seconds % 60:.0f} s"
+
+
+def _latest(runs: list[dict], tier: str, quiet: bool = True) -> dict | None:
+    found = [r for r in runs if r["tier"] == tier and r["exit"] == 0 and (_quiet(r) or not quiet)]
+    return found[-1] if found else None
+
+
+def _verdict(runs: list[dict], tier: str) -> str:
+    r = _latest(runs, tier)
+    if r is None:
+        return "no quiet passing run recorded"
+    met = r["wall_seconds"] <= BUDGET_S[tier]
+    return f"**{'met' if met else 'NOT met'}** ({_minutes(r['wall_seconds'])}, {r.get('passed', 0)} passed)"
+
+
+def render(sources: dict[str, Source]) -> str:
+    data = sources[SOURCES[0]].data
+    runs = data["runs"]
+    rows = [
+        [i + 1, r["tier"], r.get("passed", 0), r.get("skipped", 0), r.get("failed", 0), _minutes(r["wall_seconds"]),
+         f"{r['load_before']:.1f} / {r['load_after']:.1f}", "quiet" if _quiet(r) else "beside other work"]
+        for i, r in enumerate(runs)
+    ]  # fmt: skip
+    goals = "\n".join(f"- {tier}: within {BUDGET_S[tier] // 60} min: {_verdict(runs, tier)}" for tier in BUDGET_S)
+    parts = [
+        f"On a machine with {data['cpus']} CPUs. A run is quiet when the load average before it was below"
+        f" {QUIET_LOAD:g}; a run beside other work shows what the suite survives, not what it costs.",
+        table(["run", "tier", "passed", "skipped", "failed", "wall", "load before / after", ""], rows),
+        f"## Budgets, by the latest quiet run of each tier\n\n{goals}",
+    ]
+    for tier in BUDGET_S:
+        r = _latest(runs, tier, quiet=False)
+        if r and r["slowest"]:
+            slow = [[f"{s:.1f}", phase, f"`{test}`"] for s, phase, test in r["slowest"]]
+            parts.append(f"## The slowest {tier}-tier tests (latest run)\n\n" + table(["s", "phase", "test"], slow))
+    return "\n\n".join(parts)
+
+
+def snippets(sources: dict[str, Source]) -> dict[str, str]:
+    runs = sources[SOURCES[0]].data["runs"]
+    out = {}
+    for tier in BUDGET_S:
+        r = _latest(runs, tier) or _latest(runs, tier, quiet=False)
+        if r is None:
+            out[tier] = "not measured yet"
+            continue
+        where = "quiet" if _quiet(r) else "beside other work, not a quiet run"
+        out[tier] = (f"{_minutes(r['wall_seconds'])} ({r.get('passed', 0)} passed, {r.get('skipped', 0)} skipped;"
+                     f" {where}; budget {BUDGET_S[tier] // 60} min)")  # fmt: skip
+    return out

@@ -1,0 +1,87 @@
+"""The test suite's time: runs the README's test command (or its fast tier) and records what it took.
+
+    python benchmarks/suite_time.py --tier fast --json benchmarks/data/suite/suite_time.json   # -m "not slow"
+    python benchmarks/suite_time.py --tier full --json benchmarks/data/suite/suite_time.json   # the README's command
+
+Each run adds a row to the file: the tier, passed / skipped / failed, the wall time, the machine's load average
+before and after (a run beside other work is not a quiet run, and the page says so), and the slowest tests by
+pytest's ``--durations``. The budgets (the full suite within 15 minutes, the fast tier within 3, on a 2-core machine)
+are judged on the page from the latest quiet run of each tier.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+import record  # noqa: E402
+
+TIERS = {"full": [], "fast": ["-m", "not slow"]}
+SUMMARY = re.compile(r"=+ (?P<body>.*\bin (?P<seconds>[\d.]+)s\b.*?) =+\s*$", re.M)
+DURATION = re.compile(r"^(?P<seconds>[\d.]+)s (?P<phase>call|setup|teardown)\s+(?P<test>\S+)", re.M)
+
+
+def summary(output: str) -> dict:
+    """pytest's closing line as counts and seconds: ``{"passed": 3, "skipped": 1, "seconds": 12.5, ...}``."""
+    matches = list(SUMMARY.finditer(output))
+    if not matches:
+        raise SystemExit("no pytest summary line in the output: did the run start?\n" + output[-2000:])
+    body = matches[-1]["body"]
+    counts = {word: int(n) for n, word in re.findall(r"(\d+) (passed|skipped|failed|errors?|xfailed|xpassed)", body)}
+    return {**counts, "pytest_seconds": float(matches[-1]["seconds"])}
+
+
+def slowest(output: str, n: int = 10) -> list[list]:
+    """The ``n`` longest phases ``--durations`` listed: [seconds, phase, test]."""
+    rows = [[float(m["seconds"]), m["phase"], m["test"]] for m in DURATION.finditer(output)]
+    return sorted(rows, reverse=True)[:n]
+
+
+def run(tier: str, workers: int) -> dict:
+    cmd = [sys.executable, "-m", "pytest", "tests", "-n", str(workers), *TIERS[tier], "-q", "--durations=15",
+           "-p", "no:cacheprovider"]  # fmt: skip
+    load_before = os.getloadavg()[0]
+    start = time.perf_counter()
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    output = done.stdout + done.stderr
+    return {
+        "tier": tier,
+        "command": "python -m pytest tests -n 2" + (' -m "not slow"' if tier == "fast" else ""),
+        "exit": done.returncode,
+        "wall_seconds": wall,
+        "load_before": load_before,
+        "load_after": os.getloadavg()[0],
+        **summary(output),
+        "slowest": slowest(output),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tier", choices=list(TIERS), default="fast")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--json", type=Path, default=None, help="add the run to this file (benchmarks/record.py)")
+    args = parser.parse_args(argv)
+    row = run(args.tier, args.workers)
+    print(json.dumps({k: v for k, v in row.items() if k != "slowest"}))
+    if args.json:
+        rows = json.loads(args.json.read_text())["runs"] if args.json.is_file() else []
+        record.write(args.json, {"cpus": os.cpu_count(), "runs": [*rows, row]},
+                     [str(HERE / "suite_time.py"), *(sys.argv[1:] if argv is None else argv)])  # fmt: skip
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,32 @@
+"""``benchmarks/suite_time.py`` reads pytest's closing line and its ``--durations`` list (the suite itself is timed by
+the script, not here)."""
+
+from pathlib import Path
+
+import pytest
+
+from lightning_zeropp.testing.scripts import load_script
+
+ROOT = Path(__file__).resolve().parents[1]
+suite_time = load_script(ROOT / "benchmarks" / "suite_time.py", "suite_time_benchmark")
+
+OUTPUT = """...s..
+============================= slowest 15 durations =============================
+12.50s call     tests/test_a.py::test_x[2x2]
+3.25s setup    tests/test_b.py::test_y
+0.50s call     tests/test_c.py::test_z
+=============== 1418 passed, 260 skipped, 45 warnings in 303.39s (0:05:03) ===============
+"""
+
+
+def test_the_closing_line_and_the_slowest_tests():
+    assert suite_time.summary(OUTPUT) == {"passed": 1418, "skipped": 260, "pytest_seconds": 303.39}
+    assert suite_time.slowest(OUTPUT, 2) == [[12.5, "call", "tests/test_a.py::test_x[2x2]"],
+                                             [3.25, "setup", "tests/test_b.py::test_y"]]  # fmt: skip
+    failed = "= 2 failed, 10 passed in 4.00s ="
+    assert suite_time.summary(failed) == {"failed": 2, "passed": 10, "pytest_seconds": 4.0}
+
+
+def test_an_output_without_a_summary_is_refused():
+    with pytest.raises(SystemExit, match="no pytest summary line"):
+        suite_time.summary("ImportError while loading conftest")
