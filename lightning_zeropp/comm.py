@@ -336,11 +336,12 @@ class ZeroPPComms:
 
     def state_shape(self) -> dict[str, Any]:
         """What the per-rank tensors' shapes and meaning depend on (saved as a checkpoint's ``layout``): ranks per node
-        and nodes, the reduction the residuals belong to (qgZ's two hops, quantized HSDP's rail), stages, blocks,
-        width. The pieces, blocks and residual width are the arguments as given, as every checkpoint saved so far
-        records them, whether or not this job's plan uses them (it leaves those of a technique that is off unset)."""
+        and nodes (data-parallel ones, with the tensor-parallel size where it is above 1), the reduction the residuals
+        belong to (qgZ's two hops, quantized HSDP's rail), stages, blocks, width. The pieces, blocks and residual width
+        are the arguments as given, as every checkpoint saved so far records them, whether or not this job's plan uses
+        them (it leaves those of a technique that is off unset)."""
         c = self.config
-        return {
+        layout = {
             "reduction": self.plan.gradients.kind,
             "ranks_per_node": self.topology.ranks_per_node,
             "num_nodes": self.topology.num_nodes,
@@ -349,10 +350,13 @@ class ZeroPPComms:
             "block_alignment": self.plan.block_alignment,
             "error_feedback_bits": c.error_feedback_bits,
         }
+        if self.plan.tensor_parallel_size > 1:  # the sizes above count data-parallel ranks; each holds a TP piece
+            layout["tensor_parallel_size"] = self.plan.tensor_parallel_size
+        return layout
 
 
 def _ranks(layout: dict[str, Any]) -> int:
-    return int(layout["ranks_per_node"]) * int(layout["num_nodes"])
+    return int(layout["ranks_per_node"]) * int(layout["num_nodes"]) * int(layout.get("tensor_parallel_size", 1))
 
 
 def exact_reduce_scatter(

@@ -102,7 +102,8 @@ class GradientReduction:
 class CommPlan:
     """One job's collectives (see the module docstring), the sharding they imply, and why each collective runs as it
     does where a switch would say otherwise (``notes``: ``(collective, why)`` pairs: "forward", "deltas",
-    "gradients")."""
+    "gradients"). With ``tensor_parallel_size`` > 1 the sizes and every collective are the data-parallel dimension's
+    (one per tensor-parallel position); the tensor-parallel dimension runs the model's own plan."""
 
     world_size: int
     ranks_per_node: int
@@ -116,6 +117,7 @@ class CommPlan:
     mesh_shape: tuple[int, ...]
     block_alignment: str
     notes: tuple[tuple[str, str], ...] = ()
+    tensor_parallel_size: int = 1
 
     @property
     def hybrid(self) -> bool:
@@ -155,6 +157,9 @@ class CommPlan:
         """One line: what each collective runs, and why a switch the user left on does nothing here."""
         K, N, R = self.num_nodes, self.ranks_per_node, self.hpz_partition_size
         shape = f"{K} node{'s' if K > 1 else ''} x {N} rank{'s' if N > 1 else ''}"
+        if self.tensor_parallel_size > 1:
+            shape = (f"tensor parallel {self.tensor_parallel_size} inside each node (the model's plan); data parallel"
+                     f" {shape}")  # fmt: skip
         f, g = self.forward, self.gradients
         if self.hybrid:
             if g.quantized_rail:
@@ -185,15 +190,17 @@ class CommPlan:
             parts.append(self.note("deltas"))
         if self.backward.kind == "secondary":
             parts.append(f"hpZ backward gather inside {R} ranks")
+        elif self.note("backward"):
+            parts.append(self.note("backward"))
         if g.kind == "two_hop":
             steps = f" for the first {g.until_step} steps" if g.until_step else ""
             extras = ", error feedback" if g.feedback is not None else ""
             extras += ", Hadamard-rotated blocks" if g.rotation == "hadamard" else ""
             extras += ", Adam second-moment correction" if g.second_moment else ""
-            parts.append(
-                f"qgZ INT{g.intra_bits} -> INT{g.inter_bits} gradients{steps} ({g.pieces} pieces, {g.rounding}"
-                f" rounding{extras})"
-            )
+            hops = f"INT{g.intra_bits} -> INT{g.inter_bits} gradients"
+            if N == 1:  # one data-parallel rank per node: no intra-node hop
+                hops = f"INT{g.inter_bits} gradients in one hop across nodes"
+            parts.append(f"qgZ {hops}{steps} ({g.pieces} pieces, {g.rounding} rounding{extras})")
         else:
             parts.append("gradients reduce-scattered exactly" + self._why("gradients"))
         line = f"ZeroPPStrategy: {shape}; " + "; ".join(parts) + "."
@@ -244,6 +251,8 @@ def resolve(config: ZeroPPConfig, topology: Topology, precision: str | None = No
         )
     # backward (HSDP's R is 1: FSDP re-gathers inside the node)
     reshard = reshard_after_forward(R, W)
+    if topology.tensor_parallel_size > 1 and c.hpz_partition_size == "auto" and N > 1:
+        notes.append(("backward", "hpZ off (not combined with tensor parallelism yet)"))
     backward = BackwardGather("secondary", R) if reshard is not True else BackwardGather("same", N if hybrid else W)
     # gradients
     if hybrid and K > 1 and c.quantize_gradients:
@@ -261,7 +270,15 @@ def resolve(config: ZeroPPConfig, topology: Topology, precision: str | None = No
             notes.append(("gradients", "quantize_gradients=False"))
     mesh = ((N,) if gradients.quantized_rail else (K, N)) if hybrid else (W,)
     return CommPlan(W, N, K, R, c.sharding_strategy, forward, backward, gradients, reshard, mesh, c.block_alignment,
-                    tuple(notes))  # fmt: skip
+                    tuple(notes), topology.tensor_parallel_size)  # fmt: skip
+
+
+def job_topology(config: ZeroPPConfig, world_size: int, local_world_size: int, rank: int) -> Topology:
+    """The data-parallel topology of global ``rank`` in a job of ``world_size`` ranks launched ``local_world_size``
+    per machine (``config.resolve`` checks the arguments against the job; with ``tensor_parallel_size`` t > 1 the
+    topology counts data-parallel ranks, ``world_size / t`` of them)."""
+    ranks_per_node, hpz = config.resolve(world_size, local_world_size)
+    return Topology.of_job(world_size, ranks_per_node, rank, hpz, config.tensor_parallel_size)
 
 
 def two_hop(config: ZeroPPConfig, precision: str | None = None) -> GradientReduction:

@@ -219,6 +219,25 @@ def _check_size_or_auto(name: str, value: object) -> None:
         raise _fail(name, value, 'use a positive int or "auto"')
 
 
+def _check_tensor_parallel_size(name: str, value: object) -> None:
+    _check_int(name, value)
+    if value < 1:
+        raise _fail(name, value, "use 1 (no tensor parallelism) or the size of the model's tensor-parallel groups")
+
+
+def tensor_parallel_fits(tensor_parallel_size: int, ranks_per_node: int, given: object) -> None:
+    """Refuses a tensor-parallel size that does not divide the node (``given``: ``ranks_per_node`` as the user gave
+    it): its groups would span two nodes, and tensor parallelism's activation traffic would cross them."""
+    if ranks_per_node % tensor_parallel_size:
+        said = f"ranks_per_node={given!r}" if given != "auto" else "the launcher's ranks per node"
+        raise _fail(
+            "tensor_parallel_size",
+            tensor_parallel_size,
+            f"tensor parallelism runs inside a node, so it must divide the {ranks_per_node} ranks per node ({said});"
+            f" use one of {_divisors(ranks_per_node)}",
+        )
+
+
 def _check_module_selection(name: str, value: object) -> None:
     if value is None or _is_module_class(value):
         return
@@ -458,6 +477,25 @@ class ZeroPPConfig:
         check=_check_size_or_auto,
         when="Only to make one machine act as several nodes (tests, demos).",
     )
+    tensor_parallel_size: PositiveInt = argument(
+        1,
+        "Tensor parallelism inside each node, as Lightning's ModelParallelStrategy lays it out: a 2-D mesh"
+        ' ("data_parallel", "tensor_parallel") whose consecutive groups of this many ranks split the layers by the'
+        " model's own plan (parallelize_module(..., self.device_mesh['tensor_parallel'], plan) in configure_model, or"
+        " in Fabric's parallelize_fn); ZeRO++ shards over the data-parallel dimension. 1: no tensor parallelism (a"
+        " 1-D mesh). Must divide the ranks per node. Not combined yet with hpZ (hpz_partition_size 'auto' resolves"
+        " to 1), HYBRID_SHARD or weight_deltas.",
+        check=_check_tensor_parallel_size,
+        when="The size of the tensor-parallel groups a ModelParallelStrategy configure_model expects (its"
+        " tensor_parallel_size), when the model's layers are split inside each node.",
+    )
+    data_parallel_size: PositiveIntOrAuto = argument(
+        "auto",
+        'The data-parallel dimension of the mesh: the world size / tensor_parallel_size, which "auto" takes. A'
+        " number (as ModelParallelStrategy takes it) is checked against the job.",
+        check=_check_size_or_auto,
+        when='Leave "auto"; a number only states the size the job must have.',
+    )
     auto_wrap_policy: ModuleSelection = argument(
         None,
         "The modules that each become one FSDP unit: a set of module classes, their names (as in YAML), or a callable"
@@ -544,6 +582,8 @@ class ZeroPPConfig:
 
     def _check_rules(self) -> None:
         """The rules across fields (each field's own value is checked already)."""
+        if self.tensor_parallel_size > 1:
+            self._check_tensor_parallel()
         if self.sharding_strategy == "HYBRID_SHARD":
             self._check_hybrid()
         _check_even_block("weight_block_size", self.weight_block_size, self.weight_bits)
@@ -584,6 +624,30 @@ class ZeroPPConfig:
                     "ZeroPPStrategy: `weight_deltas=True` keeps 1/R of the weights on the device across steps, which"
                     " `cpu_offload=True` exists to avoid; turn one of them off."
                 )
+
+    def _check_tensor_parallel(self) -> None:
+        """What tensor parallelism does not combine with yet (this first version), each refused naming both."""
+        t = self.tensor_parallel_size
+        if isinstance(self.ranks_per_node, int):
+            tensor_parallel_fits(t, self.ranks_per_node, self.ranks_per_node)
+        if self.sharding_strategy == "HYBRID_SHARD":
+            raise ValueError(
+                f"ZeroPPStrategy: `tensor_parallel_size={t}` does not combine with `sharding_strategy='HYBRID_SHARD'`"
+                " yet; use sharding_strategy='FULL_SHARD' (ZeRO++ over the data-parallel dimension) or"
+                " tensor_parallel_size=1."
+            )
+        if self.weight_deltas:
+            raise ValueError(
+                f"ZeroPPStrategy: `weight_deltas=True` does not combine with `tensor_parallel_size={t}` yet; turn"
+                " weight_deltas off or set tensor_parallel_size=1."
+            )
+        if self.hpz_partition_size not in ("auto", 1):
+            raise ValueError(
+                f"ZeroPPStrategy: `hpz_partition_size={self.hpz_partition_size!r}` does not combine with"
+                f" `tensor_parallel_size={t}` yet (hpZ's backward groups would be built per tensor-parallel position);"
+                " leave hpz_partition_size at 'auto' (off with tensor parallelism) or 1, or set"
+                " tensor_parallel_size=1."
+            )
 
     @property
     def hybrid(self) -> bool:
@@ -635,7 +699,9 @@ class ZeroPPConfig:
 
     def resolve(self, world_size: int, local_world_size: int) -> tuple[int, int]:
         """Returns ``(ranks_per_node, hpz_partition_size)`` for a job of ``world_size`` ranks launched
-        ``local_world_size`` per machine, or raises naming the argument at fault."""
+        ``local_world_size`` per machine (ranks of the whole job; with tensor parallelism the data-parallel topology
+        divides both by ``tensor_parallel_size``: :func:`lightning_zeropp.commplan.job_topology`), or raises naming the
+        argument at fault."""
         ranks_per_node = local_world_size if self.ranks_per_node == "auto" else self.ranks_per_node
         if local_world_size % ranks_per_node:
             raise _fail(
@@ -644,9 +710,19 @@ class ZeroPPConfig:
                 f"it must divide the {local_world_size} ranks launched per machine, or ranks of different machines"
                 f" would count as one node; use 'auto' or one of {_divisors(local_world_size)}",
             )
+        t = self.tensor_parallel_size
+        tensor_parallel_fits(t, ranks_per_node, self.ranks_per_node)
+        if self.data_parallel_size not in ("auto", world_size // t):
+            raise _fail(
+                "data_parallel_size",
+                self.data_parallel_size,
+                f"this job has {world_size} ranks, so with tensor_parallel_size={t} it is {world_size // t}; set"
+                f" data_parallel_size={world_size // t} or 'auto'",
+            )
         if self.sharding_strategy == "HYBRID_SHARD":  # the shard group is the node: FSDP's own reshard is hpZ's
             return ranks_per_node, 1
-        hpz = ranks_per_node if self.hpz_partition_size == "auto" else self.hpz_partition_size
+        auto_hpz = ranks_per_node if t == 1 else 1  # hpZ does not combine with tensor parallelism yet
+        hpz = auto_hpz if self.hpz_partition_size == "auto" else self.hpz_partition_size
         if self.weight_deltas and hpz == 1:
             raise ValueError(
                 f"ZeroPPStrategy: `weight_deltas=True` needs hpZ, but hpz_partition_size={self.hpz_partition_size!r}"

@@ -28,14 +28,14 @@ from . import arguments, fsdp_hooks
 from . import checkpoint as ckpt
 from . import kernels as tk
 from .comm import ZeroPPComms
-from .commplan import CommPlan, check_kernels, resolve
+from .commplan import CommPlan, check_kernels, job_topology, resolve
 from .compat.torch import ForwardHooks
 from .config import CpuOffload, ModuleSelection, StateDictType, ZeroPPConfig, offloads
 from .ledger import CommLedger
 from .materialize import materialize_meta_tensors
 from .optimizers import check_runs_sharded
 from .preemption import Preemption
-from .sharding import apply_zeropp, refuse_fsdp1
+from .sharding import apply_zeropp, check_tensor_parallel, refuse_fsdp1
 from .topology import ProcessGroups, Topology, check_launch, own_group
 
 SUPPORTED_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-true")
@@ -45,7 +45,8 @@ _SHARDED = "_zeropp_sharded"  # the one attribute sharding sets on the user's mo
 @dataclasses.dataclass(frozen=True)
 class Sharding:
     """What the sharding of a model depends on; a model sharded otherwise cannot be adopted by a strategy.
-    ``mesh_shape``: FSDP's mesh (all ranks; HSDP nodes x ranks per node; quantized HSDP the node's ranks)."""
+    ``mesh_shape``: FSDP's mesh (all ranks; HSDP nodes x ranks per node; quantized HSDP the node's ranks; with
+    tensor parallelism the data-parallel ranks)."""
 
     front_door: str
     world_size: int
@@ -54,6 +55,7 @@ class Sharding:
     cpu_offload: bool
     sharding_strategy: str = "FULL_SHARD"
     mesh_shape: tuple[int, ...] = ()
+    tensor_parallel_size: int = 1
 
     def differences(self, now: Sharding) -> list[str]:
         return [
@@ -101,7 +103,8 @@ class ZeroPPCore:
 
     def __init__(self, config: ZeroPPConfig) -> None:
         self.config = config
-        self.mesh: DeviceMesh | None = None
+        self.mesh: DeviceMesh | None = None  # what the model's code sees (`device_mesh`, Fabric's parallelize_fn)
+        self.shard_mesh: DeviceMesh | None = None  # what FSDP shards over: the mesh, or its "data_parallel" dimension
         self._topology: Topology | None = None
         self._ledger: CommLedger | None = None
         self._comms: ZeroPPComms | None = None
@@ -152,10 +155,10 @@ class ZeroPPCore:
         """Topology, mesh, ledger, process groups and collectives for a job of ``world_size`` ranks launched
         ``local_world_size`` per machine, training in ``precision`` (what the plan's "auto" settings read); kept as
         they are when called again for the same job (fit, then validate)."""
-        ranks_per_node, hpz_size = self.config.resolve(world_size, local_world_size)
-        topology = Topology(world_size, ranks_per_node, rank, hpz_size)
+        topology = job_topology(self.config, world_size, local_world_size, rank)
         if topology != self._topology:
             if topology.hpz_crosses_nodes:
+                hpz_size, ranks_per_node = topology.hpz_partition_size, topology.ranks_per_node
                 rank_zero_warn(
                     f"ZeroPPStrategy: hpz_partition_size={hpz_size} does not divide ranks_per_node={ranks_per_node},"
                     " so some hpZ groups span two nodes and their backward all-gather crosses nodes. Use a divisor of"
@@ -163,6 +166,7 @@ class ZeroPPCore:
                 )
             plan = resolve(self.config, topology, precision)
             self.mesh = self._build_mesh(topology, plan, device_type)
+            self.shard_mesh = self.mesh["data_parallel"] if topology.tensor_parallel_size > 1 else self.mesh
             self._topology = topology
             self.release()
             self._ledger = CommLedger(topology)
@@ -177,7 +181,17 @@ class ZeroPPCore:
         ``("replicate", "shard")``: sharded inside each node, FSDP's all-reduce on the rails; or (quantized HSDP)
         the node's ranks, ``("shard",)``, the rails' all-reduce run by our reduce-scatter hook. The HSDP groups are
         FSDP's, made here with the strategy's ``timeout`` and kept for the job (the strategy's own groups are
-        released at every teardown, and a model keeps its mesh)."""
+        released at every teardown, and a model keeps its mesh).
+
+        With tensor parallelism: data-parallel x tensor-parallel, ``("data_parallel", "tensor_parallel")``, global rank
+        ``d * t + j`` as Lightning's ModelParallelStrategy lays it out; FSDP shards over the first dimension."""
+        if topology.tensor_parallel_size > 1:
+            me, timeout = topology.global_rank, self.config.timeout
+            data = own_group(topology.partitions()["world"], me, timeout)
+            tensor = own_group(topology.tensor_parallel_partition(), me, timeout)
+            ranks = torch.arange(topology.global_world_size).view(topology.world_size, topology.tensor_parallel_size)
+            names = ("data_parallel", "tensor_parallel")
+            return DeviceMesh.from_group([data, tensor], device_type, ranks, mesh_dim_names=names)
         if not plan.hybrid:
             return init_device_mesh(device_type, plan.mesh_shape, mesh_dim_names=("data_parallel",))
         K, N, rank, timeout = topology.num_nodes, topology.ranks_per_node, topology.rank, self.config.timeout
@@ -197,20 +211,21 @@ class ZeroPPCore:
     def agree_max(self, values: list[int], device: torch.device) -> list[int]:
         """The largest of every rank's ``values``, element by element: one all-reduce (MAX) of int64 on the
         strategy's world group (its ``timeout`` applies), recorded in the ledger as ``preemption_all_reduce``."""
-        if self._comms is None or self.topology.world_size == 1:
+        if self._comms is None or self.topology.global_world_size == 1:
             return list(values)
         flags = torch.tensor(values, dtype=torch.int64, device=device)
+        # the ledger counts data-parallel peers: with tensor parallelism the tensor-parallel ones are not in it yet
         ranks = list(range(self.topology.world_size))
         self.ledger.record_small_all_reduce("preemption_all_reduce", ranks, 8 * len(values))
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._comms.ensure_groups().world)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._comms.ensure_groups().all_ranks)
         return [int(v) for v in flags.tolist()]
 
     def broadcast_object(self, obj: Any, src: int) -> Any:
         """``obj`` of rank ``src`` on every rank (on the strategy's world group)."""
-        if self._comms is None or self.topology.world_size == 1:
+        if self._comms is None or self.topology.global_world_size == 1:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=src, group=self._comms.ensure_groups().world)
+        dist.broadcast_object_list(box, src=src, group=self._comms.ensure_groups().all_ranks)
         return box[0]
 
     # ------------------------------------------------------------------ sharding
@@ -228,8 +243,10 @@ class ZeroPPCore:
 
     def sharding(self, precision: str, front_door: str) -> Sharding:
         """What the sharding of a model depends on; a model sharded differently cannot be adopted."""
-        return Sharding(front_door, self.topology.world_size, self.reshard_after_forward, precision,
-                        offloads(self.config.cpu_offload), self.plan.sharding, self.plan.mesh_shape)  # fmt: skip
+        topology = self.topology
+        return Sharding(front_door, topology.global_world_size, self.reshard_after_forward, precision,
+                        offloads(self.config.cpu_offload), self.plan.sharding, self.plan.mesh_shape,
+                        topology.tensor_parallel_size)  # fmt: skip
 
     def shard(
         self,
@@ -242,11 +259,14 @@ class ZeroPPCore:
         """Shards ``model`` in place (ZeRO-3 on FSDP2, collectives through ZeRO++) and materializes what is left on
         the meta device; returns the model and its :class:`ShardedModel`.
 
-        ``parallelize_fn(model, mesh)``: the user's own ``fully_shard`` calls instead of the default units; they must
-        pass :attr:`reshard_after_forward` (hpZ), and the root is sharded here if they left it. A model sharded
-        earlier by a strategy with the same sharding is adopted: its collectives are routed through this core.
+        ``parallelize_fn(model, mesh)`` (Fabric), or a ``configure_model`` that called ``fully_shard`` (the Trainer,
+        as ModelParallelStrategy's users write it): the user's own units instead of the default ones; they must be
+        sharded over :attr:`shard_mesh` with :attr:`reshard_after_forward` (hpZ), and the root is sharded here if
+        they left it. With tensor parallelism the model must hold parameters split over the mesh's
+        ``"tensor_parallel"`` dimension by then. A model sharded earlier by a strategy with the same sharding is
+        adopted: its collectives are routed through this core.
         """
-        assert self._comms is not None and self.mesh is not None
+        assert self._comms is not None and self.mesh is not None and self.shard_mesh is not None
         refuse_fsdp1(model)
         sharding = self.sharding(precision, front_door)
         sharded: ShardedModel | None = getattr(model, _SHARDED, None)
@@ -258,15 +278,17 @@ class ZeroPPCore:
             parallelized = _user_parallelized(model, parallelize_fn, self.mesh)
             if parallelized is not model:
                 model, root_hooks = parallelized, ForwardHooks(parallelized)
+        where = "`parallelize_fn`" if parallelize_fn is not None else "`configure_model`"
+        check_tensor_parallel(model, self.topology.tensor_parallel_size, where)
         apply_zeropp(
             model,
-            mesh=self.mesh,
+            mesh=self.shard_mesh,
             reshard_after_forward=sharding.reshard_after_forward,
             precision=precision,
             auto_wrap_policy=self.config.auto_wrap_policy,
             activation_checkpointing_policy=self.config.activation_checkpointing_policy,
             cpu_offload=self.config.cpu_offload,
-            already_sharded=parallelize_fn is not None,
+            already_sharded=where if parallelize_fn is not None or _holds_units(model) else None,
         )
         self._comms.use_units(fsdp_hooks.install(model, self._comms))
         sharded = ShardedModel(sharding, self._comms, root_hooks)
@@ -386,8 +408,12 @@ class FrontDoor:
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, int]:
-        """Every rank is a data-parallel replica, whatever the mesh (HSDP's has two dimensions): the sampler splits
-        the data over all ranks."""
+        """The data-parallel replicas split the data: every rank, whatever the mesh (HSDP's has two dimensions); with
+        tensor parallelism the ranks of one tensor-parallel group read the same batch (the data-parallel ranks of
+        the mesh, as ModelParallelStrategy's sampler)."""
+        topology = self._core._topology
+        if topology is not None:
+            return {"num_replicas": topology.world_size, "rank": topology.rank}
         strategy: Any = self
         return {"num_replicas": strategy.world_size, "rank": strategy.global_rank}
 
@@ -470,7 +496,7 @@ class FrontDoor:
             return
         device = self.root_device  # type: ignore[attr-defined]
         for optimizer in optimizers:
-            check_runs_sharded(optimizer, self._core.mesh, device)
+            check_runs_sharded(optimizer, self._core.shard_mesh, device)
         if comms.moments is not None:
             verdicts = [comms.moments.judge_optimizer(optimizer) for optimizer in optimizers]
             if verdicts:
@@ -566,6 +592,11 @@ def reshard(model: nn.Module | None) -> None:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
+
+
+def _holds_units(model: nn.Module) -> bool:
+    """Whether the user sharded modules of ``model`` (``fully_shard`` in ``configure_model``)."""
+    return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
 def _user_parallelized(

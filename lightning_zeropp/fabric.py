@@ -65,8 +65,10 @@ class FabricArguments:
         None,
         "parallelize_fn(model, device_mesh) -> model, for users who choose their own units: it calls"
         " fully_shard(unit, mesh=device_mesh, reshard_after_forward=strategy.reshard_after_forward) on them (the"
-        " strategy checks both, and shards the root if the function did not). None: the units are the blocks"
-        " (auto_wrap_policy), as for the Trainer.",
+        " strategy checks both, and shards the root if the function did not). With tensor_parallel_size > 1 the"
+        " mesh is 2-D, as Fabric's ModelParallelStrategy passes it: parallelize_module(..., device_mesh"
+        "['tensor_parallel'], plan), then fully_shard(..., mesh=device_mesh['data_parallel']). None: the units are"
+        " the blocks (auto_wrap_policy), as for the Trainer.",
     )
 
 

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 from .compat.torch import checkpoint_in_place, unit_mesh_sizes
 from .config import CpuOffload, ModulePolicy, ModuleSelection, offload_policy
@@ -98,12 +99,13 @@ def apply_zeropp(
     auto_wrap_policy: ModuleSelection,
     activation_checkpointing_policy: ModuleSelection,
     cpu_offload: CpuOffload,
-    already_sharded: bool = False,
+    already_sharded: str | None = None,
 ) -> list[nn.Module]:
     """Shards ``model`` in place; returns the sharded modules, root last.
 
-    ``already_sharded``: the user's ``parallelize_fn`` called ``fully_shard`` on the units it chose; they are checked
-    against the strategy's layout (``mesh``, ``reshard_after_forward``), and the root is sharded if it is not yet.
+    ``already_sharded``: where the user called ``fully_shard`` on the units they chose (Fabric's "`parallelize_fn`",
+    the Trainer's "`configure_model`"), None if they did not; their units are checked against the strategy's layout
+    (``mesh``, ``reshard_after_forward``), and the root is sharded if it is not yet.
     """
     kwargs = {
         "mesh": mesh,
@@ -111,15 +113,17 @@ def apply_zeropp(
         "mp_policy": mixed_precision_policy(precision),
         "offload_policy": offload_policy(cpu_offload),
     }
-    if already_sharded:
-        targets = _check_user_units(model, mesh, reshard_after_forward)
+    if already_sharded is not None:
+        for argument, chosen in (("auto_wrap_policy", auto_wrap_policy),
+                                 ("activation_checkpointing_policy", activation_checkpointing_policy)):  # fmt: skip
+            if chosen:
+                raise ValueError(
+                    f"ZeroPPStrategy: {already_sharded} called `fully_shard` on the units it chose, so `{argument}`"
+                    f" would have no effect. Leave `{argument}` unset (apply activation checkpointing in"
+                    f" {already_sharded}, before `fully_shard`), or let the strategy shard the model."
+                )
+        targets = _check_user_units(model, mesh, reshard_after_forward, already_sharded)
         return _shard_root(model, targets, kwargs)
-    if any(isinstance(m, FSDPModule) for m in model.modules()):
-        raise TypeError(
-            "ZeroPPStrategy shards the model itself, but it already holds modules wrapped with `fully_shard`."
-            " Build the layers in `configure_model` without calling `fully_shard`; choose the units with"
-            " `ZeroPPStrategy(auto_wrap_policy=...)`."
-        )
     wrap_policy = module_policy(model, auto_wrap_policy, "auto_wrap_policy")
     targets = wrap_targets(model, wrap_policy, auto_wrap_policy) if wrap_policy else default_wrap_targets(model)
     # A nested target (a block inside a block) is sharded before its parent: reverse module order is bottom-up.
@@ -159,9 +163,12 @@ def refuse_fsdp1(model: nn.Module) -> None:
         )
 
 
-def _check_user_units(model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool | int) -> list[nn.Module]:
-    """The modules a user's ``parallelize_fn`` sharded (root excluded), after checking that each was sharded over the
-    strategy's mesh with its ``reshard_after_forward`` (the hpZ partition size when hpZ is on)."""
+def _check_user_units(
+    model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool | int, where: str = "`parallelize_fn`"
+) -> list[nn.Module]:
+    """The modules the user sharded in ``where`` (root excluded), after checking that each was sharded over the
+    strategy's mesh (with tensor parallelism its data-parallel dimension) with its ``reshard_after_forward`` (the hpZ
+    partition size when hpZ is on)."""
     refuse_fsdp1(model)
     units = [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
     if not units:
@@ -170,6 +177,11 @@ def _check_user_units(model: nn.Module, mesh: DeviceMesh, reshard_after_forward:
             " `fully_shard(block, mesh=device_mesh, reshard_after_forward=strategy.reshard_after_forward)` on the"
             " units you choose, or pass no `parallelize_fn` to shard the blocks by default."
         )
+    fabric = where == "`parallelize_fn`"
+    mesh_text = ("device_mesh" if fabric else "self.device_mesh") + (
+        "['data_parallel']" if mesh.mesh_dim_names == ("data_parallel",) else ""
+    )
+    strategy = "strategy" if fabric else "self.trainer.strategy"
     shards = mesh.size(mesh.ndim - 1)  # all ranks; HSDP: the ranks of a node
     want = shards if reshard_after_forward is True else int(reshard_after_forward)
     for name, module in units:
@@ -179,9 +191,29 @@ def _check_user_units(model: nn.Module, mesh: DeviceMesh, reshard_after_forward:
         if shard_size != shards or post_forward != want:
             over = f"all {shards} ranks" if mesh.ndim == 1 else f"the {shards} ranks of each node (HSDP)"
             raise ValueError(
-                f"ZeroPPStrategy: `parallelize_fn` sharded {name or '<root>'!r} over {shard_size} ranks keeping"
+                f"ZeroPPStrategy: {where} sharded {name or '<root>'!r} over {shard_size} ranks keeping"
                 f" {'whole weights' if post_forward is None else f'1/{post_forward} of the weights'} after forward;"
                 f" this strategy shards over {over} and keeps 1/{want}. Call"
-                " `fully_shard(module, mesh=device_mesh, reshard_after_forward=strategy.reshard_after_forward)`."
+                f" `fully_shard(module, mesh={mesh_text}, reshard_after_forward={strategy}.reshard_after_forward)`."
             )
     return [m for name, m in units if m is not model]
+
+
+def check_tensor_parallel(model: nn.Module, tensor_parallel_size: int, where: str) -> None:
+    """With tensor parallelism, refuses a model none of whose parameters ``where`` split over the mesh's
+    ``"tensor_parallel"`` dimension: each rank of a tensor-parallel group would hold and train the whole model on
+    the same data, for nothing."""
+    if tensor_parallel_size == 1:
+        return
+    for p in model.parameters():
+        if isinstance(p, DTensor) and "tensor_parallel" in (p.device_mesh.mesh_dim_names or ()):
+            return
+    fix = (
+        "apply parallelize_module(..., self.device_mesh['tensor_parallel'], plan) in configure_model"
+        if where == "`configure_model`"
+        else "apply parallelize_module(model, device_mesh['tensor_parallel'], plan) in parallelize_fn"
+    )
+    raise ValueError(
+        f"ZeroPPStrategy: `tensor_parallel_size={tensor_parallel_size}`, but after {where} no parameter of the model"
+        f" is split over the mesh's 'tensor_parallel' dimension; {fix}, or set tensor_parallel_size=1."
+    )

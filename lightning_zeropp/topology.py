@@ -11,6 +11,15 @@ them by their rank list.
     world 8 = 2 nodes x 4          intra-node groups      rails (same local rank)     hpZ groups (R = 2)
     node 0: 0 1 2 3                [0 1 2 3]              [0 4] [1 5] [2 6] [3 7]     [0 1] [2 3]
     node 1: 4 5 6 7                [4 5 6 7]                                          [4 5] [6 7]
+
+With tensor parallelism of size t (inside the node, as Lightning's ModelParallelStrategy numbers ranks: global rank
+g = d * t + j for data-parallel index d and tensor-parallel index j), the topology is the data-parallel one: D = W / t
+ranks, N / t per node, rank d = g // t. Every ZeRO++ collective runs among the ranks of one tensor-parallel position
+j, so every group above exists once per j (global ranks ``d * t + j``), and FSDP's groups are recognised by those::
+
+    world 8 = 2 nodes x 4, t = 2   data-parallel groups   intra-node (per j)          rails (per j)
+    node 0: 0 1 | 2 3              j=0: [0 2 4 6]         [0 2] [4 6]                 [0 4] [2 6]
+    node 1: 4 5 | 6 7              j=1: [1 3 5 7]         [1 3] [5 7]                 [1 5] [3 7]
 """
 
 from __future__ import annotations
@@ -23,12 +32,18 @@ import torch.distributed as dist
 
 @dataclass(frozen=True, slots=True)
 class Topology:
-    """Pure rank arithmetic; no process groups (so it is testable without ``torch.distributed``)."""
+    """Pure rank arithmetic; no process groups (so it is testable without ``torch.distributed``).
+
+    In the data-parallel index space: with ``tensor_parallel_size`` t > 1, ``world_size``, ``ranks_per_node`` and
+    ``rank`` count the data-parallel ranks of one tensor-parallel position (``tensor_parallel_rank``);
+    :meth:`global_ranks` names them as the job numbers them."""
 
     world_size: int
     ranks_per_node: int
     rank: int
     hpz_partition_size: int = 1
+    tensor_parallel_size: int = 1
+    tensor_parallel_rank: int = 0
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or self.ranks_per_node < 1 or self.world_size % self.ranks_per_node:
@@ -41,6 +56,61 @@ class Topology:
             )
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"Topology: rank={self.rank} is outside [0, {self.world_size}).")
+        if self.tensor_parallel_size < 1 or not 0 <= self.tensor_parallel_rank < self.tensor_parallel_size:
+            raise ValueError(
+                f"Topology: tensor_parallel_rank={self.tensor_parallel_rank} is outside"
+                f" [0, tensor_parallel_size={self.tensor_parallel_size})."
+            )
+
+    @classmethod
+    def of_job(
+        cls, world_size: int, ranks_per_node: int, rank: int, hpz_partition_size: int = 1, tensor_parallel_size: int = 1
+    ) -> Topology:
+        """The data-parallel topology of global ``rank`` in a job of ``world_size`` ranks, ``ranks_per_node`` per
+        node, whose consecutive groups of ``tensor_parallel_size`` ranks are tensor-parallel (t must divide the
+        node)."""
+        t = tensor_parallel_size
+        if t < 1 or ranks_per_node % t:
+            raise ValueError(f"Topology: tensor_parallel_size={t} must divide ranks_per_node={ranks_per_node}.")
+        return cls(world_size // t, ranks_per_node // t, rank // t, hpz_partition_size, t, rank % t)
+
+    @property
+    def global_world_size(self) -> int:
+        """Every rank of the job, all tensor-parallel positions."""
+        return self.world_size * self.tensor_parallel_size
+
+    @property
+    def global_rank(self) -> int:
+        return self.rank * self.tensor_parallel_size + self.tensor_parallel_rank
+
+    def global_ranks(self, ranks: list[int], tensor_parallel_rank: int | None = None) -> list[int]:
+        """The job's numbers of data-parallel ranks ``ranks`` at ``tensor_parallel_rank`` (default: this rank's)."""
+        j = self.tensor_parallel_rank if tensor_parallel_rank is None else tensor_parallel_rank
+        return [d * self.tensor_parallel_size + j for d in ranks]
+
+    def per_position(self, partition: list[list[int]]) -> list[list[int]]:
+        """A partition of the data-parallel ranks, once per tensor-parallel position (positions in order), as the
+        job numbers its ranks: the groups every rank creates, in the same order."""
+        return [self.global_ranks(ranks, j) for j in range(self.tensor_parallel_size) for ranks in partition]
+
+    def partitions(self) -> dict[str, list[list[int]]]:
+        """Every group :meth:`ProcessGroups.build` creates, by role, in creation order, as the job numbers ranks:
+        ``"world"`` (the data-parallel groups), ``"intra_node"``, ``"inter_node"`` (the rails) and, with hpZ inside
+        the world, ``"hpz"``."""
+        W, R = self.world_size, self.hpz_partition_size
+        out = {
+            "world": self.per_position([list(range(W))]),
+            "intra_node": self.per_position([self.intra_node_ranks(n) for n in range(self.num_nodes)]),
+            "inter_node": self.per_position([self.rail_ranks(lr) for lr in range(self.ranks_per_node)]),
+        }
+        if 1 < R < W:
+            out["hpz"] = self.per_position([list(range(s, s + R)) for s in range(0, W, R)])
+        return out
+
+    def tensor_parallel_partition(self) -> list[list[int]]:
+        """The tensor-parallel groups (consecutive ranks of one node), as the job numbers ranks."""
+        t = self.tensor_parallel_size
+        return [list(range(d * t, (d + 1) * t)) for d in range(self.world_size)]
 
     @property
     def num_nodes(self) -> int:
@@ -87,7 +157,9 @@ class Topology:
 
 @dataclass(slots=True)
 class ProcessGroups:
-    """The groups of one job, built collectively by :meth:`build`."""
+    """The groups of one job, built collectively by :meth:`build`. ``world`` is this rank's data-parallel group (all
+    ranks without tensor parallelism); ``everyone`` (tensor parallelism only) holds every rank of the job, for what
+    the strategy agrees on across all of them (:attr:`all_ranks`)."""
 
     topology: Topology
     world: dist.ProcessGroup
@@ -96,6 +168,7 @@ class ProcessGroups:
     hpz: dist.ProcessGroup | None
     timeout: timedelta | None = None
     hybrid: bool = False
+    everyone: dist.ProcessGroup | None = None
     _by_ranks: dict[tuple[int, ...], str] = field(default_factory=dict)
 
     @classmethod
@@ -105,26 +178,30 @@ class ProcessGroups:
         ``timeout``: how long a collective on these groups waits for a peer before it raises (torch's default, 30
         minutes for gloo and NCCL, when None). Every group gets it: a frozen rank must end the job on the others.
         ``hybrid``: the model is sharded HSDP-style, so FSDP's collectives run on the node's ranks ("node").
+        With tensor parallelism, first a group of every rank, then each group once per tensor-parallel position
+        (positions in order, the same on every rank), named by the job's rank numbers.
         """
-        world_ranks = list(range(topology.world_size))
-        world = dist.new_group(world_ranks, timeout=timeout)
-        intra = own_group([topology.intra_node_ranks(n) for n in range(topology.num_nodes)], topology.rank, timeout)
-        inter = own_group([topology.rail_ranks(lr) for lr in range(topology.ranks_per_node)], topology.rank, timeout)
-        hpz = None
-        if 1 < topology.hpz_partition_size < topology.world_size:
-            R = topology.hpz_partition_size
-            hpz = own_group([list(range(s, s + R)) for s in range(0, topology.world_size, R)], topology.rank, timeout)
-        groups = cls(topology, world, intra, inter, hpz, timeout, hybrid)
+        me, all_ranks = topology.global_rank, list(range(topology.global_world_size))
+        everyone = dist.new_group(all_ranks, timeout=timeout) if topology.tensor_parallel_size > 1 else None
+        made = {role: own_group(partition, me, timeout) for role, partition in topology.partitions().items()}
+        world, intra, inter, hpz = made["world"], made["intra_node"], made["inter_node"], made.get("hpz")
+        groups = cls(topology, world, intra, inter, hpz, timeout, hybrid, everyone)
         if hybrid:
-            groups._by_ranks[tuple(topology.intra_node_ranks())] = "node"
-        groups._by_ranks[tuple(world_ranks)] = "world"
+            groups._by_ranks[tuple(topology.global_ranks(topology.intra_node_ranks()))] = "node"
+        groups._by_ranks[tuple(topology.global_ranks(list(range(topology.world_size))))] = "world"
         if hpz is not None:
-            groups._by_ranks[tuple(topology.hpz_ranks())] = "hpz"
+            groups._by_ranks[tuple(topology.global_ranks(topology.hpz_ranks()))] = "hpz"
         return groups
+
+    @property
+    def all_ranks(self) -> dist.ProcessGroup:
+        """Every rank of the job (the data-parallel group when there is no tensor parallelism)."""
+        return self.everyone if self.everyone is not None else self.world
 
     def destroy(self) -> None:
         """Releases this rank's groups (with NCCL: their communicators). The object is unusable afterwards."""
-        for group in {id(g): g for g in (self.world, self.intra_node, self.inter_node, self.hpz) if g}.values():
+        held = (self.world, self.intra_node, self.inter_node, self.hpz, self.everyone)
+        for group in {id(g): g for g in held if g}.values():
             dist.destroy_process_group(group)
         self._by_ranks.clear()
 
@@ -151,6 +228,7 @@ class ProcessGroups:
         raise KeyError(role)
 
     def ranks(self, role: str) -> list[int]:
+        """The data-parallel ranks of the group of ``role`` (the ledger's numbering; see :class:`Topology`)."""
         if role == "world":
             return list(range(self.topology.world_size))
         if role == "hpz":

@@ -22,10 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from lightning_zeropp.commplan import resolve
+from lightning_zeropp.commplan import job_topology, resolve
 from lightning_zeropp.config import ZeroPPConfig
 from lightning_zeropp.core import QUANTIZED_HSDP_ARGUMENTS
-from lightning_zeropp.topology import Topology
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = [ROOT / "lightning_zeropp", ROOT / "triton_kernels"]
@@ -40,6 +39,7 @@ NOT_TECHNIQUES = {
     "kernel_backend": "which implementation runs the kernels (Triton or their torch twins, which compute the same)",
     "process_group_backend": "the transport of the process groups",
     "timeout": "how long a collective waits for a peer",
+    "data_parallel_size": "a check of the job's shape (it must be the world size / tensor_parallel_size), no choice",
 }
 """The config's fields that choose no technique and none of its parameters, each with why; every other field, and
 every property of the config, is a technique argument."""
@@ -269,10 +269,10 @@ def _plan_of(world: int, per_node: int, kwargs: dict):
     config refuses the arguments or the job."""
     try:
         config = ZeroPPConfig(**kwargs)
-        ranks_per_node, hpz = config.resolve(world, per_node)
+        topology = job_topology(config, world, per_node, 0)
     except (TypeError, ValueError):
         return None
-    return resolve(config, Topology(world, ranks_per_node, 0, hpz), "bf16-mixed")
+    return resolve(config, topology, "bf16-mixed")
 
 
 @pytest.mark.parametrize("field", [f for f in dataclasses.fields(ZeroPPConfig) if f.name in TECHNIQUES],
@@ -295,8 +295,7 @@ def test_the_plan_holds_every_technique_argument(field):
 
 def _plan(world: int, per_node: int, **kwargs):
     config = ZeroPPConfig(**kwargs)
-    ranks_per_node, hpz = config.resolve(world, per_node)
-    return resolve(config, Topology(world, ranks_per_node, 0, hpz))
+    return resolve(config, job_topology(config, world, per_node, 0))
 
 
 def test_one_node_runs_exact_collectives():

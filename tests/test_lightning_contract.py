@@ -11,10 +11,10 @@ Not ported (upstream tests of what ZeroPPStrategy does not have):
 
 - 1.1 ``test_torch_greater_equal_2_4``: patches a private version flag of Lightning; our own minimum versions fail at
   import (``lightning_zeropp/compat/versions.py``).
-- 1.3 ``test_validate_device_mesh_dimensions``: ``data_parallel_size x tensor_parallel_size`` must equal the world
-  size; our mesh is 1-D over the world (the analogue, ``hpz_partition_size`` / ``ranks_per_node`` that do not divide,
-  is in ``tests/test_setup_errors.py``).
-- 2.2 ``test_tensor_parallel``: tensor parallelism.
+
+Ported to ``tests/test_tensor_parallel.py`` (4 ranks, ``tensor_parallel_size=2``, against ModelParallelStrategy
+itself): 1.3 ``test_validate_device_mesh_dimensions`` (``data_parallel_size x tensor_parallel_size`` must equal the
+world size) and 2.2 ``test_tensor_parallel`` (tensor parallelism).
 """
 
 from __future__ import annotations
