@@ -28,7 +28,12 @@ if str(HERE) not in sys.path:
 import record  # noqa: E402
 
 TIERS = {"full": [], "fast": ["-m", "not slow"]}
-SUMMARY = re.compile(r"=+ (?P<body>.*\bin (?P<seconds>[\d.]+)s\b.*?) =+\s*$", re.M)
+SUMMARY = re.compile(
+    r"^=*\s*(?P<body>\d+ (?:passed|failed|skipped|errors?|xfailed|xpassed|warnings?|deselected)\b.*?"
+    r"\bin (?P<seconds>[\d.]+)s\b.*?)\s*=*\s*$",
+    re.M,
+)
+"""pytest's closing line, with ``=`` around it or without (``-q``)."""
 DURATION = re.compile(r"^(?P<seconds>[\d.]+)s (?P<phase>call|setup|teardown)\s+(?P<test>\S+)", re.M)
 
 

@@ -25,6 +25,8 @@ def test_the_closing_line_and_the_slowest_tests():
                                              [3.25, "setup", "tests/test_b.py::test_y"]]  # fmt: skip
     failed = "= 2 failed, 10 passed in 4.00s ="
     assert suite_time.summary(failed) == {"failed": 2, "passed": 10, "pytest_seconds": 4.0}
+    quiet = "...\n1 failed, 1688 passed, 274 skipped, 46 warnings in 1587.56s (0:26:27)\n"  # what -q prints
+    assert suite_time.summary(quiet) == {"failed": 1, "passed": 1688, "skipped": 274, "pytest_seconds": 1587.56}
 
 
 def test_an_output_without_a_summary_is_refused():
