@@ -53,6 +53,15 @@ def slowest(output: str, n: int = 10) -> list[list]:
     return sorted(rows, reverse=True)[:n]
 
 
+def settle(limit_s: float, quiet: float = 1.0) -> float:
+    """Waits until the 1-minute load average falls below ``quiet`` (what another job left fades from it), at most
+    ``limit_s`` seconds; returns the load average then."""
+    deadline = time.monotonic() + limit_s
+    while os.getloadavg()[0] >= quiet and time.monotonic() < deadline:
+        time.sleep(5)
+    return os.getloadavg()[0]
+
+
 def run(tier: str, workers: int) -> dict:
     cmd = [sys.executable, "-m", "pytest", "tests", "-n", str(workers), *TIERS[tier], "-q", "--durations=15",
            "-p", "no:cacheprovider"]  # fmt: skip
@@ -77,8 +86,16 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tier", choices=list(TIERS), default="fast")
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument(
+        "--settle",
+        type=float,
+        default=0,
+        help="first wait up to this many seconds for the 1-minute load average to fall below 1 (a quiet start)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="add the run to this file (benchmarks/record.py)")
     args = parser.parse_args(argv)
+    if args.settle:
+        print(f"load average {settle(args.settle):.2f}")
     row = run(args.tier, args.workers)
     print(json.dumps({k: v for k, v in row.items() if k != "slowest"}))
     if args.json:

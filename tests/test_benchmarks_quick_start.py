@@ -17,6 +17,7 @@ def test_the_last_logged_value_of_each_column(tmp_path):
     assert quick_start.last_values(metrics) == {"step": 19.0, "train/loss": 2.9, "val/loss": 3.0}
 
 
+@pytest.mark.slow  # starts the example's CLI in a subprocess: about 5 s
 def test_a_failed_main_job_is_reported_with_its_error(tmp_path):
     broken = tmp_path / "broken.yaml"
     broken.write_text("trainer:\n  no_such_argument: 1\n")
