@@ -46,6 +46,7 @@ PAGES = [
     "planner",
     "setup_memory",
     "reliability",
+    "suite",
 ]
 """The questions, in the order the index lists them: each is ``benchmarks/pages/NAME.py`` and
 ``docs/results/NAME.md``."""

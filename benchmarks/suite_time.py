@@ -78,6 +78,7 @@ def run(tier: str, workers: int) -> dict:
         "load_before": load_before,
         "load_after": os.getloadavg()[0],
         **summary(output),
+        "failures": sorted(set(re.findall(r"^FAILED (\S+)", output, re.M))),
         "slowest": slowest(output),
     }
 

@@ -29,16 +29,25 @@ def _minutes(seconds: float) -> str:
 
 
 def _latest(runs: list[dict], tier: str, quiet: bool = True) -> dict | None:
-    found = [r for r in runs if r["tier"] == tier and r["exit"] == 0 and (_quiet(r) or not quiet)]
+    found = [r for r in runs if r["tier"] == tier and (_quiet(r) or not quiet)]
     return found[-1] if found else None
+
+
+def _failures(r: dict) -> str:
+    if not r.get("failed"):
+        return ""
+    names = ", ".join(f"`{f}`" for f in r.get("failures", [])) or "not recorded"
+    note = f" ({r['failures_note']})" if r.get("failures_note") else ""
+    return f"; {r['failed']} failed: {names}{note}"
 
 
 def _verdict(runs: list[dict], tier: str) -> str:
     r = _latest(runs, tier)
     if r is None:
-        return "no quiet passing run recorded"
+        return "no quiet run recorded"
     met = r["wall_seconds"] <= BUDGET_S[tier]
-    return f"**{'met' if met else 'NOT met'}** ({_minutes(r['wall_seconds'])}, {r.get('passed', 0)} passed)"
+    verdict = "met" if met else "NOT met"
+    return f"**{verdict}** ({_minutes(r['wall_seconds'])}, {r.get('passed', 0)} passed{_failures(r)})"
 
 
 def render(sources: dict[str, Source]) -> str:
@@ -73,6 +82,7 @@ def snippets(sources: dict[str, Source]) -> dict[str, str]:
             out[tier] = "not measured yet"
             continue
         where = "quiet" if _quiet(r) else "beside other work, not a quiet run"
-        out[tier] = (f"{_minutes(r['wall_seconds'])} ({r.get('passed', 0)} passed, {r.get('skipped', 0)} skipped;"
-                     f" {where}; budget {BUDGET_S[tier] // 60} min)")  # fmt: skip
+        failed = f", {r['failed']} failed (see the page)" if r.get("failed") else ""
+        counts = f"{r.get('passed', 0)} passed, {r.get('skipped', 0)} skipped{failed}"
+        out[tier] = f"{_minutes(r['wall_seconds'])} ({counts}; {where}; budget {BUDGET_S[tier] // 60} min)"
     return out
