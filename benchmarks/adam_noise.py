@@ -2,7 +2,7 @@
 
 qgZ's defaults make AdamW's steps 0.4-0.5% shorter: nearest rounding's error on the INT4 inter-node hop adds its
 variance to every gradient that the second moment ``v`` averages (``benchmarks/small_coordinates.py``; the lr checks in
-RESULTS.md show a step that much shorter costs the defaults' whole second-half gap). The rank that sums the K pieces
+results show a step that much shorter costs the defaults' whole second-half gap). The rank that sums the K pieces
 of a chunk (qgZ step 5) knows each piece's block scales ``s_k`` and codes; a rounding error of a code that is not 0 is
 close to uniform over one step, variance ``s_k^2 / 12``. So that rank can estimate the noise variance of each reduced
 coordinate, ``sigma^2 = multiplier^2 * sum_k [code_k != 0] s_k^2 / 12`` ("codes != 0"; or over every code: "every

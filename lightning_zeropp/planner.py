@@ -21,7 +21,7 @@ The time model, stated:
   computes, so a step takes ``max(compute, comm) + (1 - overlap) x min(compute, comm)``.
 
 ``efficiency`` and ``overlap`` are the model's two free parameters; their defaults are the values fitted on the
-paper's end-to-end table (``benchmarks/plan_check.py --paper``, RESULTS.md).
+paper's end-to-end table (``benchmarks/plan_check.py --paper``, docs/results/planner.md).
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ class Cluster:
     GPUs; intra-node: each GPU's), latencies in microseconds, memory in GiB, peak in TFLOP/s and device memory
     bandwidth (``hbm_gbps``, GB/s: the quantization kernels' speed) per GPU; the backend:
     ``"nccl"`` runs all-gathers and reduce-scatters as rings, ``"gloo"`` (the emulated cluster) its all-gathers as
-    rings and its reduce-scatter with twice a ring's bytes (measured: RESULTS.md, the link/ledger arithmetic)."""
+    rings and its reduce-scatter with twice a ring's bytes (measured: docs/results/slow_link.md)."""
 
     nodes: int
     gpus_per_node: int

@@ -2,7 +2,7 @@
 
 Each namespace runs ``train.py`` once, as each node of a multi-node job does (``num_nodes=2``, ``devices=2``,
 ``NODE_RANK``/``MASTER_ADDR``/``MASTER_PORT``, gloo bound to the veth), through ``benchmarks/cluster.py``. The
-veth's counters see only what crosses the node boundary. In ``benchmarks/RESULTS.md`` ZeRO++ puts 0.17 of ZeRO-3's
+veth's counters see only what crosses the node boundary. On docs/results/slow_link.md ZeRO++ puts 0.17 of ZeRO-3's
 bytes on the link (0.21 by the ledger's per-peer count: gloo's ring all-gather moves 3/4 of what the ledger counts
 across the boundary, qwZ's quantized one the same share); the test requires at most 0.20, i.e. at least 5x fewer.
 """

@@ -288,7 +288,7 @@ def test_one_row_quantization_and_row_sums_move_elements_in_vectors(report):
     the first is on the grid, so no tile of either piece is a vector tile at run time.) INT4 quantization is not
     checked: it loads a tile's even and odd elements apart, element by element, on purpose (``STRIDED`` in
     ``quantize_kernel``: the vector load's layout differs from the INT4 codes', and converting the tile through shared
-    memory cost more instructions than the narrow loads; the static table in RESULTS.md has the counts)."""
+    memory cost more instructions than the narrow loads; the static table on docs/results/kernels.md has the counts)."""
     checked, odd, narrow = 0, 0, []
     for c in report["compiled"]:
         k = c["constexprs"]

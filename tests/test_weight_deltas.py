@@ -43,7 +43,8 @@ BATCH, STEPS = 2, 20
 # (worst parameter's update, whole model's update) relative to one process's: INT4 deltas 2 x 2: 0.358, 0.064 (the
 # Trainer and Fabric alike); INT8 deltas 3 x 2: 0.022, 0.0058; for comparison qwZ's INT8 weights 2 x 2: 0.057, 0.011.
 # The steps here move the weights by several percent each, where INT4 deltas lose to INT8 weights quantized from
-# scratch (a delta's error is about 12% of what the step changed); benchmarks/RESULTS.md has the AdamW regime, where
+# scratch (a delta's error is about 12% of what the step changed); docs/results/gradient_error.md has the AdamW
+# regime, where
 # INT4 deltas are 5.8x more accurate than INT8 weights.
 UPDATE_TOL = {4: (0.5, 0.1), 8: (0.05, 0.01)}
 FORWARD_ERROR_TOL = {4: 1.5e-2, 8: 1e-3}  # measured at most 1.09e-2 (INT4, 2 x 2), 5.0e-4 (INT8, 3 x 2)
