@@ -68,6 +68,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--json", type=Path, default=None, help="write the runs here (benchmarks/record.py)")
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats {args.repeats}: give 1 or more (each repeat runs the main job once)")
     runs = []
     for i in range(args.repeats):
         runs.append(run_once(args.config))

@@ -23,3 +23,9 @@ def test_a_failed_main_job_is_reported_with_its_error(tmp_path):
     broken.write_text("trainer:\n  no_such_argument: 1\n")
     with pytest.raises(SystemExit, match="the main job failed"):
         quick_start.run_once(broken)
+
+
+def test_no_repeats_is_refused_naming_the_argument(capsys):
+    with pytest.raises(SystemExit):
+        quick_start.main(["--repeats", "0"])
+    assert "--repeats 0: give 1 or more" in capsys.readouterr().err
