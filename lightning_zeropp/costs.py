@@ -12,6 +12,12 @@ byte.
 
 Steady state: a step after the first (weight deltas fill the node copies exactly in the first), one forward and one
 backward per optimizer step, every parameter trained.
+
+Tensor parallelism (``config.tensor_parallel_size`` t > 1): ``world`` and ``ranks_per_node`` stay the job's, ``rank``
+the job's number; the arithmetic runs on the data-parallel topology the strategy builds
+(:func:`~lightning_zeropp.commplan.job_topology`: W / t ranks, N / t per node) and on the units as FSDP sees them, the
+tensor-parallel pieces (:func:`tensor_parallel_units`). The activations' all-reduces inside the node are not a ledger
+kind: :func:`activation_all_reduce_bytes`.
 """
 
 from __future__ import annotations
@@ -24,13 +30,12 @@ from dataclasses import dataclass
 from torch import nn
 
 from . import kernels as tk
-from .commplan import CommPlan, resolve
+from .commplan import CommPlan, job_topology, resolve
 from .config import ZeroPPConfig
 from .ledger import CommLedger
 from .qgz import stages
 from .rail import GATHER_KIND, REDUCE_KIND, Piece, pieces
 from .sharding import default_wrap_targets
-from .topology import Topology
 
 Shape = tuple[int, ...]
 ELEMENT_BYTES = {"32-true": (4, 4, 4), "bf16-mixed": (4, 2, 2), "bf16-true": (2, 2, 2), "16-true": (2, 2, 2)}
@@ -83,10 +88,68 @@ def parameters(units: Iterable[Unit]) -> int:
     return sum(u.numel for u in units)
 
 
+def tensor_parallel_units(units: list[Unit], tensor_parallel_size: int) -> list[Unit]:
+    """The units as FSDP sees them on one rank of a tensor-parallel group of ``tensor_parallel_size`` (t): each
+    parameter's local piece under a Megatron-style plan read from the shapes alone, the rank with the largest pieces
+    (a dimension that t does not divide leaves the first ranks one row more, as DTensor does).
+
+    In a block: a matrix ``(out, in)`` that widens (``out > in``: attention's input projection, the MLP's first) is
+    split over its rows (column-parallel), and so is the bias right after it; one that does not (the projections back
+    to the width) over its columns (row-parallel), its bias replicated; norms replicated. In the root (the last unit):
+    the vocabulary-sized matrices (the token embedding, the head) split over their rows, the rest (positions, the
+    final norm) replicated. Exact for :func:`gpt_units`; for other models the rule of thumb their shapes allow. Every
+    GPU of a group holds the replicated parameters whole."""
+    t = tensor_parallel_size
+    if t == 1:
+        return list(units)
+
+    def split(n: int) -> int:
+        return -(-n // t)
+
+    out = []
+    for i, unit in enumerate(units):
+        root = i == len(units) - 1 and len(units) > 1
+        vocab = max((s[0] for s in unit.shapes if len(s) == 2), default=None)  # the root's largest rows
+        shapes: list[Shape] = []
+        column = None  # the rows of the column-parallel matrix just before: its bias is split with it
+        for s in unit.shapes:
+            if len(s) == 2 and (s[0] == vocab if root else s[0] > s[1]):
+                shapes.append((split(s[0]), s[1]))
+                column = s[0]
+            elif len(s) == 2 and not root:
+                shapes.append((s[0], split(s[1])))
+                column = None
+            elif len(s) == 1 and s[0] == column:
+                shapes.append((split(s[0]),))
+                column = None
+            else:
+                shapes.append(s)
+                column = None
+        out.append(Unit(unit.name, tuple(shapes)))
+    return out
+
+
+def activation_all_reduce_bytes(
+    layers: int, tokens: int, width: int, tensor_parallel_size: int, precision: str, activation_checkpointing: bool
+) -> tuple[int, int]:
+    """``(bytes, all-reduces)`` one GPU sends per step for tensor parallelism's activations, inside its node, never
+    across nodes: per layer (Megatron-style), the forward all-reduces the attention's and the MLP's outputs and the
+    backward the gradients of their inputs, each ``tokens x tensor_parallel_size x width`` values in the compute dtype
+    (the group computes on the tokens of all its GPUs); with activation checkpointing the forward runs again in the
+    backward, with its two. A ring all-reduce of ``S`` bytes over t GPUs sends ``2 (t - 1) S / t`` from each (a
+    reduce-scatter and an all-gather, counted per peer as the ledger counts). (0, 0) without tensor parallelism or
+    without a width."""
+    t = tensor_parallel_size
+    if t == 1 or not width:
+        return 0, 0
+    _, e, _ = ELEMENT_BYTES[precision]
+    calls = layers * (6 if activation_checkpointing else 4)
+    return calls * 2 * (t - 1) * tokens * width * e, calls
+
+
 def _plan(config: ZeroPPConfig, world: int, ranks_per_node: int, precision: str | None = None) -> CommPlan:
-    """The job's plan (the same for every rank: rank 0's)."""
-    ranks_per_node, hpz = config.resolve(world, ranks_per_node)
-    return resolve(config, Topology(world, ranks_per_node, 0, hpz), precision)
+    """The job's plan (the same for every rank: rank 0's), on its data-parallel topology."""
+    return resolve(config, job_topology(config, world, ranks_per_node, 0), precision)
 
 
 # ------------------------------------------------------------------------------------------------ bytes
@@ -144,13 +207,14 @@ def step_bytes(
     units: list[Unit], config: ZeroPPConfig, world: int, ranks_per_node: int, rank: int, precision: str = "bf16-mixed"
 ) -> dict[str, tuple[int, int, int]]:
     """Per ledger kind, ``(intra-node bytes, inter-node bytes, calls)`` that ``rank`` sends in one steady-state step
-    of a job of ``world`` ranks, ``ranks_per_node`` per node."""
+    of a job of ``world`` ranks, ``ranks_per_node`` per node (with tensor parallelism, on the data-parallel topology:
+    module docstring)."""
     _, e, er = ELEMENT_BYTES[precision]
-    ranks_per_node, hpz = config.resolve(world, ranks_per_node)
-    topo = Topology(world, ranks_per_node, rank, hpz)
+    topo = job_topology(config, world, ranks_per_node, rank)
     plan = resolve(config, topo)
     ledger = CommLedger(topo)
-    K, N, W, R = topo.num_nodes, ranks_per_node, world, hpz
+    K, N, W, R = topo.num_nodes, topo.ranks_per_node, topo.world_size, topo.hpz_partition_size
+    rank = topo.rank  # from here on, the data-parallel rank
     hybrid = plan.shard_group == "node"
     shard_group = topo.intra_node_ranks() if hybrid else list(range(W))
     S = len(shard_group)
@@ -220,7 +284,7 @@ def kernel_bytes(
     HSDP's (:func:`_rail_kernel_bytes`). Exact collectives (ZeRO-3, HSDP) move no bytes through kernels of ours: 0."""
     _, e, er = ELEMENT_BYTES[precision]
     plan = _plan(config, world, ranks_per_node)
-    K, N, W, R = plan.num_nodes, plan.ranks_per_node, world, plan.hpz_partition_size
+    K, N, W, R = plan.num_nodes, plan.ranks_per_node, plan.world_size, plan.hpz_partition_size
     aligned, forward, feedback = plan.aligned, plan.forward, plan.gradients.feedback
     total = 0
     for unit in units:
@@ -262,7 +326,7 @@ def correction_bytes(
     g = plan.gradients
     if not (g.kind == "two_hop" and g.second_moment and plan.num_nodes > 1):
         return 0
-    return sum(sum(unit.shards(world)) for unit in units) * (3 * stored + 44)
+    return sum(sum(unit.shards(plan.world_size)) for unit in units) * (3 * stored + 44)
 
 
 def _rail_kernel_bytes(plan: CommPlan, segments: tuple[int, ...], er: int) -> int:
@@ -294,7 +358,7 @@ def collective_buffers(units: list[Unit], config: ZeroPPConfig, world: int, rank
     its K copies of one piece received, then that piece sent to every rail rank and every piece received (for the rank
     whose piece is largest). Exact collectives use FSDP's own buffers (the unsharded units): 0."""
     plan = _plan(config, world, ranks_per_node)
-    K, N, W, R = plan.num_nodes, plan.ranks_per_node, world, plan.hpz_partition_size
+    K, N, W, R = plan.num_nodes, plan.ranks_per_node, plan.world_size, plan.hpz_partition_size
     aligned, gather, g = plan.aligned, plan.forward, plan.gradients
     peak = 0
     for unit in units:
@@ -334,7 +398,7 @@ def persistent_memory(
     gather residual (the owner's piece) differs between ranks."""
     _, e, _ = ELEMENT_BYTES[precision]
     plan = _plan(config, world, ranks_per_node, precision)
-    K, N, W, R = plan.num_nodes, plan.ranks_per_node, world, plan.hpz_partition_size
+    K, N, W, R = plan.num_nodes, plan.ranks_per_node, plan.world_size, plan.hpz_partition_size
     g = plan.gradients
     feedback = g.feedback
     out = {"error_feedback": 0, "second_moment_noise": 0, "weight_deltas_node_copy": 0, "weight_deltas_tracked_copy": 0}
@@ -353,7 +417,8 @@ def persistent_memory(
                         _residual_bytes([(p.size, p.block_count(g.block_size))], feedback.bits) if p.size else 0
                         for p in cut
                     ]
-                    out["error_feedback"] += max(owned) if rank is None else owned[rank // N]
+                    node = None if rank is None else rank // (N * plan.tensor_parallel_size)  # rank: the job's
+                    out["error_feedback"] += max(owned) if node is None else owned[node]
             else:  # K rows (one per node) of each qgZ pipeline piece
                 rows, pieces = (
                     K,

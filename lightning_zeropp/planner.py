@@ -18,7 +18,14 @@ The time model, stated:
   sharing the node's inter-node link; collectives
   inside a node (hpZ, HSDP's gathers) use the GPUs' own links;
 - overlap: FSDP2 prefetches the next unit's all-gather and reduces the last unit's gradients while the current unit
-  computes, so a step takes ``max(compute, comm) + (1 - overlap) x min(compute, comm)``.
+  computes, so a step takes ``max(compute, comm) + (1 - overlap) x min(compute, comm)``;
+- tensor parallelism (``--tensor-parallel-size`` t, inside the node; ``auto`` compares every t that divides the node):
+  the same global batch, so a group of t GPUs computes on t x the tokens per GPU with its pieces of the weights
+  (:func:`~lightning_zeropp.costs.tensor_parallel_units`); ZeRO++ runs on the W / t data-parallel ranks, N / t per
+  node, the t groups (one per tensor-parallel position) at once, sharing the node's link; the activations' all-reduces
+  (:func:`~lightning_zeropp.costs.activation_all_reduce_bytes`) stay in the node, on each GPU's own link, and add to
+  the compute (the next matrix multiply waits for them), reported apart from the data-parallel bytes. Not modeled:
+  the split matrix multiplies' lower efficiency, sequence parallelism (activations as Megatron counts them without).
 
 ``efficiency`` and ``overlap`` are the model's two free parameters; their defaults are the values fitted on the
 paper's end-to-end table (``benchmarks/plan_check.py --paper``, docs/results/planner.md).
@@ -31,16 +38,17 @@ import importlib.util
 import json
 import math
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, NoReturn
 
-from .commplan import resolve
+from .commplan import job_topology, resolve
 from .config import ZeroPPConfig
 from .core import HSDP_ARGUMENTS, QUANTIZED_HSDP_ARGUMENTS
 from .costs import (
     ELEMENT_BYTES,
     Unit,
+    activation_all_reduce_bytes,
     collective_buffers,
     correction_bytes,
     gpt_units,
@@ -48,6 +56,7 @@ from .costs import (
     parameters,
     persistent_memory,
     step_bytes,
+    tensor_parallel_units,
 )
 from .topology import Topology
 
@@ -118,7 +127,8 @@ class Cluster:
 
 @dataclass(frozen=True)
 class Workload:
-    """Tokens each GPU processes per optimizer step, the precision, the optimizer's state per parameter (Adam: 2
+    """Tokens each GPU processes per optimizer step (with tensor parallelism, the global batch over the GPUs: each
+    GPU computes on its group's tokens, t x as many), the precision, the optimizer's state per parameter (Adam: 2
     fp32 values), activation checkpointing, and the model's width for the activation estimate."""
 
     tokens_per_gpu: int
@@ -145,13 +155,22 @@ class Row:
     speedup: float = 1.0
     tflops_per_gpu: float = 0.0
     notes: list[str] = field(default_factory=list)
+    tensor_parallel_size: int = 1
+    tensor_parallel_gb: float = 0.0
+    """Bytes (GB) of the activations' all-reduces each GPU sends per step inside its node: in neither of the
+    data-parallel columns, never across nodes."""
+    tensor_parallel_s: float = 0.0
+    """Seconds they take, on the compute's path (in ``step_s``, not in ``compute_s`` or ``comm_s``)."""
 
 
 # ------------------------------------------------------------------------------------------------ time
 def collective_seconds(kind: str, intra: int, inter: int, calls: int, cluster: Cluster, config: ZeroPPConfig) -> float:
-    """Seconds one step's ``calls`` collectives of ``kind`` take, from the bytes one GPU sends (module docstring)."""
-    N, W = cluster.gpus_per_node, cluster.world
-    inter_Bps, intra_Bps = cluster.inter_gbps * 1e9 / 8, cluster.intra_gbps * 1e9 / 8
+    """Seconds one step's ``calls`` collectives of ``kind`` take, from the bytes one GPU sends (module docstring).
+    With tensor parallelism t (``config``'s), a collective runs on the W / t data-parallel ranks, N / t per node, and
+    the t groups run at once, each with a t-th of the node's link."""
+    topology = job_topology(config, cluster.world, cluster.gpus_per_node, 0)  # the data-parallel ranks
+    t, N, W = topology.tensor_parallel_size, topology.ranks_per_node, topology.world_size
+    inter_Bps, intra_Bps = cluster.inter_gbps * 1e9 / 8 / t, cluster.intra_gbps * 1e9 / 8
     lat_inter, lat_intra = cluster.inter_latency_us * 1e-6, cluster.intra_latency_us * 1e-6
     if kind in RING_KINDS and inter:  # a ring over all W ranks: shard = inter / (W - N) bytes per peer
         shard = inter / (W - N)
@@ -161,6 +180,13 @@ def collective_seconds(kind: str, intra: int, inter: int, calls: int, cluster: C
         return intra / intra_Bps + calls * (N - 1) * lat_intra
     seconds = intra / intra_Bps + (N * inter) / inter_Bps
     return seconds + calls * ((lat_inter if inter else 0.0) + (lat_intra if intra else 0.0))
+
+
+def tensor_parallel_seconds(sent: int, all_reduces: int, cluster: Cluster, tensor_parallel_size: int) -> float:
+    """Seconds the activations' all-reduces take: a ring inside the node, ``sent`` bytes on each GPU's own link, a
+    latency per ring step (``2 (t - 1)`` of them per all-reduce)."""
+    steps = all_reduces * 2 * (tensor_parallel_size - 1)
+    return sent / (cluster.intra_gbps * 1e9 / 8) + steps * cluster.intra_latency_us * 1e-6
 
 
 def step_seconds(compute: float, comm: float, overlap: float) -> float:
@@ -234,23 +260,29 @@ def memory_parts(
     activations (``34 x tokens x width`` bytes per layer, as Korthikanti et al. count them with attention scores
     fused away; with checkpointing, one layer's plus every layer's input); the feedback residual, the second-moment
     correction's noise estimates (none where the optimizer keeps fewer than Adam's two states: "auto" skips it) and
-    weight deltas' copies (``strategy.persistent_memory``)."""
+    weight deltas' copies (``strategy.persistent_memory``).
+
+    With tensor parallelism t (``config``'s): ``units`` are the tensor-parallel pieces
+    (:func:`~lightning_zeropp.costs.tensor_parallel_units`), sharded over the W / t data-parallel ranks;
+    ``workload``'s tokens are the group's, and a layer's activations ``tokens x width x (10 + 24 / t)`` bytes (the
+    same authors' count with tensor parallelism and no sequence parallelism: what attention and the MLP hold is split,
+    what the norms, the residual and the dropout masks hold is not)."""
     stored, e, _ = ELEMENT_BYTES[workload.precision]
     W, N = cluster.world, cluster.gpus_per_node
-    _, R = config.resolve(W, N)
-    plan = resolve(config, Topology(W, N, 0, R), workload.precision)
-    S = N if plan.hybrid else W
+    plan = resolve(config, job_topology(config, W, N, 0), workload.precision)
+    t, D, R = plan.tensor_parallel_size, plan.world_size, plan.hpz_partition_size  # D: the data-parallel ranks
+    S = plan.ranks_per_node if plan.hybrid else D
     shard = sum(sum(u.shards(S)) for u in units)
     layers = max(len(units) - 1, 1)
     T = workload.tokens_per_gpu
-    per_layer = 34 * T * n_embd
+    per_layer = T * n_embd * (10 * t + 24) // t
     activations = per_layer + (layers * 2 * T * n_embd if workload.activation_checkpointing else layers * per_layer)
     biggest = sorted((u.numel for u in units), reverse=True)[:2]
     out = {
         "parameters": shard * stored,
         "gradients": shard * stored,
         "optimizer": shard * 4 * workload.optimizer_states,
-        "hpz_copy": sum(sum(u.shards(W)) * (W // R) for u in units) * e if 1 < R < W else 0,
+        "hpz_copy": sum(sum(u.shards(D)) * (D // R) for u in units) * e if 1 < R < D else 0,
         "unsharded_units": sum(biggest) * e * 2,
         "collective_buffers": collective_buffers(units, config, W, N),
         "activations": activations,
@@ -261,19 +293,52 @@ def memory_parts(
     return out
 
 
+def check_tensor_parallel(tensor_parallel_size: object, cluster: Cluster) -> None:
+    """Refuses a tensor-parallel size the strategy would refuse on ``cluster``: not an int >= 1 that divides the GPUs
+    per node (its groups would span nodes, and their activations' all-reduces cross them)."""
+    t, N = tensor_parallel_size, cluster.gpus_per_node
+    if not (isinstance(t, int) and not isinstance(t, bool) and t >= 1 and N % t == 0):
+        raise ValueError(f"planner: `tensor_parallel_size={t!r}` must be an int >= 1 that divides gpus_per_node={N}"
+                         " (tensor parallelism stays inside a node): use one of"
+                         f" {tensor_parallel_sizes(cluster)}.")  # fmt: skip
+
+
+def tensor_parallel_sizes(cluster: Cluster) -> list[int]:
+    """Every tensor-parallel size the cluster allows: the divisors of its GPUs per node."""
+    return [t for t in range(1, cluster.gpus_per_node + 1) if cluster.gpus_per_node % t == 0]
+
+
 def predict(
-    units: list[Unit], cluster: Cluster, workload: Workload, configs: dict[str, dict] | None = None, n_embd: int = 0
+    units: list[Unit],
+    cluster: Cluster,
+    workload: Workload,
+    configs: dict[str, dict] | None = None,
+    n_embd: int = 0,
+    tensor_parallel_size: int = 1,
 ) -> list[Row]:
-    """One :class:`Row` per configuration (default :data:`CONFIGS`), the speedups against the first."""
+    """One :class:`Row` per configuration (default :data:`CONFIGS`), the speedups against the first; with
+    ``tensor_parallel_size`` t > 1, each configuration with ``tensor_parallel_size=t`` (one the strategy refuses
+    raises its ValueError: HSDP, weight deltas, hpZ > 1), on the model's tensor-parallel pieces (module docstring).
+    ``n_embd`` 0: no width, so no activations in the memory and, with t > 1, no activation all-reduces (a note on
+    each row says so)."""
+    t = tensor_parallel_size
+    check_tensor_parallel(t, cluster)
+    local = tensor_parallel_units(units, t)
+    group = replace(workload, tokens_per_gpu=t * workload.tokens_per_gpu)  # every GPU computes on its group's tokens
+    layers = max(len(units) - 1, 1)
+    tp_bytes, all_reduces = activation_all_reduce_bytes(
+        layers, workload.tokens_per_gpu, n_embd, t, workload.precision, workload.activation_checkpointing
+    )
+    tp_s = tensor_parallel_seconds(tp_bytes, all_reduces, cluster, t)
     rows = []
     for name, kwargs in (configs or CONFIGS).items():
-        config = ZeroPPConfig(**kwargs)
-        by_kind = step_bytes(units, config, cluster.world, cluster.gpus_per_node, 0, workload.precision)
+        config = ZeroPPConfig(**kwargs, **({"tensor_parallel_size": t} if t > 1 else {}))
+        by_kind = step_bytes(local, config, cluster.world, cluster.gpus_per_node, 0, workload.precision)
         comm = sum(collective_seconds(k, *v, cluster, config) for k, v in by_kind.items())
-        flops = step_flops(units, workload)
-        compute = compute_seconds(units, config, cluster, workload)
-        step = step_seconds(compute, comm, workload.overlap)
-        memory = memory_parts(units, config, cluster, workload, n_embd)
+        flops = step_flops(local, group)
+        compute = compute_seconds(local, config, cluster, group)
+        step = step_seconds(compute + tp_s, comm, workload.overlap)
+        memory = memory_parts(local, config, cluster, group, n_embd)
         total = sum(memory.values())
         rows.append(
             Row(
@@ -287,6 +352,10 @@ def predict(
                 comm_s=comm,
                 step_s=step,
                 tflops_per_gpu=flops / step / 1e12 * (6 / 8 if workload.activation_checkpointing else 1),
+                notes=["no model width: the activations' all-reduces are left out"] if t > 1 and not n_embd else [],
+                tensor_parallel_size=t,
+                tensor_parallel_gb=tp_bytes / 1e9,
+                tensor_parallel_s=tp_s,
             )
         )
     for row in rows:
@@ -330,6 +399,10 @@ class Verdict:
     yaml: str = ""
     long_run: str = ""
     launch: tuple[str, ...] = ()
+    tensor_parallel_size: int = 1
+    tensor_parallel: str = ""
+    """Why this tensor-parallel size, where the planner compared them (:func:`choose_tensor_parallel`)."""
+    tensor_parallel_passed_over: list[str] = field(default_factory=list)
 
 
 def lossy(name: str) -> bool:
@@ -348,7 +421,8 @@ def verdict(rows: list[Row], cluster: Cluster, margin: float = MARGIN, adam: boo
     Starting from the first that fits, each later one replaces the choice only if it fits and its step is more than
     ``margin`` shorter than the choice's (:data:`MARGIN`). On one node nothing crosses nodes, so nothing lossy is
     chosen: ZeRO++ would save no link time there and only add quantization error. Every row faster than the choice
-    is listed with the reason it lost."""
+    is listed with the reason it lost. The rows' tensor-parallel size (one for all) goes into the code it prints."""
+    t = rows[0].tensor_parallel_size if rows else 1
     one_node = cluster.nodes == 1
     choice = None
     for row in rows:
@@ -359,7 +433,8 @@ def verdict(rows: list[Row], cluster: Cluster, margin: float = MARGIN, adam: boo
         need = min(r.memory_gib["total"] for r in rows)
         return Verdict(None, "nothing fits", f"the smallest needs {need:.1f} GiB per GPU of {cluster.gpu_memory_gib:g}:"
                        " more GPUs, fewer --tokens per GPU, activation checkpointing, or CPU offload"
-                       " (cpu_offload=True, which the planner does not model)", 0.0, margin, [])  # fmt: skip
+                       " (cpu_offload=True, which the planner does not model)", 0.0, margin, [],
+                       tensor_parallel_size=t)  # fmt: skip
     passed_over = []
     for row in rows:
         if row.step_s >= choice.step_s:
@@ -384,12 +459,113 @@ def verdict(rows: list[Row], cluster: Cluster, margin: float = MARGIN, adam: boo
             reason[0] += f" ({best.step_s / choice.step_s:.2f}x {best.config}'s, the fastest exact one)"
     reason += [f"{bound}-bound (compute {choice.compute_s:.3g} s, communication {choice.comm_s:.3g} s)",
                f"{choice.memory_gib['total']:.1f} of {cluster.gpu_memory_gib:g} GiB per GPU"]  # fmt: skip
+    if t > 1:
+        reason.append(f"tensor parallel {t}: {choice.tensor_parallel_gb:.3g} GB of activation all-reduces per GPU per"
+                      f" step inside the node, {choice.tensor_parallel_s:.3g} s on the compute's path")  # fmt: skip
     if lossy(choice.config):
         reason.append("lossy: compare its loss curve with zero3's early in a run (docs/accuracy.md)")
-    python, alias, yaml = strategy_code(choice.config, cluster)
+    python, alias, yaml = strategy_code(choice.config, cluster, t)
     advice = long_run_advice(rows, choice, cluster.gpu_memory_gib, adam)
-    return Verdict(choice.config, LABELS.get(choice.config, choice.config), "; ".join(reason), choice.speedup, margin,
-                   passed_over, python, alias, yaml, advice, launch_lines(cluster))  # fmt: skip
+    return Verdict(choice.config, label(choice.config, t), "; ".join(reason), choice.speedup, margin, passed_over,
+                   python, alias, yaml, advice, launch_lines(cluster), t)  # fmt: skip
+
+
+def label(name: str, tensor_parallel_size: int = 1) -> str:
+    """What configuration ``name`` is (:data:`LABELS`), with tensor parallelism where ``tensor_parallel_size`` > 1
+    (hpZ is off with it: the strategy does not combine them yet)."""
+    words = LABELS.get(name, name)
+    if tensor_parallel_size == 1:
+        return words
+    return words.replace("hpZ, ", "") + f", with tensor parallelism {tensor_parallel_size} inside each node"
+
+
+def plannable(cluster: Cluster, tensor_parallel_size: int = 1) -> tuple[dict[str, dict], list[str]]:
+    """The :data:`CONFIGS` the strategy runs on ``cluster`` with ``tensor_parallel_size``, and ``"name: why"`` for
+    each it refuses (weight deltas need hpZ, which needs 2 or more GPUs per node; HSDP and weight deltas do not
+    combine with tensor parallelism yet)."""
+    configs, unplanned = {}, []
+    extra = {"tensor_parallel_size": tensor_parallel_size} if tensor_parallel_size > 1 else {}
+    for name, kwargs in CONFIGS.items():
+        try:
+            ZeroPPConfig(**kwargs, **extra).resolve(cluster.world, cluster.gpus_per_node)
+            configs[name] = kwargs
+        except ValueError as e:
+            unplanned.append(f"{name}: {e}")
+    return configs, unplanned
+
+
+def compare_tensor_parallel(
+    units: list[Unit],
+    cluster: Cluster,
+    workload: Workload,
+    sizes: list[int],
+    margin: float = MARGIN,
+    adam: bool = True,
+    n_embd: int = 0,
+) -> tuple[dict[int, list[Row]], dict[int, list[str]], dict[int, Verdict]]:
+    """Per tensor-parallel size of ``sizes``: the rows of what the strategy runs with it (:func:`plannable`), what it
+    refuses, and the verdict among them."""
+    rows, unplanned, verdicts = {}, {}, {}
+    for t in sizes:
+        configs, unplanned[t] = plannable(cluster, t)
+        rows[t] = predict(units, cluster, workload, configs, n_embd=n_embd, tensor_parallel_size=t)
+        verdicts[t] = verdict(rows[t], cluster, margin, adam)
+    return rows, unplanned, verdicts
+
+
+def choose_tensor_parallel(
+    verdicts: dict[int, Verdict], rows: dict[int, list[Row]], cluster: Cluster, margin: float = MARGIN
+) -> Verdict:
+    """The tensor-parallel size to use, from each size's verdict (:func:`compare_tensor_parallel`), by the verdict's
+    own rule: memory first, then time. From the smallest size whose choice fits, a larger one replaces it only if its
+    choice fits and its step is more than ``margin`` shorter (a tensor-parallel plan is work on the model, and the time
+    model leaves out what splitting the matrix multiplies costs). The result is that size's verdict, with why, and every
+    faster size that lost."""
+
+    def chosen(t: int) -> Row:
+        return next(r for r in rows[t] if r.config == verdicts[t].config)
+
+    choice = None
+    for t in sorted(verdicts):
+        if verdicts[t].config is None:
+            continue
+        if choice is None or chosen(choice).step_s > chosen(t).step_s * (1 + margin):
+            choice = t
+    caveat = "a static model: the split matrix multiplies' efficiency is not in it, so time a step at both sizes"
+    if choice is None:
+        need, t = min((r.memory_gib["total"], t) for t in rows for r in rows[t])
+        why = f"nothing fits at any size; the smallest, with tensor_parallel_size={t}, needs {need:.1f} GiB per GPU"
+        return replace(verdicts[t], tensor_parallel=why)
+    row, passed_over = chosen(choice), []
+    for t in sorted(verdicts):
+        if t == choice:
+            continue
+        if verdicts[t].config is None:
+            fastest = min(rows[t], key=lambda r: r.step_s)
+            if fastest.step_s < row.step_s:
+                need = min(r.memory_gib["total"] for r in rows[t])
+                passed_over.append(f"t = {t} ({fastest.config}) would be {row.step_s / fastest.step_s - 1:.0%} faster,"
+                                   f" but nothing fits: the smallest needs {need:.1f} GiB per GPU of"
+                                   f" {cluster.gpu_memory_gib:g}")  # fmt: skip
+        elif chosen(t).step_s < row.step_s:
+            passed_over.append(f"t = {t} ({verdicts[t].config}) is {row.step_s / chosen(t).step_s - 1:.0%} faster,"
+                               f" within the {margin:.0%} margin")  # fmt: skip
+    base = verdicts.get(1)
+    if choice == 1:
+        why = (f"don't use it (t = 1): no tensor-parallel size that fits is more than {margin:.0%} faster" if
+               len(verdicts) > 1 else "t = 1: one GPU per node, nothing to split")  # fmt: skip
+    elif base is None or base.config is None:
+        need = min(r.memory_gib["total"] for r in rows[1]) if 1 in rows else None
+        why = f"t = {choice}: nothing fits without tensor parallelism" + (
+            f" (t = 1 needs {need:.1f} GiB per GPU of {cluster.gpu_memory_gib:g})" if need is not None else ""
+        )
+        why += f"; predicted step {row.step_s:.3g} s ({verdicts[choice].config})"
+    else:
+        one = chosen(1)
+        why = (f"t = {choice}: predicted step {row.step_s:.3g} s, {one.step_s / row.step_s:.2f}x t = 1's"
+               f" ({base.config}, {one.step_s:.3g} s); cross-node GB per GPU {one.inter_node_gb:.3g} ->"
+               f" {row.inter_node_gb:.3g}")  # fmt: skip
+    return replace(verdicts[choice], tensor_parallel=f"{why}; {caveat}", tensor_parallel_passed_over=passed_over)
 
 
 def launch_lines(cluster: Cluster) -> tuple[str, ...]:
@@ -434,14 +610,14 @@ def long_run_advice(rows: list[Row], choice: Row, gpu_memory_gib: float, adam: b
     return words
 
 
-def strategy_code(name: str, cluster: Cluster) -> tuple[str, str | None, str]:
-    """The Python and the LightningCLI YAML that select configuration ``name`` of :data:`CONFIGS` on ``cluster``,
-    and its registered short name (``strategy="zero3"``), if it has one."""
+def strategy_code(name: str, cluster: Cluster, tensor_parallel_size: int = 1) -> tuple[str, str | None, str]:
+    """The Python and the LightningCLI YAML that select configuration ``name`` of :data:`CONFIGS` on ``cluster``
+    (with ``tensor_parallel_size``), and its registered short name (``strategy="zero3"``), if it has one."""
     from lightning.pytorch.strategies import StrategyRegistry
 
     from .strategy import ZeroPPStrategy
 
-    kwargs = CONFIGS[name]
+    kwargs = CONFIGS[name] | ({"tensor_parallel_size": tensor_parallel_size} if tensor_parallel_size > 1 else {})
     aliases = [k for k, v in StrategyRegistry.items() if v["strategy"] is ZeroPPStrategy and v["init_params"] == kwargs]
     arguments = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
     python = (f"Trainer(num_nodes={cluster.nodes}, devices={cluster.gpus_per_node},"
@@ -461,13 +637,20 @@ def strategy_code(name: str, cluster: Cluster) -> tuple[str, str | None, str]:
 def verdict_text(v: Verdict) -> str:
     """The verdict as the CLI prints it: the choice and why, what lost and why, the code that selects it."""
     if v.config is None:
-        return f"verdict: {v.label}: {v.reason}"
-    verb = "stay on" if v.config == next(iter(CONFIGS)) else "use"
+        line = f"verdict: {v.label}: {v.reason}"
+        return line + (f"\n  tensor parallel: {v.tensor_parallel}" if v.tensor_parallel else "")
+    verb = "stay on" if v.config == next(iter(CONFIGS)) and v.tensor_parallel_size == 1 else "use"
     lines = [f"verdict: {verb} {v.label} [{v.config}]", f"  why: {v.reason}"]
     lines += [f"  not chosen: {p}" for p in v.passed_over]
+    if v.tensor_parallel:
+        lines.append(f"  tensor parallel: {v.tensor_parallel}")
+        lines += [f"  not chosen: {p}" for p in v.tensor_parallel_passed_over]
     if v.long_run:
         lines.append(f"  long runs: {v.long_run}")
     lines += ["  python: from lightning_zeropp import ZeroPPStrategy", f"          {v.python}"]
+    if v.tensor_parallel_size > 1:
+        lines.append("          # configure_model: parallelize_module(..., self.device_mesh['tensor_parallel'], plan),"
+                     " then fully_shard(..., mesh=self.device_mesh['data_parallel'])")  # fmt: skip
     if v.alias:
         lines.append(f'          # the same: strategy="{v.alias}", a name lightning_zeropp registers when imported')
     lines += ["  LightningCLI YAML:", *(f"    {line}" for line in v.yaml.splitlines())]
@@ -622,23 +805,35 @@ MEMORY_GROUPS = {
 """How the table groups the memory parts (the JSON keeps each part)."""
 
 
-def table(rows: list[Row]) -> str:
-    head = ["config", "GiB per GPU", *MEMORY_GROUPS, "fits", "inter GB/GPU", "intra GB/GPU", "compute s", "comm s",
-            "step s", "speedup"]  # fmt: skip
+def table(rows: list[Row], tensor_parallel: bool = False) -> str:
+    """The rows as a Markdown table; ``tensor_parallel``: with the activations' all-reduces inside the node (GB per GPU
+    per step, and seconds), beside the data-parallel columns, not in them."""
+    tp = (lambda *cells: list(cells)) if tensor_parallel else (lambda *cells: [])
+    head = ["config", "GiB per GPU", *MEMORY_GROUPS, "fits", "inter GB/GPU", "intra GB/GPU", *tp("TP GB/GPU"),
+            "compute s", "comm s", *tp("TP s"), "step s", "speedup"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         groups = [sum(r.memory_gib[p] for p in parts) for parts in MEMORY_GROUPS.values()]
         cells = [r.config, f"{r.memory_gib['total']:.2f}", *[f"{g:.2f}" for g in groups], "yes" if r.fits else "NO",
-                 f"{r.inter_node_gb:.3f}", f"{r.intra_node_gb:.3f}", f"{r.compute_s:.3f}", f"{r.comm_s:.3f}",
-                 f"{r.step_s:.3f}", f"{r.speedup:.2f}x"]  # fmt: skip
+                 f"{r.inter_node_gb:.3f}", f"{r.intra_node_gb:.3f}", *tp(f"{r.tensor_parallel_gb:.3f}"),
+                 f"{r.compute_s:.3f}", f"{r.comm_s:.3f}", *tp(f"{r.tensor_parallel_s:.3f}"), f"{r.step_s:.3f}",
+                 f"{r.speedup:.2f}x"]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def plot(
-    units: list[Unit], cluster: Cluster, workload: Workload, path: Path, title: str, configs: dict | None = None
+    units: list[Unit],
+    cluster: Cluster,
+    workload: Workload,
+    path: Path,
+    title: str,
+    configs: dict | None = None,
+    n_embd: int = 0,
+    tensor_parallel_size: int = 1,
 ) -> None:
-    """Step time against inter-node bandwidth for every configuration (default :data:`CONFIGS`; log-log)."""
+    """Step time against inter-node bandwidth for every configuration (default :data:`CONFIGS`; log-log), with
+    ``tensor_parallel_size``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -648,7 +843,7 @@ def plot(
     series: dict[str, list[float]] = {}
     for bw in bandwidths:
         at = Cluster(**{**asdict(cluster), "inter_gbps": bw})
-        for row in predict(units, at, workload, configs):
+        for row in predict(units, at, workload, configs, n_embd, tensor_parallel_size):
             series.setdefault(row.config, []).append(row.step_s)
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for name, times in series.items():
@@ -698,6 +893,21 @@ RULES: dict[str, tuple[Any, str]] = {
     "margin": (lambda v: v >= 0, "a fraction >= 0, e.g. 0.1 for a tenth"),
 }
 """Each numeric argument's valid values and what to pass instead, checked before anything is planned."""
+
+TENSOR_PARALLEL_AUTO = "auto"
+"""``--tensor-parallel-size auto``: compare every size that divides the node and recommend one."""
+
+
+def tensor_parallel_size(text: str) -> int | str:
+    """``--tensor-parallel-size``: a whole number (checked against ``--gpus-per-node`` with the other arguments) or
+    ``auto``."""
+    if text.strip().lower() == TENSOR_PARALLEL_AUTO:
+        return TENSOR_PARALLEL_AUTO
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size; use a whole number that divides --gpus-per-node"
+                                         " (1: no tensor parallelism) or auto") from None  # fmt: skip
 
 
 class _Parser(argparse.ArgumentParser):
@@ -775,6 +985,10 @@ def parser() -> argparse.ArgumentParser:
                    " paper's V100 table: measure yours)")  # fmt: skip
     w.add_argument("--overlap", type=float, default=OVERLAP, help="share of the shorter of compute/comm hidden"
                    " (fitted as above)")  # fmt: skip
+    shown.add_argument("--tensor-parallel-size", type=tensor_parallel_size, default=1, help="tensor parallelism"
+                       " inside each node (Megatron-style: each layer split over groups of this many GPUs, ZeRO++"
+                       " over the groups); auto: compare every size that divides --gpus-per-node and recommend"
+                       " one")  # fmt: skip
     shown.add_argument("--margin", type=float, default=MARGIN, help="a configuration is recommended over a simpler one"
                    " only when its step is more than this fraction shorter")  # fmt: skip
     shown.add_argument("--json", type=Path, help="write the predictions and the verdict to this file")
@@ -799,6 +1013,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         value = getattr(args, name)
         if value is not None and not (math.isfinite(value) and valid(value)):
             p.error(f"--{name.replace('_', '-')}={_sci(value)}: must be {fix}")
+    t, N = args.tensor_parallel_size, args.gpus_per_node
+    if t != TENSOR_PARALLEL_AUTO and (t < 1 or N % t):
+        sizes = ", ".join(str(d) for d in range(1, N + 1) if N % d == 0)
+        p.error(f"--tensor-parallel-size={t}: must be a size >= 1 that divides --gpus-per-node={N} (tensor"
+                f" parallelism stays inside a node): use one of {sizes}, or auto")  # fmt: skip
     for flag in ("json", "plot"):
         path = getattr(args, flag)
         if path is not None and not path.parent.is_dir():
@@ -852,6 +1071,18 @@ def header(args: argparse.Namespace, model: Model, cluster: Cluster, workload: W
         f" {v['margin']}",
         "          * = a default: check it against your job",
     ]
+    t = args.tensor_parallel_size
+    if t != 1:  # asked for: without it, the header is what it was before tensor parallelism was planned
+        sizes = tensor_parallel_sizes(c) if t == TENSOR_PARALLEL_AUTO else [t]
+        which = (f"auto: each size that divides the node ({', '.join(map(str, sizes))}) planned and one recommended"
+                 if t == TENSOR_PARALLEL_AUTO else f"{t} inside each node, ZeRO++ over {c.world // t} data-parallel"
+                 f" ranks, {c.gpus_per_node // t} per node")  # fmt: skip
+        lines[-1:-1] = [
+            f"tensor:   {which}; a group of t GPUs computes on t x {w.tokens_per_gpu} tokens (the same global batch);"
+            " each layer's activations all-reduced inside the node (Megatron-style: 2 forward, 2 backward, 2 more"
+            " with checkpointing's recompute); a static model: the split matrix multiplies' efficiency and sequence"
+            " parallelism are not in it"
+        ]
     return "\n".join(lines)
 
 
@@ -865,34 +1096,49 @@ def main(argv: list[str] | None = None) -> list[Row]:
                           hbm_gbps=args.hbm_gbps, kernel_gbps=kernel_gbps)  # fmt: skip
         workload = Workload(args.tokens, args.precision, args.optimizer_states, not args.no_activation_checkpointing,
                             args.efficiency, args.overlap)  # fmt: skip
-        configs, unplanned = {}, []
-        for name, kwargs in CONFIGS.items():  # weight deltas need hpZ, which needs 2 or more GPUs per node
-            try:
-                ZeroPPConfig(**kwargs).resolve(cluster.world, cluster.gpus_per_node)
-                configs[name] = kwargs
-            except ValueError as e:
-                unplanned.append(f"{name}: {e}")
-        rows = predict(model.units, cluster, workload, configs, n_embd=model.width)
-        choice = verdict(rows, cluster, args.margin, adam=workload.optimizer_states >= 2)
+        asked, auto = args.tensor_parallel_size, args.tensor_parallel_size == TENSOR_PARALLEL_AUTO
+        sizes = tensor_parallel_sizes(cluster) if auto else [asked]
+        by_size, unplanned, verdicts = compare_tensor_parallel(model.units, cluster, workload, sizes, args.margin,
+                                                               workload.optimizer_states >= 2, model.width)  # fmt: skip
+        choice = choose_tensor_parallel(verdicts, by_size, cluster, args.margin) if auto else verdicts[asked]
     except ValueError as e:  # InputError, or a check deeper down (ZeroPPConfig, costs): one line, no traceback
         parser().error(str(e).replace("\n", " "))
     print(header(args, model, cluster, workload) + "\n")
-    print(table(rows))
-    for line in unplanned:
-        print(f"not planned: {line}")
-    print("\n" + verdict_text(choice))
+    for t in sizes:
+        if auto:
+            print(f"tensor_parallel_size={t}:")
+        print(table(by_size[t], tensor_parallel=asked != 1))
+        for line in unplanned[t]:
+            print(f"not planned: {line}")
+        if auto:
+            print()
+    print(("" if auto else "\n") + verdict_text(choice))
+    rows = [r for t in sizes for r in by_size[t]]
     if args.json:
+        tp = {"tensor_parallel_size": asked} if asked != 1 else {}
         args.json.write_text(json.dumps({"model": model.description, "cluster": asdict(cluster),
-                                         "workload": asdict(workload), "margin": args.margin,
-                                         "rows": [asdict(r) for r in rows], "recommendation": asdict(choice),
-                                         "not_planned": unplanned}, indent=2))  # fmt: skip
+                                         "workload": asdict(workload), "margin": args.margin, **tp,
+                                         "rows": [_json(r, asked != 1) for r in rows],
+                                         "recommendation": _json(choice, asked != 1),
+                                         "not_planned": [f"tensor_parallel_size={t}: {u}" if auto else u
+                                                         for t in sizes for u in unplanned[t]]}, indent=2))  # fmt: skip
         print(f"wrote {args.json}")
     if args.plot:
+        t = choice.tensor_parallel_size
         title = (f"{model.description} on {cluster.nodes} x {cluster.gpus_per_node} GPUs, {cluster.inter_gbps:g}"
-                 f" Gbit/s between nodes, {workload.tokens_per_gpu} tokens per GPU")  # fmt: skip
-        plot(model.units, cluster, workload, args.plot, title, configs)
+                 f" Gbit/s between nodes, {workload.tokens_per_gpu} tokens per GPU"
+                 + (f", tensor parallel {t}" if t > 1 else ""))  # fmt: skip
+        configs = {r.config: CONFIGS[r.config] for r in by_size[t]}
+        plot(model.units, cluster, workload, args.plot, title, configs, model.width, t)
         print(f"wrote {args.plot}")
     return rows
+
+
+def _json(item: Row | Verdict, tensor_parallel: bool) -> dict[str, Any]:
+    """A row or the verdict as the JSON holds it: without the tensor-parallel fields where none was asked for (the
+    file as it was before tensor parallelism was planned)."""
+    out = asdict(item)
+    return out if tensor_parallel else {k: v for k, v in out.items() if not k.startswith("tensor_parallel")}
 
 
 if __name__ == "__main__":
