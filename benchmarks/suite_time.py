@@ -3,10 +3,12 @@
     python benchmarks/suite_time.py --tier fast --json benchmarks/data/suite/suite_time.json   # -m "not slow"
     python benchmarks/suite_time.py --tier full --json benchmarks/data/suite/suite_time.json   # the README's command
 
-Each run adds a row to the file: the tier, passed / skipped / failed, the wall time, the machine's load average
-before and after (a run beside other work is not a quiet run, and the page says so), and the slowest tests by
-pytest's ``--durations``. The budgets (the full suite within 15 minutes, the fast tier within 3, on a 2-core machine)
-are judged on the page from the latest quiet run of each tier.
+Each run adds a row to the file: the tier, passed / skipped / failed, the wall time, the CPU time of all its
+processes (ranks included; over the wall time and the CPUs, how busy the run kept the machine), the machine's load
+average before and after (a run beside other work is not a quiet run, and the page says so), the slowest tests by
+pytest's ``--durations``, and each test module's seconds (the suite gives the longest modules out first, from the
+latest full run: ``tests/conftest.py``). The budgets (the full suite within 15 minutes, the fast tier within 3, on a
+2-core machine) are judged on the page from the latest quiet run of each tier.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import subprocess
 import sys
 import time
@@ -47,6 +50,16 @@ def summary(output: str) -> dict:
     return {**counts, "pytest_seconds": float(matches[-1]["seconds"])}
 
 
+def module_seconds(output: str) -> dict[str, float]:
+    """Each test module's seconds (setup, call and teardown of its tests, as ``--durations=0`` lists them; phases
+    under 5 ms are not listed), the longest first: what ``tests/conftest.py`` orders the modules by."""
+    totals: dict[str, float] = {}
+    for m in DURATION.finditer(output):
+        module = m["test"].split("::", 1)[0]
+        totals[module] = totals.get(module, 0.0) + float(m["seconds"])
+    return {k: round(v, 2) for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}
+
+
 def slowest(output: str, n: int = 10) -> list[list]:
     """The ``n`` longest phases ``--durations`` listed: [seconds, phase, test]."""
     rows = [[float(m["seconds"]), m["phase"], m["test"]] for m in DURATION.finditer(output)]
@@ -63,23 +76,29 @@ def settle(limit_s: float, quiet: float = 1.0) -> float:
 
 
 def run(tier: str, workers: int) -> dict:
-    cmd = [sys.executable, "-m", "pytest", "tests", "-n", str(workers), *TIERS[tier], "-q", "--durations=15",
+    cmd = [sys.executable, "-m", "pytest", "tests", "-n", str(workers), *TIERS[tier], "-q", "--durations=0",
            "-p", "no:cacheprovider"]  # fmt: skip
     load_before = os.getloadavg()[0]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)  # every process of the run, ranks included, once reaped
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     output = done.stdout + done.stderr
     return {
         "tier": tier,
         "command": "python -m pytest tests -n 2" + (' -m "not slow"' if tier == "fast" else ""),
         "exit": done.returncode,
         "wall_seconds": wall,
+        "cpu_seconds": cpu,
         "load_before": load_before,
         "load_after": os.getloadavg()[0],
         **summary(output),
         "failures": sorted(set(re.findall(r"^FAILED (\S+)", output, re.M))),
+        "error_tests": sorted(set(re.findall(r"^ERROR (\S+)", output, re.M))),
         "slowest": slowest(output),
+        "module_seconds": module_seconds(output),
     }
 
 

@@ -5,7 +5,10 @@ or takes more than about 5 s (marked so by hand). A test outside the slow tier t
 the marker it lacks, so the fast tier can never grow a spawn unnoticed."""
 
 import contextlib
+import json
+import math
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,18 +20,83 @@ if not torch.cuda.is_available():
 _SLOW_BY_NATURE = ("multiprocess", "cluster", "slurm")
 
 
+TEST_BY_TEST = ("tests/test_kernels.py", "tests/test_kernels_rotation.py")
+"""Modules whose tests share nothing costly (no module-scoped fixture): given out one test at a time, last, so that
+they fill the gaps at the end of the run. Every other module's tests run on one worker."""
+
+SUITE_TIME = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "suite" / "suite_time.json"
+
+
+def module_seconds(path: Path = SUITE_TIME) -> dict[str, float]:
+    """Each test module's seconds in the latest full run ``benchmarks/suite_time.py`` recorded ({} without one)."""
+    try:
+        runs = json.loads(path.read_text())["runs"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    full = [r for r in runs if r.get("tier") == "full" and r.get("module_seconds")]
+    return full[-1]["module_seconds"] if full else {}
+
+
+def work_order(nodeids: list[str], seconds: dict[str, float]) -> list[int]:
+    """The order in which the tests are given out: modules the longest first by ``seconds`` (a module it does not
+    know first of all: it may be long), each module's tests in their order; the modules of :data:`TEST_BY_TEST` last.
+    The longest module given out last would otherwise keep one worker busy while the other waits (xdist's own order
+    is by number of tests: a module of two tests spawning clusters came near the end)."""
+
+    def key(i: int) -> tuple:
+        module = nodeids[i].split("::", 1)[0]
+        return module in TEST_BY_TEST, -seconds.get(module, math.inf)
+
+    return sorted(range(len(nodeids)), key=key)  # stable: a module's tests keep their order
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """Under pytest-xdist (``-n``), a module's tests all run on one worker: its module-scoped fixtures (a capture of
-    training steps, a preempted job) spawn their ranks once, not once per worker."""
-    from xdist.scheduler import LoadFileScheduling
+    training steps, a preempted job) spawn their ranks once, not once per worker. Work is given out in the workers'
+    collection order (:func:`work_order`), not by xdist's count of tests per module."""
+    from xdist.scheduler import LoadScopeScheduling
 
-    return LoadFileScheduling(config, log)
+    class ModulesLongestFirst(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return nodeid if module in TEST_BY_TEST else module
+
+    config.option.loadscopereorder = False
+    return ModulesLongestFirst(config, log)
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if any(item.get_closest_marker(name) for name in _SLOW_BY_NATURE):
+            item.add_marker(pytest.mark.slow)
+    _fast_tier_covers_each_matrix(items)
+    if hasattr(config, "workerinput"):  # an xdist worker: its collection order is the order of work
+        order = work_order([item.nodeid for item in items], module_seconds())
+        items[:] = [items[i] for i in order]
+
+
+def _skipped_at_collection(item) -> bool:
+    return any(m.args and m.args[0] is True for m in item.iter_markers("skipif")) or item.get_closest_marker("skip")
+
+
+def _fast_tier_covers_each_matrix(items) -> None:
+    """In a module marked ``matrix``, each parametrized test's cases are a product of parameter values, every case run
+    by the full suite. The fast tier runs a subset in which every value of every parameter appears at least once: the
+    first case (in collection order) that brings a value no earlier chosen case had; the rest are marked ``slow``.
+    Cases skipped at collection (no GPU) neither count nor change."""
+    chosen: dict[tuple, set] = {}
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        if callspec is None or not item.get_closest_marker("matrix") or item.get_closest_marker("slow"):
+            continue
+        if _skipped_at_collection(item):
+            continue
+        seen = chosen.setdefault((item.module.__name__, item.originalname), set())
+        values = {(name, repr(value)) for name, value in callspec.params.items()}
+        if values - seen:
+            seen |= values
+        else:
             item.add_marker(pytest.mark.slow)
 
 

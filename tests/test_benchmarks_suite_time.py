@@ -32,3 +32,10 @@ def test_the_closing_line_and_the_slowest_tests():
 def test_an_output_without_a_summary_is_refused():
     with pytest.raises(SystemExit, match="no pytest summary line"):
         suite_time.summary("ImportError while loading conftest")
+
+
+def test_each_modules_seconds_add_up_its_phases_longest_first():
+    output = OUTPUT + "2.00s teardown tests/test_b.py::test_y\n1.00s call     tests/test_b.py::test_w[a-b]\n"
+    assert suite_time.module_seconds(output) == {"tests/test_a.py": 12.5, "tests/test_b.py": 6.25,
+                                                 "tests/test_c.py": 0.5}  # fmt: skip
+    assert list(suite_time.module_seconds(output)) == ["tests/test_a.py", "tests/test_b.py", "tests/test_c.py"]

@@ -34,6 +34,7 @@ pytestmark = [
         os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 (set by conftest without a GPU)"
     ),
     pytest.mark.version_sensitive,
+    pytest.mark.matrix,  # the fast tier: a subset covering every parameter value (conftest)
 ]
 DEVICE = "cpu"
 

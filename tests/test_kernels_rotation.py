@@ -18,7 +18,7 @@ from lightning_zeropp import kernels as tk
 from lightning_zeropp.kernels import reference as ref
 from lightning_zeropp.testing.kernels import SEGMENTS, edge_blocks
 
-pytestmark = pytest.mark.version_sensitive
+pytestmark = [pytest.mark.version_sensitive, pytest.mark.matrix]  # matrix: the fast tier covers each value (conftest)
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICES = [
     pytest.param(

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import inspect
+import json
 import re
 from pathlib import Path
 
@@ -42,8 +43,53 @@ def test_a_modules_tests_share_a_worker(pytestconfig, monkeypatch):
     import conftest
 
     monkeypatch.setattr(pytestconfig.option, "tx", ["popen", "popen"], raising=False)  # what `-n 2` sets
+    monkeypatch.setattr(pytestconfig.option, "loadscopereorder", True, raising=False)
     scheduler = conftest.pytest_xdist_make_scheduler(pytestconfig, None)
-    assert isinstance(scheduler, xdist_scheduler.LoadFileScheduling)  # xdist's "loadfile": a file's tests, one worker
+    assert isinstance(scheduler, xdist_scheduler.LoadScopeScheduling)
+    assert pytestconfig.option.loadscopereorder is False  # the collection order (work_order) is the order of work
+    assert scheduler._split_scope("tests/test_fabric.py::test_x[2x2]") == "tests/test_fabric.py"
+    one = "tests/test_kernels.py::test_quantize_dequantize[8]"
+    assert scheduler._split_scope(one) == one
+
+
+def test_modules_given_out_test_by_test_share_no_fixture_across_tests():
+    """A module-scoped fixture (a spawn, a capture) in one of them would run on both workers."""
+    import conftest
+
+    for module in conftest.TEST_BY_TEST:
+        text = (ROOT / module).read_text()
+        assert not re.search(r"scope\s*=", text), f"{module} has a shared fixture: take it out of TEST_BY_TEST"
+
+
+def test_the_longest_modules_are_given_out_first_and_the_test_by_test_ones_last():
+    import conftest
+
+    ids = ["tests/test_a.py::t1", "tests/test_kernels.py::k1", "tests/test_b.py::t1", "tests/test_a.py::t2",
+           "tests/test_new.py::t1", "tests/test_b.py::t2", "tests/test_kernels.py::k2"]  # fmt: skip
+    order = conftest.work_order(ids, {"tests/test_a.py": 3.0, "tests/test_b.py": 40.0, "tests/test_kernels.py": 90.0})
+    assert [ids[i] for i in order] == [
+        "tests/test_new.py::t1",  # unknown: it may be long
+        "tests/test_b.py::t1",
+        "tests/test_b.py::t2",
+        "tests/test_a.py::t1",
+        "tests/test_a.py::t2",
+        "tests/test_kernels.py::k1",
+        "tests/test_kernels.py::k2",
+    ]
+    assert conftest.work_order(ids, {}) == [0, 2, 3, 4, 5, 1, 6]  # no data: collection order, test by test last
+
+
+def test_the_order_reads_the_latest_full_runs_module_seconds(tmp_path):
+    import conftest
+
+    path = tmp_path / "suite_time.json"
+    runs = [{"tier": "full", "module_seconds": {"tests/test_a.py": 1.0}}, {"tier": "fast", "module_seconds": {"x": 2}},
+            {"tier": "full", "module_seconds": {"tests/test_b.py": 5.0}}, {"tier": "full"}]  # fmt: skip
+    path.write_text(json.dumps({"runs": runs}))
+    assert conftest.module_seconds(path) == {"tests/test_b.py": 5.0}
+    path.write_text("{not json")
+    assert conftest.module_seconds(path) == {}
+    assert conftest.module_seconds(tmp_path / "missing.json") == {}
 
 
 def test_a_test_leaves_the_environment_as_it_found_it(monkeypatch):

@@ -8,13 +8,15 @@ TITLE = "The test suite's time"
 QUESTION = """How long do the README's test command and its fast tier take on a 2-core machine?
 
 `benchmarks/suite_time.py` runs `python -m pytest tests -n 2` (the full suite, CI's command) or its fast tier
-(`-m "not slow"`) and records the counts, the wall time, the machine's load average before and after, and the slowest
-tests."""
+(`-m "not slow"`) and records the counts, the wall time, the CPU time of all its processes, the machine's load average
+before and after, the slowest tests and each test module's seconds."""
 
 SOURCES = ["suite/suite_time.json"]
 
 BUDGET_S = {"full": 15 * 60, "fast": 3 * 60}
 """The project's budgets: the full suite within 15 minutes, the fast tier within 3."""
+
+MODULES_SHOWN = 15
 
 QUIET_LOAD = 1.0
 """A run is quiet when the load average before it was below this (nothing else running on the 2 cores)."""
@@ -41,6 +43,11 @@ def _failures(r: dict) -> str:
     return f"; {r['failed']} failed: {names}{note}"
 
 
+def _busy(r: dict, cpus: int) -> str:
+    """The run's CPU time over its wall time and the machine's CPUs (not recorded before the column existed)."""
+    return f"{r['cpu_seconds'] / (r['wall_seconds'] * cpus):.0%}" if "cpu_seconds" in r else "-"
+
+
 def _verdict(runs: list[dict], tier: str) -> str:
     r = _latest(runs, tier)
     if r is None:
@@ -55,16 +62,28 @@ def render(sources: dict[str, Source]) -> str:
     runs = data["runs"]
     rows = [
         [i + 1, r["tier"], r.get("passed", 0), r.get("skipped", 0), r.get("failed", 0), _minutes(r["wall_seconds"]),
-         f"{r['load_before']:.1f} / {r['load_after']:.1f}", "quiet" if _quiet(r) else "beside other work"]
+         _busy(r, data["cpus"]), f"{r['load_before']:.1f} / {r['load_after']:.1f}",
+         "quiet" if _quiet(r) else "beside other work"]
         for i, r in enumerate(runs)
     ]  # fmt: skip
     goals = "\n".join(f"- {tier}: within {BUDGET_S[tier] // 60} min: {_verdict(runs, tier)}" for tier in BUDGET_S)
     parts = [
         f"On a machine with {data['cpus']} CPUs. A run is quiet when the load average before it was below"
         f" {QUIET_LOAD:g}; a run beside other work shows what the suite survives, not what it costs.",
-        table(["run", "tier", "passed", "skipped", "failed", "wall", "load before / after", ""], rows),
+        table(["run", "tier", "passed", "skipped", "failed", "wall", "CPU busy", "load before / after", ""], rows),
         f"## Budgets, by the latest quiet run of each tier\n\n{goals}",
     ]
+    full = [r for r in runs if r["tier"] == "full" and r.get("module_seconds")]
+    if full:
+        modules = list(full[-1]["module_seconds"].items())
+        rows = [[f"`{m}`", f"{s:.0f}"] for m, s in modules[:MODULES_SHOWN]]
+        rest = sum(s for _, s in modules[MODULES_SHOWN:])
+        rows.append([f"the other {len(modules) - MODULES_SHOWN} modules", f"{rest:.0f}"])
+        parts.append(
+            f"## The longest modules (run {runs.index(full[-1]) + 1}, the latest full run)\n\nSeconds of their tests,"
+            " summed over both workers. The suite gives modules out in this order (`tests/conftest.py`), the kernel"
+            " modules last and one test at a time.\n\n" + table(["module", "s"], rows)
+        )
     for tier in BUDGET_S:
         r = _latest(runs, tier, quiet=False)
         if r and r["slowest"]:
