@@ -1,4 +1,4 @@
-"""The planner with tensor parallelism (issue 60, item 4): ``predict(..., tensor_parallel_size=t)`` and
+"""The planner with tensor parallelism: ``predict(..., tensor_parallel_size=t)`` and
 ``--tensor-parallel-size t|auto``.
 
 - the model's pieces under a Megatron-style plan, read from the shapes;

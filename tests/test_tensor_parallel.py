@@ -1,4 +1,4 @@
-"""Tensor parallelism inside the node, ZeRO++ across the data-parallel dimension (issue 60, first part).
+"""Tensor parallelism inside the node, ZeRO++ across the data-parallel dimension.
 
 - process-free: the data-parallel topology and every group partition of a 2-D job; every refusal, each one sentence
   naming the argument, the value and the fix; the plan's startup line;
