@@ -1,4 +1,4 @@
-"""Tensor parallelism on the shapes real models have (issue 60, item 5): a small Llama under torch's usual plan.
+"""Tensor parallelism on the shapes real models have: a small Llama under torch's usual plan.
 
 :class:`~lightning_zeropp.testing.models.TinyLlama` (token embedding tied to the head, RMSNorm before attention and
 MLP, grouped-query attention with rotary positions, SwiGLU; odd sizes) under
