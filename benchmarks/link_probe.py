@@ -12,8 +12,8 @@ after another on its own group, at two message sizes, as nccl-tests characterize
 ``size`` is one rank's contribution in bytes (an all-to-all's whole send buffer, an all-reduce's buffer). Rank 0
 prints one JSON line: per collective, ``[[size, seconds per call], ...]``. ``benchmarks/plan_check.py --cluster``
 turns each collective's two points into the link's rate and latency as the planner's model of that collective sees
-them (``lightning_zeropp.planner.collective_seconds``); the training step is then predicted from those, its bytes and
-its compute, never from its own time.
+them (``lightning_zeropp.prediction.collective_seconds``); the training step is then predicted from those, its bytes
+and its compute, never from its own time.
 
 Run by ``benchmarks/cluster.py --probe-link`` inside each namespace, with ``RANK``, ``WORLD_SIZE=4``,
 ``MASTER_ADDR``, ``MASTER_PORT`` and ``GLOO_SOCKET_IFNAME`` set.

@@ -61,7 +61,7 @@ def paper_rows() -> list[dict]:
     fitted parameters), from the planner's model."""
     from lightning_zeropp.config import ZeroPPConfig
     from lightning_zeropp.costs import gpt_units, kernel_bytes, step_bytes
-    from lightning_zeropp.planner import CONFIGS, Cluster, Workload, collective_seconds, step_flops
+    from lightning_zeropp.prediction import CONFIGS, Cluster, Workload, collective_seconds, step_flops
 
     rows = []
     units_of = {name: gpt_units(50304, 2048, round(p / (12 * d * d)), d) for name, (p, d) in MODELS.items()}
@@ -183,10 +183,10 @@ def _probe_bytes(probe: str, size: int) -> tuple[int, int]:
 
 
 def fit_link(points: list[list[float]], probe: str) -> tuple[float, float]:
-    """(Gbit/s, latency in us) that make the planner's :func:`~lightning_zeropp.planner.collective_seconds` of
+    """(Gbit/s, latency in us) that make the planner's :func:`~lightning_zeropp.prediction.collective_seconds` of
     ``probe`` pass through its two measured points (latency held at 0 if the two points ask for less)."""
     from lightning_zeropp.config import ZeroPPConfig
-    from lightning_zeropp.planner import Cluster, collective_seconds
+    from lightning_zeropp.prediction import Cluster, collective_seconds
 
     kind, config = PROBE_CLASS[probe], ZeroPPConfig(ranks_per_node=2)
 
@@ -205,7 +205,7 @@ def fit_link(points: list[list[float]], probe: str) -> tuple[float, float]:
 
 
 def compute_from_step(step: float, comm: float, overlap: float) -> float:
-    """The compute that :func:`~lightning_zeropp.planner.step_seconds` composes with ``comm`` into ``step`` at
+    """The compute that :func:`~lightning_zeropp.prediction.step_seconds` composes with ``comm`` into ``step`` at
     ``overlap`` (its inverse in the compute; 0 where the step is shorter than the communication alone)."""
     if step >= comm + (1 - overlap) * comm:  # compute >= comm: the step is compute plus the unhidden communication
         return step - (1 - overlap) * comm
@@ -226,7 +226,7 @@ def cluster_measurements(path: Path, probe_fit: bool = False, latency_us: float 
 
     from lightning_zeropp.config import ZeroPPConfig
     from lightning_zeropp.costs import gpt_units, step_bytes
-    from lightning_zeropp.planner import Cluster, collective_seconds
+    from lightning_zeropp.prediction import Cluster, collective_seconds
 
     data = json.loads(path.read_text())
     model = data["meta"]["model"]
@@ -271,8 +271,8 @@ def cluster_measurements(path: Path, probe_fit: bool = False, latency_us: float 
 def predict_cluster(row: dict, efficiency: float, overlap: float) -> tuple[float, float, float]:
     """``(compute, comm, step)`` seconds of one :func:`cluster_measurements` row: the compute from the unshaped step
     at ``overlap``, the shaped link's collectives at ``efficiency``, composed by the planner's
-    :func:`~lightning_zeropp.planner.step_seconds`."""
-    from lightning_zeropp.planner import step_seconds
+    :func:`~lightning_zeropp.prediction.step_seconds`."""
+    from lightning_zeropp.prediction import step_seconds
 
     compute = compute_from_step(row["unshaped_s"], row["unshaped_comm_s"], overlap)
     seconds = row["comm_at"](efficiency)
@@ -286,7 +286,7 @@ def fit_cluster(rows: list[dict]) -> tuple[float, float]:
     grid_e = [i / 200 for i in range(20, 301)]
     grid_o = [i / 100 for i in range(0, 101)]
     comms = {e: [r["comm_at"](e) for r in rows] for e in grid_e}  # the link's part does not depend on the overlap
-    from lightning_zeropp.planner import step_seconds
+    from lightning_zeropp.prediction import step_seconds
 
     def loss(e: float, o: float) -> float:
         total = 0.0
@@ -423,7 +423,7 @@ def check_memory(configs: list[str], steps: int) -> list[dict]:
     allocator keeps."""
     from lightning_zeropp.config import ZeroPPConfig
     from lightning_zeropp.costs import gpt_units
-    from lightning_zeropp.planner import Cluster, Workload, memory_parts
+    from lightning_zeropp.prediction import Cluster, Workload, memory_parts
     from lightning_zeropp.spawn import run_local_ranks
 
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # read when the rank processes start
@@ -478,7 +478,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.bytes:
         sys.exit(1 if check_bytes(args.bytes) else 0)
     if args.cluster:
-        from lightning_zeropp.planner import OVERLAP
+        from lightning_zeropp.prediction import OVERLAP
 
         sys.path.insert(0, str(ROOT / "benchmarks"))
         overlap = OVERLAP if args.overlap is None else args.overlap

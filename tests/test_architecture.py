@@ -24,8 +24,10 @@ PACKAGE = Path(lightning_zeropp.__file__).parent
 LAYERS = {
     "__init__": 9,
     "callback": 8,
-    "plan": 8,  # the planner's old name: a shim that warns and forwards to it
-    "planner": 7,
+    "plan": 9,  # the planner's old name: a shim that warns and forwards to it
+    "planner": 8,  # the CLI: the model from the arguments, the table, the header, the JSON
+    "recommendation": 7,  # the planner's verdict; it prints the strategy's code (imports strategy)
+    "prediction": 6,  # the planner's model: memory, bytes and step time per configuration
     "argument_table": 8,
     "fabric": 6,
     "strategy": 6,

@@ -9,7 +9,8 @@ import pytest
 
 from lightning_zeropp.config import ZeroPPConfig
 from lightning_zeropp.costs import gpt_units
-from lightning_zeropp.planner import CONFIGS, Cluster, Workload, collective_seconds, main, predict
+from lightning_zeropp.planner import main
+from lightning_zeropp.prediction import CONFIGS, Cluster, Workload, collective_seconds, predict
 
 ROOT = Path(__file__).resolve().parents[1]
 SEVEN_B = gpt_units(32000, 4096, 32, 4096)
@@ -70,7 +71,7 @@ def test_the_correction_s_passes_are_in_the_compute_time_where_it_runs():
     transients per element of a rank's shard) are in ZeRO++'s compute time across nodes with Adam, and nowhere else:
     not with SGD ("auto" stands down), not on one node, not with it off, not in ZeRO-3."""
     from lightning_zeropp.costs import correction_bytes, kernel_bytes
-    from lightning_zeropp.planner import compute_seconds
+    from lightning_zeropp.prediction import compute_seconds
 
     cluster = Cluster(8, 8, 100.0, 2400.0)
     shard = sum(sum(u.shards(cluster.world)) for u in SEVEN_B)
@@ -146,7 +147,7 @@ def test_compute_from_step_inverts_the_step_model(compute, comm, overlap):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import plan_check
 
-    from lightning_zeropp.planner import step_seconds
+    from lightning_zeropp.prediction import step_seconds
 
     step = step_seconds(compute, comm, overlap)
     back = plan_check.compute_from_step(step, comm, overlap)
@@ -157,7 +158,7 @@ def test_compute_from_step_inverts_the_step_model(compute, comm, overlap):
 
 def _synthetic_cluster_rows(efficiency, overlap):
     """Rows made by the model itself: four configurations at three rates, each with its own compute and bytes."""
-    from lightning_zeropp.planner import step_seconds
+    from lightning_zeropp.prediction import step_seconds
 
     rows = []
     for k, (compute, megabits) in enumerate([(0.27, 130.0), (0.41, 22.0), (0.50, 11.0), (0.29, 44.0)]):

@@ -10,9 +10,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lightning_zeropp import planner
+from lightning_zeropp import planner, recommendation
 from lightning_zeropp.config import ZeroPPConfig
-from lightning_zeropp.planner import CONFIGS, GPUS, Cluster, Row, main, verdict
+from lightning_zeropp.planner import GPUS, main
+from lightning_zeropp.prediction import CONFIGS, Cluster, Row
+from lightning_zeropp.recommendation import verdict
 
 # the first H200 run's kernel table: timed with the launcher inside (no device time)
 ROOT_H200_TABLE = (
@@ -103,7 +105,7 @@ def test_an_error_from_deeper_down_is_one_line(capsys, monkeypatch):
     def predict(*args, **kwargs):
         raise ValueError("costs: `something=3` must divide 8;\nuse 1, 2, 4 or 8.")
 
-    monkeypatch.setattr(planner, "predict", predict)
+    monkeypatch.setattr(recommendation, "predict", predict)
     assert "`something=3` must divide 8; use 1, 2, 4 or 8." in _refused(capsys, ["--params", "1e9"])
 
 
@@ -278,7 +280,7 @@ def test_a_zeropp_verdict_says_what_the_long_run_setting_costs(capsys):
     """gradient_bits=8 only changes the inter-node gradient hop: its cost is the zeropp+qgz8 row less the zeropp
     row, added to whichever ZeRO++ configuration was chosen; an exact choice, or a plan without either row, gets no
     advice."""
-    from lightning_zeropp.planner import LONG_RUN, long_run_advice, verdict_text
+    from lightning_zeropp.recommendation import LONG_RUN, long_run_advice, verdict_text
 
     assert LONG_RUN in CONFIGS and CONFIGS[LONG_RUN] == {"gradient_bits": 8}
     zero3, zeropp = _planned("zero3", 4.0, 30.0), _planned("zeropp", 1.0, 6.0)

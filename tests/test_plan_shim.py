@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from lightning_zeropp import planner
+from lightning_zeropp import planner, prediction, recommendation
 
 
 def test_importing_the_old_name_warns_and_forwards_to_the_planner(monkeypatch):
@@ -17,7 +17,9 @@ def test_importing_the_old_name_warns_and_forwards_to_the_planner(monkeypatch):
         old = importlib.import_module("lightning_zeropp.plan")
     assert old.plan is planner.predict  # the function's old name
     assert (old.CONFIGS, old.Cluster, old.main, old.verdict) == (planner.CONFIGS, planner.Cluster, planner.main,
-                                                                 planner.verdict)  # fmt: skip
+                                                                 recommendation.verdict)  # fmt: skip
+    # the names of the modules the planner was split into, as the old module had them
+    assert (old.collective_seconds, old.LONG_RUN) == (prediction.collective_seconds, recommendation.LONG_RUN)
     with pytest.raises(AttributeError, match="no_such_name"):
         old.no_such_name  # noqa: B018
 

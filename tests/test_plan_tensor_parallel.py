@@ -20,18 +20,12 @@ import pytest
 
 from lightning_zeropp.config import ZeroPPConfig
 from lightning_zeropp.costs import Unit, activation_all_reduce_bytes, gpt_units, step_bytes, tensor_parallel_units
-from lightning_zeropp.planner import (
-    CONFIGS,
-    Cluster,
-    Row,
-    Workload,
+from lightning_zeropp.planner import main, table
+from lightning_zeropp.prediction import CONFIGS, Cluster, Row, Workload, collective_seconds, predict
+from lightning_zeropp.recommendation import (
     choose_tensor_parallel,
-    collective_seconds,
     compare_tensor_parallel,
-    main,
     plannable,
-    predict,
-    table,
     verdict,
     verdict_text,
 )

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import statistics
 
-from lightning_zeropp.planner import MARGIN
+from lightning_zeropp.recommendation import MARGIN
 from pages import Source, table
 
 TITLE = "How right the planner is"
@@ -52,9 +52,9 @@ MODELS = ["planner/plan_1p3b.json", "planner/plan_7b.json", "planner/plan_70b.js
 FIGURES = {"planner/plan_7b.json": "../../benchmarks/data/planner/plan_7b.png"}
 """Figures beside the data, relative to ``docs/results/``."""
 
-# The planner's verdict rule (``lightning_zeropp.planner.verdict``, its default ``MARGIN``), applied to files that
-# predate a stored verdict: in the planned order, a configuration replaces the choice only if it fits and its predicted
-# step is more than this share shorter than the choice's.
+# The planner's verdict rule (``lightning_zeropp.recommendation.verdict``, its default ``MARGIN``), applied to files
+# that predate a stored verdict: in the planned order, a configuration replaces the choice only if it fits and its
+# predicted step is more than this share shorter than the choice's.
 
 MEMORY_PARTS = ["parameters", "gradients", "optimizer", "hpz_copy", "unsharded_units", "collective_buffers",
                 "activations", "error_feedback", "weight_deltas_node_copy", "weight_deltas_tracked_copy"]  # fmt: skip
