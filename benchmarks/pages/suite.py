@@ -69,7 +69,9 @@ def render(sources: dict[str, Source]) -> str:
     goals = "\n".join(f"- {tier}: within {BUDGET_S[tier] // 60} min: {_verdict(runs, tier)}" for tier in BUDGET_S)
     parts = [
         f"On a machine with {data['cpus']} CPUs. A run is quiet when the load average before it was below"
-        f" {QUIET_LOAD:g}; a run beside other work shows what the suite survives, not what it costs.",
+        f" {QUIET_LOAD:g}; a run beside other work shows what the suite survives, not what it costs. CPU busy is"
+        " the CPU time of the run's processes over its wall time and the CPUs, a lower bound: a process its parent"
+        " never waits for (a fork server's ranks may be such) is not counted.",
         table(["run", "tier", "passed", "skipped", "failed", "wall", "CPU busy", "load before / after", ""], rows),
         f"## Budgets, by the latest quiet run of each tier\n\n{goals}",
     ]
