@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from test_plan_cli import _refused  # the CLI's one-line refusal, as its own tests read it
 
 from lightning_zeropp.config import ZeroPPConfig
 from lightning_zeropp.costs import Unit, activation_all_reduce_bytes, gpt_units, step_bytes, tensor_parallel_units
@@ -32,16 +33,6 @@ from lightning_zeropp.recommendation import (
 
 SMALL = gpt_units(256, 128, 2, 64)  # two blocks 64 wide, a vocabulary of 256, 128 positions
 ZERO3 = {"zero3": CONFIGS["zero3"]}
-
-
-def _refused(capsys, argv: list[str]) -> str:
-    """The one line ``argv`` is refused with (exit code 2, nothing else on stderr, nothing on stdout)."""
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    out, err = capsys.readouterr()
-    assert exit_info.value.code == 2, (exit_info.value.code, err)
-    assert out == "" and err.count("\n") == 1 and "Traceback" not in err, err
-    return err
 
 
 # ------------------------------------------------------------------------------------------------ the pieces

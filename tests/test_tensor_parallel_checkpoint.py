@@ -20,32 +20,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import Callback, LightningModule
-from torch import nn
+from test_tensor_parallel import TensorParallelNet  # the same small net as the training tests
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_zeropp import ZeroPPStrategy
 from lightning_zeropp.checkpoint import index_keyed
-from lightning_zeropp.testing.contract import FeedForward
 from lightning_zeropp.testing.distributed import lightning_trainer, spawn
 from lightning_zeropp.testing.workers import LossRecorder
 
 pytestmark = pytest.mark.multiprocess  # not version_sensitive until tried on the oldest torch (.ci/oldest.sh)
 
 WORLD, PER_NODE, BATCH, STEPS_PER_EPOCH = 4, 2, 2, 2
-
-
-class TensorParallelNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(16, 32)
-        self.blocks = nn.ModuleList(FeedForward() for _ in range(2))
-        self.head = nn.Linear(32, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.inp(x)
-        for block in self.blocks:
-            h = h + block(h)
-        return self.head(h)
 
 
 class TwoDimensional(LightningModule):
