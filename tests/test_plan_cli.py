@@ -22,7 +22,7 @@ ROOT_H200_TABLE = (
 )
 
 
-def _refused(capsys, argv: list[str]) -> str:
+def refused(capsys, argv: list[str]) -> str:
     """The one line ``argv`` is refused with (exit code 2, nothing else on stderr, nothing on stdout)."""
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
@@ -72,7 +72,7 @@ def _plan_json(tmp_path, capsys, argv: list[str]) -> tuple[dict, str]:
     ],
 )
 def test_bad_input_is_refused_in_one_line(capsys, argv, named):
-    assert named in _refused(capsys, argv)
+    assert named in refused(capsys, argv)
 
 
 def test_params_beside_a_shape_that_makes_it_is_a_check(tmp_path, capsys):
@@ -83,7 +83,7 @@ def test_params_beside_a_shape_that_makes_it_is_a_check(tmp_path, capsys):
 
 def test_litgpt_missing_or_unknown_is_one_line(capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "litgpt", None)  # not installed
-    assert "pip install litgpt" in _refused(capsys, ["--litgpt", "pythia-1b"])
+    assert "pip install litgpt" in refused(capsys, ["--litgpt", "pythia-1b"])
 
     def from_name(name):
         raise ValueError(f"{name!r} is not a supported config name")
@@ -91,12 +91,12 @@ def test_litgpt_missing_or_unknown_is_one_line(capsys, monkeypatch):
     fake = types.ModuleType("litgpt")
     fake.Config, fake.GPT = types.SimpleNamespace(from_name=from_name), None
     monkeypatch.setitem(sys.modules, "litgpt", fake)  # installed, the name unknown: was a traceback
-    assert "--litgpt pythya-1b: litgpt has no config of that name" in _refused(capsys, ["--litgpt", "pythya-1b"])
+    assert "--litgpt pythya-1b: litgpt has no config of that name" in refused(capsys, ["--litgpt", "pythya-1b"])
 
 
 def test_plot_without_matplotlib_is_one_line_before_planning(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    assert "needs matplotlib" in _refused(capsys, ["--plot", str(tmp_path / "plan.png")])
+    assert "needs matplotlib" in refused(capsys, ["--plot", str(tmp_path / "plan.png")])
 
 
 def test_an_error_from_deeper_down_is_one_line(capsys, monkeypatch):
@@ -106,7 +106,7 @@ def test_an_error_from_deeper_down_is_one_line(capsys, monkeypatch):
         raise ValueError("costs: `something=3` must divide 8;\nuse 1, 2, 4 or 8.")
 
     monkeypatch.setattr(recommendation, "predict", predict)
-    assert "`something=3` must divide 8; use 1, 2, 4 or 8." in _refused(capsys, ["--params", "1e9"])
+    assert "`something=3` must divide 8; use 1, 2, 4 or 8." in refused(capsys, ["--params", "1e9"])
 
 
 def test_one_gpu_per_node_plans_what_can_run(tmp_path, capsys):
@@ -320,7 +320,7 @@ def test_params_takes_a_model_size_as_models_are_named(given, count):
 
 @pytest.mark.parametrize("given", ["7X", "B", "", "seven"])
 def test_params_refuses_what_is_not_a_count_and_says_how_to_write_one(capsys, given):
-    err = _refused(capsys, [f"--params={given}"])
+    err = refused(capsys, [f"--params={given}"])
     assert "--params" in err and "7B, 1.3B, 350M" in err
 
 
@@ -371,5 +371,5 @@ def test_the_planner_times_the_kernels_at_what_the_device_measured(tmp_path, cap
     ],
 )
 def test_a_kernel_table_the_planner_cannot_trust_is_refused_in_one_line(tmp_path, capsys, make, says):
-    err = _refused(capsys, ["--params", "7B", "--kernels", str(make(tmp_path))])
+    err = refused(capsys, ["--params", "7B", "--kernels", str(make(tmp_path))])
     assert says in err and "--kernels" in err

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_plan_cli import _refused  # the CLI's one-line refusal, as its own tests read it
+from test_plan_cli import refused  # the CLI's one-line refusal, as its own tests read it
 
 from lightning_zeropp.config import ZeroPPConfig
 from lightning_zeropp.costs import Unit, activation_all_reduce_bytes, gpt_units, step_bytes, tensor_parallel_units
@@ -189,7 +189,7 @@ def test_hpz_with_tensor_parallelism_is_refused_as_the_strategy_refuses_it():
     ],
 )  # fmt: skip
 def test_the_cli_refuses_a_bad_size_in_one_line(capsys, argv, named):
-    assert named in _refused(capsys, argv)
+    assert named in refused(capsys, argv)
 
 
 # ------------------------------------------------------------------------------------------------ t = 1
