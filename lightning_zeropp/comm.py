@@ -11,6 +11,9 @@ forward all-gather             whole data-parallel group   qwZ quantized all-gat
                                                           deltas: the node copy's slices, gathered in the
                                                           hpZ group, after any delta exchange (deltas.py)
 backward all-gather (hpZ)      hpZ group (R ranks)         exact all-gather of the dequantized copy
+hpZ with tensor parallelism:   whole data-parallel group   forward: as above, and this rank's 1/R of the
+FSDP reshards fully                                       output kept; backward: the kept pieces gathered
+                                                          in the hpZ group (hpz.SecondaryCopies)
 backward all-gather (no hpZ)   whole group                 same as forward (identical weights)
 gradient reduce-scatter        whole group                 qgZ 2-hop all-to-all, or exact (also after
                                                           the first quantize_gradients_steps steps)
@@ -40,6 +43,7 @@ from .compat.torch import in_backward
 from .config import ZeroPPConfig
 from .deltas import WeightDeltas
 from .feedback import ErrorFeedback
+from .hpz import SecondaryCopies
 from .ledger import CommLedger
 from .moments import SecondMomentCorrection, noise_factor
 from .step_owner import StepOwner
@@ -70,6 +74,8 @@ class ZeroPPComms:
         self.feedback = ErrorFeedback(fb.decay, fb.reset, fb.bits) if fb is not None else None
         forward, backend = self.plan.forward, config.kernel_backend
         self.deltas = WeightDeltas(forward, self.topology, ledger, backend) if forward.kind == "node_copy" else None
+        R = self.plan.backward.group_size
+        self.secondary = SecondaryCopies(R, self.topology.rank) if self.plan.secondary_by_hooks else None
         g = self.plan.gradients
         self.moments = (
             SecondMomentCorrection(
@@ -129,8 +135,30 @@ class ZeroPPComms:
             return hpz.secondary_all_gather(output, input, group, ranks, self.ledger, async_op)
         # Inside autograd's backward: this is the re-gather of a resharded module.
         backward = in_backward()
+        if self.secondary is not None and role == "world":  # hpZ kept by these hooks (tensor parallelism)
+            if backward:
+                piece = self.secondary.take(output, unit)
+                if piece is not None:
+                    group, ranks = groups.group("hpz"), groups.ranks("hpz")
+                    return hpz.secondary_all_gather(output, piece, group, ranks, self.ledger, async_op)
+            else:
+                work = self._gather_from_every_rank(output, input, group, ranks, async_op, unit, backward)
+                return self.secondary.keep_after(work, output, unit)
+        return self._gather_from_every_rank(output, input, group, ranks, async_op, unit, backward)
+
+    def _gather_from_every_rank(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        group: dist.ProcessGroup,
+        ranks: list[int],
+        async_op: bool,
+        unit: UnitBlocks | None,
+        backward: bool,
+    ) -> dist.Work | None:
+        """The all-gather of every rank's shard on the data-parallel group: qwZ, weight deltas, or exact."""
         if self.deltas is not None and not backward and unit is not None and input.is_floating_point():
-            self.deltas.all_gather(output, input, unit, groups, self.steps)
+            self.deltas.all_gather(output, input, unit, self.ensure_groups(), self.steps)
             return None
         kind = "weight_all_gather_backward" if backward else "weight_all_gather"
         if self.use_qwz and self._quantizable(input):
@@ -249,6 +277,8 @@ class ZeroPPComms:
         does (collective: one small all-reduce per forward pass)."""
         if self.deltas is not None:
             self.deltas.agree(self.units, self.ensure_groups().world, device, self.steps)
+        if self.secondary is not None:  # FSDP gathers under no_grad: whether a backward can follow is read here
+            self.secondary.begin_forward(torch.is_grad_enabled())
 
     def detach_optimizers(self) -> None:
         """The optimizers' step hooks removed (the strategy's teardown) and what the correction decided for them

@@ -136,6 +136,12 @@ class CommPlan:
         return self.hybrid and not self.gradients.quantized_rail
 
     @property
+    def secondary_by_hooks(self) -> bool:
+        """hpZ kept by the all-gather hooks rather than FSDP (tensor parallelism: FSDP2 cannot reshard DTensor
+        parameters to a smaller mesh), so FSDP reshards fully after forward (:mod:`lightning_zeropp.hpz`)."""
+        return self.backward.kind == "secondary" and self.tensor_parallel_size > 1
+
+    @property
     def aligned(self) -> bool:
         """Quantization blocks follow parameters (no block holds two)."""
         return self.block_alignment == "parameter"
@@ -251,9 +257,11 @@ def resolve(config: ZeroPPConfig, topology: Topology, precision: str | None = No
         )
     # backward (HSDP's R is 1: FSDP re-gathers inside the node)
     reshard = reshard_after_forward(R, W)
-    if topology.tensor_parallel_size > 1 and c.hpz_partition_size == "auto" and N > 1:
-        notes.append(("backward", "hpZ off (not combined with tensor parallelism yet)"))
     backward = BackwardGather("secondary", R) if reshard is not True else BackwardGather("same", N if hybrid else W)
+    if topology.tensor_parallel_size > 1:
+        reshard = True  # with tensor parallelism the hooks keep hpZ's slice (secondary_by_hooks)
+        if c.hpz_partition_size == "auto" and N == 1 and K > 1:
+            notes.append(("backward", "hpZ off: one data-parallel rank per node"))
     # gradients
     if hybrid and K > 1 and c.quantize_gradients:
         gradients = quantized_rail(c)

@@ -323,7 +323,8 @@ class ZeroPPConfig:
     hpz_partition_size: PositiveIntOrAuto = argument(
         "auto",
         "hpZ: after forward each rank keeps 1/R of the dequantized weights, so that the backward all-gather runs among"
-        ' R consecutive ranks. "auto": ranks per node (never leaves the node); 1: off. Must divide the world size.',
+        ' R consecutive ranks. "auto": ranks per node (never leaves the node); 1: off. Must divide the world size.'
+        " With tensor parallelism it counts data-parallel ranks (ranks per node / tensor_parallel_size per node).",
         check=_check_size_or_auto,
         when="1 when memory is short (hpZ keeps 1/R of the gathered weights from forward to backward).",
     )
@@ -483,8 +484,7 @@ class ZeroPPConfig:
         ' ("data_parallel", "tensor_parallel") whose consecutive groups of this many ranks split the layers by the'
         " model's own plan (parallelize_module(..., self.device_mesh['tensor_parallel'], plan) in configure_model, or"
         " in Fabric's parallelize_fn); ZeRO++ shards over the data-parallel dimension. 1: no tensor parallelism (a"
-        " 1-D mesh). Must divide the ranks per node. Not combined yet with hpZ (hpz_partition_size 'auto' resolves"
-        " to 1), HYBRID_SHARD or weight_deltas.",
+        " 1-D mesh). Must divide the ranks per node. Not combined yet with HYBRID_SHARD or weight_deltas.",
         check=_check_tensor_parallel_size,
         when="The size of the tensor-parallel groups a ModelParallelStrategy configure_model expects (its"
         " tensor_parallel_size), when the model's layers are split inside each node.",
@@ -641,13 +641,6 @@ class ZeroPPConfig:
                 f"ZeroPPStrategy: `weight_deltas=True` does not combine with `tensor_parallel_size={t}` yet; turn"
                 " weight_deltas off or set tensor_parallel_size=1."
             )
-        if self.hpz_partition_size not in ("auto", 1):
-            raise ValueError(
-                f"ZeroPPStrategy: `hpz_partition_size={self.hpz_partition_size!r}` does not combine with"
-                f" `tensor_parallel_size={t}` yet (hpZ's backward groups would be built per tensor-parallel position);"
-                " leave hpz_partition_size at 'auto' (off with tensor parallelism) or 1, or set"
-                " tensor_parallel_size=1."
-            )
 
     @property
     def hybrid(self) -> bool:
@@ -721,20 +714,25 @@ class ZeroPPConfig:
             )
         if self.sharding_strategy == "HYBRID_SHARD":  # the shard group is the node: FSDP's own reshard is hpZ's
             return ranks_per_node, 1
-        auto_hpz = ranks_per_node if t == 1 else 1  # hpZ does not combine with tensor parallelism yet
-        hpz = auto_hpz if self.hpz_partition_size == "auto" else self.hpz_partition_size
+        # hpZ counts data-parallel ranks: with tensor parallelism a node holds ranks_per_node / t of them
+        hpz = ranks_per_node // t if self.hpz_partition_size == "auto" else self.hpz_partition_size
         if self.weight_deltas and hpz == 1:
             raise ValueError(
                 f"ZeroPPStrategy: `weight_deltas=True` needs hpZ, but hpz_partition_size={self.hpz_partition_size!r}"
                 f" resolves to 1 here (ranks_per_node={ranks_per_node}): there is no node copy to keep. Set"
                 " hpz_partition_size (and ranks_per_node) to 2 or more, or turn weight_deltas off."
             )
-        if world_size % hpz:
+        data_parallel, per_node = world_size // t, ranks_per_node // t
+        if data_parallel % hpz:
+            what = f"the world size {world_size}" if t == 1 else f"the {data_parallel} data-parallel ranks"
+            counts = (
+                f": with tensor_parallel_size={t} it counts data-parallel ranks, {per_node} per node" if t > 1 else ""
+            )
             raise _fail(
                 "hpz_partition_size",
                 self.hpz_partition_size,
-                f"the secondary partition must divide the world size {world_size}; use one of {_divisors(world_size)}"
-                f" (1 turns hpZ off, {ranks_per_node} keeps it inside a node)",
+                f"the secondary partition must divide {what}; use one of {_divisors(data_parallel)}"
+                f" (1 turns hpZ off, {per_node} keeps it inside a node{counts})",
             )
         return ranks_per_node, hpz
 

@@ -81,8 +81,9 @@ class ShardedModel:
 
     def begin_forward(self, module: nn.Module, args: Any) -> None:
         """The root's first forward pre-hook: the collectives prepare the forward pass (with weight deltas, every
-        rank agrees which node copies to update), before FSDP2's root pre-hook gathers the root's weights."""
-        if self.comms.deltas is not None:
+        rank agrees which node copies to update; hpZ's kept pieces are renewed), before FSDP2's root pre-hook gathers
+        the root's weights."""
+        if self.comms.deltas is not None or self.comms.secondary is not None:
             self.comms.begin_forward(next((p.device for p in module.parameters()), torch.device("cpu")))
 
     def enter_step(self, module: nn.Module, args: Any) -> None:
@@ -159,8 +160,14 @@ class ZeroPPCore:
         if topology != self._topology:
             if topology.hpz_crosses_nodes:
                 hpz_size, ranks_per_node = topology.hpz_partition_size, topology.ranks_per_node
+                node = (
+                    f"ranks_per_node={ranks_per_node}"
+                    if topology.tensor_parallel_size == 1
+                    else f"the node's {ranks_per_node} data-parallel ranks (tensor_parallel_size="
+                    f"{topology.tensor_parallel_size})"
+                )
                 rank_zero_warn(
-                    f"ZeroPPStrategy: hpz_partition_size={hpz_size} does not divide ranks_per_node={ranks_per_node},"
+                    f"ZeroPPStrategy: hpz_partition_size={hpz_size} does not divide {node},"
                     " so some hpZ groups span two nodes and their backward all-gather crosses nodes. Use a divisor of"
                     f" {ranks_per_node} to keep it inside a node."
                 )

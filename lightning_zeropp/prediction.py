@@ -247,7 +247,7 @@ def predict(
 ) -> list[Row]:
     """One :class:`Row` per configuration (default :data:`CONFIGS`), the speedups against the first; with
     ``tensor_parallel_size`` t > 1, each configuration with ``tensor_parallel_size=t`` (one the strategy refuses
-    raises its ValueError: HSDP, weight deltas, hpZ > 1), on the model's tensor-parallel pieces (the time model).
+    raises its ValueError: HSDP, weight deltas), on the model's tensor-parallel pieces (the time model).
     ``n_embd`` 0: no width, so no activations in the memory and, with t > 1, no activation all-reduces (a note on
     each row says so)."""
     t = tensor_parallel_size

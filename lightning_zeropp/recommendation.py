@@ -124,17 +124,20 @@ def verdict(rows: list[Row], cluster: Cluster, margin: float = MARGIN, adam: boo
         reason.append("lossy: compare its loss curve with zero3's early in a run (docs/accuracy.md)")
     python, alias, yaml = strategy_code(choice.config, cluster, t)
     advice = long_run_advice(rows, choice, cluster.gpu_memory_gib, adam)
-    return Verdict(choice.config, label(choice.config, t), "; ".join(reason), choice.speedup, margin, passed_over,
+    name = label(choice.config, t, cluster.gpus_per_node)
+    return Verdict(choice.config, name, "; ".join(reason), choice.speedup, margin, passed_over,
                    python, alias, yaml, advice, launch_lines(cluster), t)  # fmt: skip
 
 
-def label(name: str, tensor_parallel_size: int = 1) -> str:
+def label(name: str, tensor_parallel_size: int = 1, gpus_per_node: int = 0) -> str:
     """What configuration ``name`` is (:data:`LABELS`), with tensor parallelism where ``tensor_parallel_size`` > 1
-    (hpZ is off with it: the strategy does not combine them yet)."""
+    (hpZ is off where it fills the node's ``gpus_per_node``: one data-parallel rank per node)."""
     words = LABELS.get(name, name)
     if tensor_parallel_size == 1:
         return words
-    return words.replace("hpZ, ", "") + f", with tensor parallelism {tensor_parallel_size} inside each node"
+    if tensor_parallel_size == gpus_per_node:
+        words = words.replace("hpZ, ", "")
+    return words + f", with tensor parallelism {tensor_parallel_size} inside each node"
 
 
 def plannable(cluster: Cluster, tensor_parallel_size: int = 1) -> tuple[dict[str, dict], list[str]]:

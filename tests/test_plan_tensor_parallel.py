@@ -6,7 +6,8 @@
   node, of the tensor-parallel pieces; the memory; the activations' all-reduces, inside the node and apart from the
   data-parallel bytes; the ring time with the node's link shared by the t data-parallel groups;
 - the bytes of a tensor-parallel job are those of the smaller data-parallel job (one INT4 hop when t fills the node);
-- refusals, each one line naming the argument and the fix: t not dividing the node, t < 1, hpZ > 1 with t > 1;
+- refusals, each one line naming the argument and the fix: t not dividing the node, t < 1, an hpZ size that does
+  not divide the data-parallel ranks;
 - t = 1 as before: the same rows, the same printed plan, the same JSON keys;
 - the recommendation: by the verdict's rule (fit first, then a step more than the margin shorter), t = 1 ("don't use
   it") where nothing larger is enough faster, t > 1 where the model does not fit without it.
@@ -26,6 +27,7 @@ from lightning_zeropp.prediction import CONFIGS, Cluster, Row, Workload, collect
 from lightning_zeropp.recommendation import (
     choose_tensor_parallel,
     compare_tensor_parallel,
+    label,
     plannable,
     verdict,
     verdict_text,
@@ -129,13 +131,17 @@ def test_the_node_link_is_shared_by_the_data_parallel_groups():
 
 
 def test_a_tensor_parallel_job_sends_what_its_data_parallel_job_sends():
-    """Global rank 5 of 8 (nodes of 4) at t = 2 is data-parallel rank 2 of 4 (nodes of 2); at t = 4 (the node filled)
-    qgZ is one INT4 hop across nodes, nothing inside the node, and hpZ is off."""
+    """Global rank 5 of 8 (nodes of 4) at t = 2 is data-parallel rank 2 of 4 (nodes of 2), hpZ inside its node's 2
+    data-parallel ranks included; at t = 4 (the node filled) qgZ is one INT4 hop across nodes, nothing inside the
+    node, and hpZ is off."""
     local = tensor_parallel_units(SMALL, 2)
     for kwargs in (CONFIGS["zero3"], CONFIGS["zeropp"]):
         tp = step_bytes(local, ZeroPPConfig(**kwargs, tensor_parallel_size=2), 8, 4, 5)
-        dp = step_bytes(local, ZeroPPConfig(**{**kwargs, "hpz_partition_size": 1}), 4, 2, 2)
+        dp = step_bytes(local, ZeroPPConfig(**kwargs), 4, 2, 2)
         assert tp == dp
+    hpz = step_bytes(local, ZeroPPConfig(tensor_parallel_size=2), 8, 4, 5)
+    assert hpz["weight_all_gather_secondary"][1] == 0 < hpz["weight_all_gather_secondary"][0]
+    assert "weight_all_gather_backward" not in hpz
     filled = step_bytes(tensor_parallel_units(SMALL, 4), ZeroPPConfig(tensor_parallel_size=4), 8, 4, 5)
     assert sorted(filled) == ["gradient_all_to_all_inter", "weight_all_gather", "weight_all_gather_backward"]
     assert all(intra == 0 and inter > 0 for intra, inter, _ in filled.values())
@@ -167,11 +173,15 @@ def test_a_size_that_does_not_divide_the_node_is_refused(t):
         predict(SMALL, Cluster(2, 8, 100.0, 3600.0), Workload(512), ZERO3, 64, tensor_parallel_size=t)
 
 
-def test_hpz_with_tensor_parallelism_is_refused_as_the_strategy_refuses_it():
+def test_what_the_strategy_refuses_with_tensor_parallelism_the_planner_refuses():
+    """hpZ combines with tensor parallelism (its size counts data-parallel ranks: 3 does not divide 4 of them);
+    HSDP and weight deltas do not yet, and the planner says so in the strategy's words."""
     cluster = Cluster(2, 4, 100.0, 3600.0)
-    with pytest.raises(ValueError, match=r"`hpz_partition_size=2` does not combine with `tensor_parallel_size=2`.*"
-                       "or set tensor_parallel_size=1"):  # fmt: skip
-        predict(SMALL, cluster, Workload(512), {"zeropp": dict(hpz_partition_size=2)}, 64, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"`hpz_partition_size=3` is not allowed; the secondary partition must divide"
+                       r" the 4 data-parallel ranks"):  # fmt: skip
+        predict(SMALL, cluster, Workload(512), {"zeropp": dict(hpz_partition_size=3)}, 64, tensor_parallel_size=2)
+    two = predict(SMALL, cluster, Workload(512), {"zeropp": dict(hpz_partition_size=2)}, 64, tensor_parallel_size=2)
+    assert two[0].memory_gib["hpz_copy"] > 0
     configs, refused = plannable(cluster, 2)
     assert list(configs) == ["zero3", "zeropp", "zeropp+ef", "zeropp+qgz8"]
     assert [line.split(":")[0] for line in refused] == ["hsdp", "qhsdp", "zeropp+deltas"]
@@ -261,7 +271,8 @@ MEDIUM = gpt_units(50304, 128, 2, 2048)  # 0.2B parameters, two thirds of them i
 def test_the_planner_recommends_tensor_parallelism_where_the_model_does_not_fit_without_it():
     """0.9 GiB per GPU, 8 GPUs: the two largest units gathered in bf16 (each twice: the one computing, the one
     prefetched) take most of it at t = 1; at t = 4 a quarter of their matrices. Nothing fits at t = 1, the ZeRO++
-    defaults fit at t = 2 and t = 4, and t = 4's step is more than the margin shorter than t = 2's."""
+    defaults fit at t = 2 and t = 4; t = 2 keeps two data-parallel ranks per node, so hpZ's backward gather stays in
+    the node (at t = 4 it crosses nodes), and its step is the shorter."""
     cluster = Cluster(2, 4, 100.0, 3600.0, gpu_memory_gib=0.9)
     by_size, refused, verdicts = compare_tensor_parallel(MEDIUM, cluster, Workload(16), [1, 2, 4], n_embd=2048)
     root1 = 50304 * 2048 + 128 * 2048 + 2 * 2048
@@ -274,15 +285,20 @@ def test_the_planner_recommends_tensor_parallelism_where_the_model_does_not_fit_
     assert by_size[4][0].memory_gib["unsharded_units"] * 2**30 == 2 * 2 * (root4 + block4)
     assert not any(r.fits for r in by_size[1]) and verdicts[1].config is None
     v = choose_tensor_parallel(verdicts, by_size, cluster)
-    assert (v.config, v.tensor_parallel_size) == ("zeropp", 4) and verdicts[2].config == "zeropp"
-    assert v.tensor_parallel.startswith("t = 4: nothing fits without tensor parallelism (t = 1 needs 1.0 GiB per GPU"
+    assert (v.config, v.tensor_parallel_size) == ("zeropp", 2) and verdicts[4].config == "zeropp"
+    t2, t4 = (next(r for r in by_size[t] if r.config == "zeropp") for t in (2, 4))
+    assert t2.step_s < t4.step_s and t2.memory_gib["hpz_copy"] > 0 == t4.memory_gib["hpz_copy"]
+    assert "weight_all_gather_backward" in t4.bytes_by_kind and "weight_all_gather_backward" not in t2.bytes_by_kind
+    assert v.tensor_parallel.startswith("t = 2: nothing fits without tensor parallelism (t = 1 needs 1.0 GiB per GPU"
                                         " of 0.9)")  # fmt: skip
-    assert (
-        v.label
-        == "ZeRO++ (INT8 weights, INT4 gradients across nodes; lossy), with tensor parallelism 4 inside each node"
+    assert v.label == (
+        "ZeRO++ (INT8 weights, hpZ, INT4 gradients across nodes; lossy), with tensor parallelism 2 inside each node"
     )
-    assert v.python.endswith("strategy=ZeroPPStrategy(tensor_parallel_size=4))")
-    assert "tensor parallel 4: " in v.reason and " GB of activation all-reduces per GPU per step inside" in v.reason
+    assert v.python.endswith("strategy=ZeroPPStrategy(tensor_parallel_size=2))")
+    assert "tensor parallel 2: " in v.reason and " GB of activation all-reduces per GPU per step inside" in v.reason
+    assert label("zeropp", 4, 4) == (
+        "ZeRO++ (INT8 weights, INT4 gradients across nodes; lossy), with tensor parallelism 4 inside each node"
+    )
     # the same model with room for it: nothing larger is enough faster, and t = 1 keeps weight deltas and hpZ
     roomy = Cluster(2, 4, 100.0, 3600.0)
     by_size, _, verdicts = compare_tensor_parallel(MEDIUM, roomy, Workload(16), [1, 2, 4], n_embd=2048)

@@ -36,19 +36,22 @@ from lightning_zeropp.topology import Topology
 # ------------------------------------------------------------------------------------------------ topology
 def test_topology_of_eight_ranks_in_nodes_of_four_with_tensor_parallel_two():
     """W = 8, N = 4, t = 2: the data-parallel topology has 4 ranks, 2 per node; global rank 5 is data-parallel rank 2
-    at tensor-parallel position 1; each group exists once per position, named by global ranks."""
+    at tensor-parallel position 1; each group exists once per position, named by global ranks; hpZ's groups are the
+    node's data-parallel ranks."""
     topology = job_topology(ZeroPPConfig(tensor_parallel_size=2), 8, 4, 5)
-    assert topology == Topology(4, 2, 2, 1, 2, 1)
+    assert topology == Topology(4, 2, 2, 2, 2, 1)  # hpZ over the node's 2 data-parallel ranks
     assert (topology.num_nodes, topology.node, topology.local_rank, topology.global_rank) == (2, 1, 0, 5)
     assert topology.partitions() == {
         "world": [[0, 2, 4, 6], [1, 3, 5, 7]],
         "intra_node": [[0, 2], [4, 6], [1, 3], [5, 7]],
         "inter_node": [[0, 4], [2, 6], [1, 5], [3, 7]],
+        "hpz": [[0, 2], [4, 6], [1, 3], [5, 7]],
     }
     assert topology.tensor_parallel_partition() == [[0, 1], [2, 3], [4, 5], [6, 7]]
     # every group stays where it must: intra-node groups and tensor-parallel groups inside one node, rails across
     node = lambda g: g // 4  # noqa: E731
     assert all(len({node(g) for g in group}) == 1 for group in topology.partitions()["intra_node"])
+    assert all(len({node(g) for g in group}) == 1 for group in topology.partitions()["hpz"])
     assert all(len({node(g) for g in group}) == 1 for group in topology.tensor_parallel_partition())
     assert all(len({node(g) for g in group}) == 2 for group in topology.partitions()["inter_node"])
 
@@ -114,10 +117,17 @@ def test_weight_deltas_with_tensor_parallelism_are_refused():
         ZeroPPConfig(tensor_parallel_size=2, weight_deltas=True)
 
 
-def test_hpz_with_tensor_parallelism_is_refused_and_auto_turns_it_off():
-    with pytest.raises(ValueError, match=r"`hpz_partition_size=2` does not combine with `tensor_parallel_size=2`"):
-        ZeroPPConfig(tensor_parallel_size=2, hpz_partition_size=2)
-    assert ZeroPPConfig(tensor_parallel_size=2).resolve(8, 4) == (4, 1)
+def test_hpz_counts_data_parallel_ranks_and_auto_takes_the_nodes():
+    """hpZ's partition counts data-parallel ranks: 'auto' is the node's (ranks per node / t), 1 where a node holds one
+    data-parallel rank; a size that does not divide the data-parallel ranks is refused saying how it counts."""
+    assert ZeroPPConfig(tensor_parallel_size=2).resolve(8, 4) == (4, 2)
+    assert ZeroPPConfig(tensor_parallel_size=4).resolve(8, 4) == (4, 1)
+    assert ZeroPPConfig(tensor_parallel_size=2).resolve(4, 2) == (2, 1)
+    assert ZeroPPConfig(tensor_parallel_size=2, hpz_partition_size=2).resolve(16, 8) == (8, 2)
+    with pytest.raises(ValueError, match=r"`hpz_partition_size=3`.*must divide the 4 data-parallel ranks; use one of"
+                       r" \[1, 2, 4\] \(1 turns hpZ off, 2 keeps it inside a node: with tensor_parallel_size=2 it"
+                       r" counts data-parallel ranks, 2 per node\)"):  # fmt: skip
+        ZeroPPConfig(tensor_parallel_size=2, hpz_partition_size=3).resolve(8, 4)
 
 
 def test_a_model_without_a_tensor_parallel_plan_is_refused():
@@ -128,16 +138,46 @@ def test_a_model_without_a_tensor_parallel_plan_is_refused():
     check_tensor_parallel(FeedForward(), 1, "`configure_model`")
 
 
+def test_the_kept_pieces_put_the_gathered_weights_back_together_and_go_when_the_backward_ends():
+    """hpZ kept by the hooks (tensor parallelism), process-free: 4 data-parallel ranks, hpZ groups of 2. Each rank
+    keeps 1/2 of the forward gather's output; in backward the pieces of a group, in group order, are the whole output
+    again; what no backward gather took goes when the backward ends; a forward without autograd keeps nothing."""
+    from lightning_zeropp.hpz import SecondaryCopies
+
+    output = torch.arange(4 * 3, dtype=torch.float32)  # 4 ranks' padded shards of 3
+    copies = [SecondaryCopies(2, rank) for rank in range(4)]
+    root = object()
+    for c in copies:
+        c.begin_forward(grad_enabled=True)
+        assert c.keep_after(None, output, "unit") is None and c.keep_after(None, output[:8], root) is None
+    taken = []
+    x = torch.ones(1, requires_grad=True)
+    y = x * 2
+    y.register_hook(lambda g: taken.extend((c.take(output, "unit"), c.nbytes) for c in copies))
+    y.backward()
+    pieces, left = zip(*taken)
+    for group in ((0, 1), (2, 3)):
+        assert torch.equal(torch.cat([pieces[r] for r in group]), output)
+    assert left == (4 * 4,) * 4  # the root's half of 8 floats, until the backward ends
+    assert [c.nbytes for c in copies] == [0, 0, 0, 0]
+    for c in copies:
+        c.begin_forward(grad_enabled=False)
+        c.keep_after(None, output, "unit")
+    assert [c.nbytes for c in copies] == [0, 0, 0, 0]
+
+
 # ------------------------------------------------------------------------------------------------ the plan
 def test_the_startup_line_says_what_runs_on_which_dimension():
     config = ZeroPPConfig(tensor_parallel_size=2)
     one_per_node = resolve(config, job_topology(config, 4, 2, 0), "32-true").describe()
     assert one_per_node.startswith(
         "ZeroPPStrategy: tensor parallel 2 inside each node (the model's plan); data parallel 2 nodes x 1 rank;"
-        " qwZ INT8 weights across 2 nodes; qgZ INT4 gradients in one hop across nodes"
+        " qwZ INT8 weights across 2 nodes; hpZ off: one data-parallel rank per node; qgZ INT4 gradients in one hop"
+        " across nodes"
     ), one_per_node
     two_per_node = resolve(config, job_topology(config, 8, 4, 0), "32-true").describe()
-    assert "data parallel 2 nodes x 2 ranks" in two_per_node and "hpZ off (not combined with tensor" in two_per_node
+    assert "hpZ off: one data-parallel rank per node" in one_per_node, one_per_node
+    assert "data parallel 2 nodes x 2 ranks" in two_per_node and "hpZ backward gather inside 2 ranks" in two_per_node
     assert "qgZ INT8 -> INT4 gradients" in two_per_node
 
 
@@ -336,7 +376,8 @@ def test_defaults_move_every_parameter_within_the_update_error_bounds(two_dimens
     assert update_problems(state, reference, init, **DEFAULTS_BOUNDS) == [], update_errors(state, reference, init)
     assert two_dimensional[0]["defaults_describe"].startswith(
         "ZeroPPStrategy: tensor parallel 2 inside each node (the model's plan); data parallel 2 nodes x 1 rank;"
-        " qwZ INT8 weights across 2 nodes; qgZ INT4 gradients in one hop across nodes"
+        " qwZ INT8 weights across 2 nodes; hpZ off: one data-parallel rank per node; qgZ INT4 gradients in one hop"
+        " across nodes"
     ), two_dimensional[0]["defaults_describe"]
 
 
@@ -448,19 +489,25 @@ def _eight_ranks_worker(rank: int, world: int) -> dict:
 
     torch.set_num_threads(1)  # 8 processes on a small machine
     reference = _fit(rank, ModelParallelStrategy(data_parallel_size=4, tensor_parallel_size=2), world=world)
-    exact = _fit(rank, ZeroPPStrategy(tensor_parallel_size=2, ranks_per_node=4, quantize_weights=False,
-                                      quantize_gradients=False), world=world)  # fmt: skip
+    exact_strategy = ZeroPPStrategy(tensor_parallel_size=2, ranks_per_node=4, quantize_weights=False,
+                                    quantize_gradients=False)  # fmt: skip
+    exact = _fit(rank, exact_strategy, world=world)
     strategy = ZeroPPStrategy(tensor_parallel_size=2, ranks_per_node=4)
     defaults = _fit(rank, strategy, world=world)
-    ledger = {k: (t.intra_node_bytes, t.inter_node_bytes) for k, t in strategy.comm_ledger.by_kind().items()}
+
+    def ledger(s: ZeroPPStrategy) -> dict:
+        return {k: (t.intra_node_bytes, t.inter_node_bytes) for k, t in s.comm_ledger.by_kind().items()}
+
     return {"reference": reference, "exact": exact, "defaults": defaults, "describe": strategy.comms.describe(),
-            "ledger": ledger}  # fmt: skip
+            "ledger": ledger(strategy), "exact_ledger": ledger(exact_strategy),
+            "kept_after_fit": strategy.comms.secondary.nbytes}  # fmt: skip
 
 
 @pytest.mark.multiprocess
 def test_two_data_parallel_ranks_per_node_exact_and_with_the_defaults():
-    """2 nodes x 4, t = 2: quantization off, bit-identical to ModelParallelStrategy(4, 2); the defaults (qwZ, qgZ's
-    two hops) move every parameter within bounds; the sampler follows the data-parallel dimension."""
+    """2 nodes x 4, t = 2: quantization off, bit-identical to ModelParallelStrategy(4, 2) with hpZ's backward gathers
+    inside the node (the kept pieces put the whole weights back together); the defaults (qwZ, hpZ, qgZ's two hops)
+    move every parameter within bounds; the sampler follows the data-parallel dimension."""
     results = spawn(_eight_ranks_worker, 8, timeout=900)
     init, reference = _initial(), results[0]["reference"]["full"]
     exact, defaults = results[0]["exact"]["full"], results[0]["defaults"]["full"]
@@ -476,3 +523,8 @@ def test_two_data_parallel_ranks_per_node_exact_and_with_the_defaults():
         ledger = result["ledger"]  # qgZ's first hop stays inside the node, its second crosses nodes
         assert ledger["gradient_all_to_all_intra"][1] == 0 and ledger["gradient_all_to_all_intra"][0] > 0
         assert ledger["gradient_all_to_all_inter"][0] == 0 and ledger["gradient_all_to_all_inter"][1] > 0
+        for kinds in (ledger, result["exact_ledger"]):  # hpZ: every backward gather inside the node, none across
+            assert kinds["weight_all_gather_secondary"][0] > 0 and kinds["weight_all_gather_secondary"][1] == 0, kinds
+            assert "weight_all_gather_backward" not in kinds, kinds
+        assert result["kept_after_fit"] == 0  # the pieces go when the backward ends
+    assert "hpZ backward gather inside 2 ranks" in results[0]["describe"], results[0]["describe"]
