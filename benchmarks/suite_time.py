@@ -75,7 +75,7 @@ def settle(limit_s: float, quiet: float = 1.0) -> float:
     return os.getloadavg()[0]
 
 
-def run(tier: str, workers: int) -> dict:
+def run(tier: str, workers: int, keep_output: Path | None = None) -> dict:
     cmd = [sys.executable, "-m", "pytest", "tests", "-n", str(workers), *TIERS[tier], "-q", "--durations=0",
            "-p", "no:cacheprovider"]  # fmt: skip
     load_before = os.getloadavg()[0]
@@ -86,9 +86,11 @@ def run(tier: str, workers: int) -> dict:
     after = resource.getrusage(resource.RUSAGE_CHILDREN)  # every process of the run, ranks included, once reaped
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     output = done.stdout + done.stderr
+    if keep_output is not None:
+        keep_output.write_text(output)
     return {
         "tier": tier,
-        "command": "python -m pytest tests -n 2" + (' -m "not slow"' if tier == "fast" else ""),
+        "command": f"python -m pytest tests -n {workers}" + (' -m "not slow"' if tier == "fast" else ""),
         "exit": done.returncode,
         "wall_seconds": wall,
         "cpu_seconds": cpu,
@@ -113,10 +115,11 @@ def main(argv: list[str] | None = None) -> None:
         help="first wait up to this many seconds for the 1-minute load average to fall below 1 (a quiet start)",
     )
     parser.add_argument("--json", type=Path, default=None, help="add the run to this file (benchmarks/record.py)")
+    parser.add_argument("--output", type=Path, default=None, help="also write pytest's whole output to this file")
     args = parser.parse_args(argv)
     if args.settle:
         print(f"load average {settle(args.settle):.2f}")
-    row = run(args.tier, args.workers)
+    row = run(args.tier, args.workers, args.output)
     print(json.dumps({k: v for k, v in row.items() if k != "slowest"}))
     if args.json:
         rows = json.loads(args.json.read_text())["runs"] if args.json.is_file() else []
