@@ -261,6 +261,9 @@ def main(argv: list[str] | None = None) -> None:
         "--no-eager", action="store_true", help="leave out the eager twins' column (slow at large sizes)"
     )
     parser.add_argument("--smoke", action="store_true", help="tiny CPU run under TRITON_INTERPRET=1")
+    parser.add_argument(
+        "--kernels", nargs="+", default=None, metavar="NAME", help="only these rows (as the table names them)"
+    )
     parser.add_argument("--static", action="store_true", help="the static table from compiled code (no GPU)")
     parser.add_argument("--arch", type=int, nargs="+", default=[90], help="with --static: compute capabilities")
     args = parser.parse_args(argv)
@@ -290,6 +293,8 @@ def main(argv: list[str] | None = None) -> None:
     for mb in sizes:
         numel = int(mb * 1e6 / 2)
         for kernel, fns, nbytes in cases(numel, device):
+            if args.kernels is not None and kernel not in args.kernels:
+                continue
             timings = {}
             for impl, fn in fns.items():
                 if ((args.smoke or args.no_compile) and impl == "torch.compile") or (args.no_eager and impl == "torch"):

@@ -1,5 +1,5 @@
-"""The suite's two tiers: ``python -m pytest tests -m "not slow" -n 2`` (every module's unit tests, in a few minutes)
-and ``python -m pytest tests -n 2`` (everything; ``-n 2``: two pytest-xdist workers, each module's tests on one of
+"""The suite's two tiers: ``python -m pytest tests -m "not slow" -n 3`` (every module's unit tests, in a few minutes)
+and ``python -m pytest tests -n 3`` (everything; ``-n 3``: three pytest-xdist workers, each module's tests on one of
 them). A test is ``slow`` when it spawns ranks (``multiprocess``), needs a cluster or SLURM (``cluster``, ``slurm``),
 or takes more than about 5 s (marked so by hand). A test outside the slow tier that tries to spawn ranks fails with
 the marker it lacks, so the fast tier can never grow a spawn unnoticed."""

@@ -109,12 +109,15 @@ def test_host_cost_times_every_kernel_of_the_table_with_the_launch_stubbed(tmp_p
 
 @pytest.mark.slow
 def test_the_gpu_checks_table_leaves_the_twins_out_and_still_writes_its_rows(tmp_path):
-    """What gpu_check.sh runs (--no-compile --no-eager, to fit its time limit): the Triton rows alone."""
+    """What gpu_check.sh runs (--no-compile --no-eager, to fit its time limit): the Triton rows alone (two of them
+    here: the whole table is the smoke run's above)."""
     kernels = load_script(ROOT / "benchmarks" / "kernels.py", "kernels_benchmark_no_twins")
     out = tmp_path / "kernels.json"
-    kernels.main(["--smoke", "--no-eager", "--json", str(out)])
+    chosen = ["quantize int8 param-blocks", "dequantize_reduce int4"]
+    kernels.main(["--smoke", "--no-eager", "--kernels", *chosen, "--json", str(out)])
     rows = json.loads(out.read_text())["rows"]
-    assert rows and all(r["speedup_vs_eager"] is None and r["device_s"] > 0 for r in rows)
+    assert sorted(r["kernel"] for r in rows) == sorted(chosen)
+    assert all(r["speedup_vs_eager"] is None and r["device_s"] > 0 for r in rows)
 
 
 def test_the_gpu_check_leaves_no_more_files_than_a_device_run_returns():

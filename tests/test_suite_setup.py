@@ -23,7 +23,7 @@ def _readme_test_commands() -> list[str]:
 def test_ci_runs_the_readme_test_command():
     install, run = _readme_test_commands()
     assert re.fullmatch(r"pip install .*\[test\].*", install), install
-    assert run.startswith("python -m pytest ") and "-n 2" in run.split("pytest", 1)[1], run
+    assert run.startswith("python -m pytest ") and "-n 3" in run.split("pytest", 1)[1], run
     ci = [line for line in ROOT.joinpath(".ci", "run").read_text().splitlines() if not line.startswith("#")]
     # one line each: under `set -e` an install chained with `&&` to the test run would fail without failing CI
     assert install in ci, f".ci/run does not run the README's install {install!r}"
@@ -42,7 +42,7 @@ def test_a_modules_tests_share_a_worker(pytestconfig, monkeypatch):
     xdist_scheduler = pytest.importorskip("xdist.scheduler")
     import conftest
 
-    monkeypatch.setattr(pytestconfig.option, "tx", ["popen", "popen"], raising=False)  # what `-n 2` sets
+    monkeypatch.setattr(pytestconfig.option, "tx", ["popen"] * 3, raising=False)  # what `-n 3` sets
     monkeypatch.setattr(pytestconfig.option, "loadscopereorder", True, raising=False)
     scheduler = conftest.pytest_xdist_make_scheduler(pytestconfig, None)
     assert isinstance(scheduler, xdist_scheduler.LoadScopeScheduling)

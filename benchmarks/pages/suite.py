@@ -7,7 +7,7 @@ from pages import Source, table
 TITLE = "The test suite's time"
 QUESTION = """How long do the README's test command and its fast tier take on a 2-core machine?
 
-`benchmarks/suite_time.py` runs `python -m pytest tests -n 2` (the full suite, CI's command) or its fast tier
+`benchmarks/suite_time.py` runs `python -m pytest tests -n 3` (the full suite, CI's command) or its fast tier
 (`-m "not slow"`) and records the counts, the wall time, the CPU time of all its processes, the machine's load average
 before and after, the slowest tests and each test module's seconds."""
 
