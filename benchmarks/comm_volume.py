@@ -10,6 +10,11 @@ ranks differ where shards or quantized HSDP's rail pieces split unevenly); ``tes
 against each.
 
     python benchmarks/comm_volume.py [--topologies 2x2 3x2 4x2] [--json benchmarks/data/bytes_per_step/comm_volume.json]
+
+With tensor parallelism (a Llama under torch's usual plan, t ranks of each node splitting every layer), against the
+exact 2-D run, which sends what ModelParallelStrategy sends on the same mesh:
+
+    python benchmarks/comm_volume.py --topologies 2x4t2 2x4t4 --json benchmarks/data/bytes_per_step/comm_volume_2d.json
 """
 
 from __future__ import annotations
@@ -49,6 +54,18 @@ CONFIGS = {
 }
 MODEL = dict(block_size=128, n_layer=4, n_head=4, n_embd=256)
 
+# With tensor parallelism (topologies NODESxRANKSxtT, e.g. 2x4t2): a Llama under torch's usual plan, written for
+# ModelParallelStrategy (``testing.models.LlamaModule``); its exact configuration runs the same collectives as
+# ModelParallelStrategy on the same mesh (tests/test_tensor_parallel_llama.py: bit-identical), so it is the baseline.
+TENSOR_PARALLEL_CONFIGS = {
+    "exact_2d": dict(quantize_weights=False, hpz_partition_size=1, quantize_gradients=False),
+    "qwz": dict(quantize_weights=True, hpz_partition_size=1, quantize_gradients=False),
+    "hpz": dict(quantize_weights=False, hpz_partition_size="auto", quantize_gradients=False),
+    "qgz": dict(quantize_weights=False, hpz_partition_size=1, quantize_gradients=True),
+    "zeropp": dict(),
+}
+LLAMA_MODEL = dict(vocab_size=256, n_layer=4, dim=128, n_head=8, n_kv_head=4, ffn_hidden=344, max_seq_len=64)
+
 
 def quiet() -> None:
     """Keeps a benchmark's output to its table: Lightning's per-rank banners and known warnings off."""
@@ -60,18 +77,11 @@ def quiet() -> None:
     warnings.filterwarnings("ignore")
 
 
-def _one_step(rank: int, world_size: int, per_node: int, strategy_kwargs: dict) -> dict:
-    quiet()
-    import torch
+def _two_steps(world_size: int, strategy, module, loader) -> dict:
+    """Fits ``module`` for two steps with ``strategy`` in bf16-mixed: the second step's bytes by the ledger, the
+    first step's cross-node bytes, the persistent memory at the end, the model's parameter count."""
     from lightning.pytorch import Callback, Trainer
-    from model import GPTModule
-    from torch.utils.data import DataLoader, TensorDataset
 
-    from lightning_zeropp import ZeroPPStrategy
-
-    torch.manual_seed(0)
-    tokens = torch.randint(0, 256, (8, MODEL["block_size"] + 1))
-    strategy = ZeroPPStrategy(ranks_per_node=per_node, **strategy_kwargs)
     first: list[int] = []
     persistent: dict[str, int] = {}
 
@@ -89,39 +99,85 @@ def _one_step(rank: int, world_size: int, per_node: int, strategy_kwargs: dict) 
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         limit_val_batches=0, callbacks=[PerStep()],
     )  # fmt: skip
-    trainer.fit(GPTModule(**MODEL), DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=8))
+    trainer.fit(module, loader)
     ledger = strategy.comm_ledger
     per_kind = {k: [t.intra_node_bytes, t.inter_node_bytes] for k, t in ledger.by_kind(step=True).items()}
-    params = sum(p.numel() for p in trainer.lightning_module.parameters())
     return {
         "intra": ledger.step().intra_node_bytes,
         "inter": ledger.step().inter_node_bytes,
         "first_step_inter": first[0],
         "per_kind": per_kind,
-        "params": params,
+        "params": sum(p.numel() for p in module.parameters()),  # whole parameters (a DTensor's global size)
         "persistent_memory": persistent,
     }
 
 
-def measure(topologies: list[tuple[int, int]]) -> list[dict]:
+def _one_step(rank: int, world_size: int, per_node: int, strategy_kwargs: dict) -> dict:
+    quiet()
+    import torch
+    from model import GPTModule
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_zeropp import ZeroPPStrategy
+
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 256, (8, MODEL["block_size"] + 1))
+    strategy = ZeroPPStrategy(ranks_per_node=per_node, **strategy_kwargs)
+    loader = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=8)
+    return _two_steps(world_size, strategy, GPTModule(**MODEL), loader)
+
+
+def _one_step_2d(rank: int, world_size: int, per_node: int, t: int, strategy_kwargs: dict) -> dict:
+    """Two steps of the Llama with ``tensor_parallel_size=t``: the second step's data-parallel bytes (the ledger
+    counts the strategy's collectives; the activations' all-reduces of the model's plan stay inside the node and are
+    not in it)."""
+    quiet()
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_zeropp import ZeroPPStrategy
+    from lightning_zeropp.testing.models import LlamaModule, make_batches
+
+    torch.set_num_threads(1)
+    tokens, targets = make_batches(2 * 2 * (world_size // t), LLAMA_MODEL["max_seq_len"], LLAMA_MODEL["vocab_size"])
+    strategy = ZeroPPStrategy(ranks_per_node=per_node, tensor_parallel_size=t, **strategy_kwargs)
+    loader = DataLoader(TensorDataset(tokens, targets), batch_size=2)
+    return _two_steps(world_size, strategy, LlamaModule(model=LLAMA_MODEL), loader) | {
+        "describe": strategy.comms.describe()
+    }
+
+
+def parse_topology(text: str) -> tuple[int, int, int]:
+    """``NODESxRANKS`` or ``NODESxRANKStT`` (tensor-parallel size T inside each node) as (nodes, ranks, t)."""
+    shape, _, t = text.partition("t")
+    nodes, per_node = (int(v) for v in shape.split("x"))
+    return nodes, per_node, int(t) if t else 1
+
+
+def measure(topologies: list[tuple[int, int, int]]) -> list[dict]:
     from lightning_zeropp.spawn import run_local_ranks
 
     rows = []
-    for nodes, per_node in topologies:
+    for nodes, per_node, t in topologies:
         world = nodes * per_node
         base = None
-        for name, kwargs in CONFIGS.items():
-            results = run_local_ranks(_one_step, world, per_node, kwargs, sys_path=[str(EXAMPLE)], timeout=900)
+        configs = CONFIGS if t == 1 else TENSOR_PARALLEL_CONFIGS
+        for name, kwargs in configs.items():
+            if t == 1:
+                results = run_local_ranks(_one_step, world, per_node, kwargs, sys_path=[str(EXAMPLE)], timeout=900)
+            else:
+                results = run_local_ranks(_one_step_2d, world, per_node, t, kwargs, timeout=900)
             inter = max(r["inter"] for r in results)  # ranks differ only by padding; report the busiest
             first = max(r["first_step_inter"] for r in results)
             intra = max(r["intra"] for r in results)
-            base = inter if name == "zero3" else base
+            base = inter if name in ("zero3", "exact_2d") else base
             per_kind = results[0]["per_kind"]
             rows.append(
                 {
                     "config": name,
                     "nodes": nodes,
                     "ranks_per_node": per_node,
+                    **({"tensor_parallel_size": t, "describe": results[0]["describe"]} if t > 1 else {}),
                     "params": results[0]["params"],
                     "inter_node_bytes_per_step": inter,
                     "first_step_inter_node_bytes": first,
@@ -146,8 +202,10 @@ def table(rows: list[dict]) -> str:
         "|---|---|---|---|---|---|",
     ]
     for r in rows:
+        t = r.get("tensor_parallel_size", 1)
+        shape = f"{r['nodes']}x{r['ranks_per_node']}" + (f" t={t}" if t > 1 else "")
         lines.append(
-            f"| {r['nodes']}x{r['ranks_per_node']} | {r['config']} | {r['inter_node_bytes_per_step'] / 1e6:.3f} |"
+            f"| {shape} | {r['config']} | {r['inter_node_bytes_per_step'] / 1e6:.3f} |"
             f" {r['intra_node_bytes_per_step'] / 1e6:.3f} | {r['ratio_vs_zero3']:.4f} |"
             f" {r['backward_all_gather_inter_node_bytes'] / 1e6:.3f} |"
         )
@@ -163,14 +221,18 @@ def _row(rows: list[dict], config: str, like: dict) -> dict:
     )
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--topologies", nargs="+", default=["2x2", "4x2"], help="NODESxRANKS_PER_NODE")
-    parser.add_argument("--json", type=Path, default=None, help="write the rows here")
-    args = parser.parse_args(argv)
-    topologies = [tuple(int(v) for v in t.split("x")) for t in args.topologies]
-    rows = measure(topologies)
-    print(table(rows))
+def goals(rows: list[dict]) -> None:
+    """Prints each goal the rows bear on: the 1-D rows' against ZeRO-3 and HSDP, the 2-D rows' against the exact
+    2-D run."""
+    two_d = [r for r in rows if r.get("tensor_parallel_size", 1) > 1 and r["config"] == "zeropp"]
+    if two_d:
+        ratios = ", ".join(f"{r['nodes']}x{r['ranks_per_node']} t={r['tensor_parallel_size']}:"
+                           f" {r['ratio_vs_zero3']:.4f}" for r in two_d)  # fmt: skip
+        print(f"\ngoal zeropp inter ratio vs the exact 2-D run (ModelParallelStrategy's collectives) <= 0.3:"
+              f" {all(r['ratio_vs_zero3'] <= 0.3 for r in two_d)} ({ratios})")  # fmt: skip
+    rows = [r for r in rows if r.get("tensor_parallel_size", 1) == 1]
+    if not rows:
+        return
     zeropp = [r for r in rows if r["config"] == "zeropp"]
     hpz = [r for r in rows if r["config"] == "hpz"]
     ratios = ", ".join(f"{r['ratio_vs_zero3']:.4f}" for r in zeropp)
@@ -186,6 +248,22 @@ def main(argv: list[str] | None = None) -> None:
         ratios = ", ".join(f"{v:.4f}" for v in vs_hsdp)
         head = f"goal {name} inter ratio vs hsdp <= {goal}: {all(v <= goal for v in vs_hsdp)}" if goal else name
         print(f"{head} ({ratios} of hsdp's cross-node bytes)")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "--topologies",
+        nargs="+",
+        default=["2x2", "4x2"],
+        help="NODESxRANKS_PER_NODE, or NODESxRANKStT (tensor parallel)",
+    )
+    parser.add_argument("--json", type=Path, default=None, help="write the rows here")
+    args = parser.parse_args(argv)
+    topologies = [parse_topology(t) for t in args.topologies]
+    rows = measure(topologies)
+    print(table(rows))
+    goals(rows)
     if args.json:
         record.write(args.json, rows, None if argv is None else [__file__, *argv])
         print(f"wrote {args.json}")

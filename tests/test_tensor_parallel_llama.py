@@ -22,48 +22,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
-from lightning.pytorch import LightningModule
 from test_tensor_parallel import DEFAULTS_BOUNDS, EIGHT_RANK_BOUNDS
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_zeropp import ZeroPPStrategy
 from lightning_zeropp.testing.distributed import lightning_trainer, spawn
-from lightning_zeropp.testing.models import LLAMA, TinyLlama, make_batches, parallelize_llama
+from lightning_zeropp.testing.models import LLAMA, LlamaModule, make_batches
 from lightning_zeropp.testing.workers import update_errors, update_problems
 
 STEPS, BATCH, SEQUENCE, T = 3, 2, 10, 2  # SEQUENCE / T = 5 positions per rank between the matmuls
 NORMS = ("model.layers.0.input_layernorm.weight", "model.layers.0.post_attention_layernorm.weight",
          "model.layers.1.input_layernorm.weight", "model.layers.1.post_attention_layernorm.weight",
          "model.norm.weight")  # fmt: skip
-
-
-class LlamaModule(LightningModule):
-    """A LightningModule written for Lightning's ModelParallelStrategy: the Llama plan, then ``fully_shard`` on every
-    block and the root over the data-parallel dimension."""
-
-    def __init__(self, sequence_parallel: bool = True) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.model = TinyLlama()
-        self.sequence_parallel = sequence_parallel
-
-    def configure_model(self) -> None:
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = self.device_mesh
-        parallelize_llama(self.model, mesh["tensor_parallel"], self.sequence_parallel)
-        for layer in self.model.layers:
-            fully_shard(layer, mesh=mesh["data_parallel"])
-        fully_shard(self.model, mesh=mesh["data_parallel"])
-
-    def training_step(self, batch, batch_idx):
-        tokens, targets = batch
-        logits = self.model(tokens)
-        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
 def _initial() -> dict[str, torch.Tensor]:

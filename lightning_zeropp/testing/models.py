@@ -382,3 +382,38 @@ def parallelize_llama(model: TinyLlama, mesh: Any, sequence_parallel: bool = Tru
     for layer in model.layers:
         parallelize_module(layer, mesh, block_plan)
     return model
+
+
+class LlamaModule(LightningModule):
+    """:class:`TinyLlama` as a user of Lightning's ModelParallelStrategy writes it: in ``configure_model`` the Llama
+    plan (:func:`parallelize_llama`) over ``device_mesh["tensor_parallel"]``, then ``fully_shard`` on every block and
+    the root over ``device_mesh["data_parallel"]``; next-token cross-entropy; AdamW at ``lr``. ``seed`` makes the same
+    initial weights on every rank (the plan requires it); ``model`` overrides :data:`LLAMA`'s shape."""
+
+    def __init__(
+        self, sequence_parallel: bool = True, lr: float = 1e-2, seed: int = 0, model: dict[str, int] | None = None
+    ) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.model = TinyLlama(**(model or {}))
+        self.sequence_parallel, self.lr = sequence_parallel, lr
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh
+        parallelize_llama(self.model, mesh["tensor_parallel"], self.sequence_parallel)
+        for layer in self.model.layers:
+            fully_shard(layer, mesh=mesh["data_parallel"])
+        fully_shard(self.model, mesh=mesh["data_parallel"])
+
+    def loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        tokens, targets = batch
+        logits = self.model(tokens)
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.loss(batch)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
