@@ -59,7 +59,7 @@ def _two_d(data: list[dict]) -> str:
         for r in rows
     ]  # fmt: skip
     config, t, goal = TWO_D_GOAL
-    at = [r["ratio_vs_zero3"] for r in data if r["config"] == config and r["tensor_parallel_size"] == t]
+    at = _two_d_ratios(data)
     verdict = "met" if at and max(at) <= goal else "NOT met"
     legend = "\n".join(f"- `{c}`: {TWO_D_MEANING[c]}" for c in TWO_D_ORDER if any(r["config"] == c for r in data))
     params = ", ".join(f"{p:,}" for p in sorted({r["params"] for r in data}))
@@ -169,4 +169,10 @@ def snippets(sources: dict[str, Source]) -> dict[str, str]:
         "zeropp_ratio": _span(_ratios(data, "zeropp")),
         "deltas_ratio": _span(_ratios(data, "zeropp_deltas")),
         "topologies": _topologies(data),
+        "two_d_ratio": _span(_two_d_ratios(sources[SOURCES[1]].data)),
     }
+
+
+def _two_d_ratios(data: list[dict]) -> list[float]:
+    config, t, _ = TWO_D_GOAL
+    return [r["ratio_vs_zero3"] for r in data if r["config"] == config and r["tensor_parallel_size"] == t]
