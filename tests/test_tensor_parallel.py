@@ -32,6 +32,8 @@ from lightning_zeropp.testing.distributed import lightning_trainer, spawn
 from lightning_zeropp.testing.workers import update_errors, update_problems
 from lightning_zeropp.topology import Topology
 
+pytestmark = pytest.mark.version_sensitive  # FSDP2 over DTensor parameters: run on the oldest torch too
+
 
 # ------------------------------------------------------------------------------------------------ topology
 def test_topology_of_eight_ranks_in_nodes_of_four_with_tensor_parallel_two():

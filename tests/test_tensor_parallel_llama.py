@@ -30,6 +30,8 @@ from lightning_zeropp.testing.distributed import lightning_trainer, spawn
 from lightning_zeropp.testing.models import LLAMA, LlamaModule, make_batches
 from lightning_zeropp.testing.workers import update_errors, update_problems
 
+pytestmark = pytest.mark.version_sensitive  # FSDP2 and DTensor across versions: run on the oldest torch too
+
 STEPS, BATCH, SEQUENCE, T = 3, 2, 10, 2  # SEQUENCE / T = 5 positions per rank between the matmuls
 NORMS = ("model.layers.0.input_layernorm.weight", "model.layers.0.post_attention_layernorm.weight",
          "model.layers.1.input_layernorm.weight", "model.layers.1.post_attention_layernorm.weight",
@@ -90,11 +92,17 @@ def four_ranks():
 @pytest.fixture(scope="module")
 def eight_ranks():
     """2 nodes x 4, t = 2 (r/t = 2)."""
+    if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 10):
+        pytest.skip(
+            "torch 2.9: DTensor.full_tensor() of a parameter split unevenly over both dimensions (the vocabulary's 131"
+            " rows over 4 x 2) sends mismatched sizes between ranks, under ModelParallelStrategy as under ours"
+        )
     return spawn(_worker, 8, 4, False, timeout=900)
 
 
 # Measured over 3 AdamW steps (lr 1e-2) against ModelParallelStrategy, defaults (qwZ INT8, qgZ INT4, the second-moment
-# correction; hpZ off): 2 nodes x 2: whole model 0.569, worst parameter 0.746 (the tied embedding; next the first
+# correction; hpZ off then, on since for 2 nodes x 4, where it gives the backward the forward's weights exactly):
+# 2 nodes x 2: whole model 0.569, worst parameter 0.746 (the tied embedding; next the first
 # block's post-attention norm 0.671, every other parameter 0.30 to 0.65); 2 nodes x 4: whole 0.587, worst 0.758 (the
 # tied embedding; every other parameter 0.11 to 0.60). The whole-model bounds are tests/test_tensor_parallel.py's for
 # the same layouts. Its per-parameter bounds (0.65, 0.72) do not hold for the tied embedding, and that is the model's,
