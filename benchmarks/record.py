@@ -59,18 +59,26 @@ def _machine() -> dict[str, Any]:
     return machine
 
 
-def manifest(argv: list[str] | None = None) -> dict[str, Any]:
-    """The manifest entry of the running command (``argv`` defaults to ``sys.argv``)."""
+def changed(status: str, own: tuple[str, ...] = ()) -> bool:
+    """Whether ``git status --porcelain`` output ``status`` shows a change other than to the paths ``own`` (what the
+    recording itself writes: a file run again shows its own earlier write as a change)."""
+    return any(line[3:] not in own for line in status.splitlines() if line.strip())
+
+
+def manifest(argv: list[str] | None = None, own: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """The manifest entry of the running command (``argv`` defaults to ``sys.argv``); ``own``: the files the
+    recording writes, which do not count as uncommitted changes."""
     argv = sys.argv if argv is None else argv
     script = Path(argv[0]).resolve() if argv else None
     if script is not None and script.is_relative_to(ROOT):
         argv = [str(script.relative_to(ROOT)), *argv[1:]]
     status = _git("status", "--porcelain", "--untracked-files=no")
+    mine = tuple(str(p.resolve().relative_to(ROOT)) for p in own if p.resolve().is_relative_to(ROOT))
     return {
         # paths inside the repository as the repository sees them, so a command reads the same on every checkout
         "command": "python " + shlex.join(argv).replace(str(ROOT) + "/", ""),
         "commit": _git("rev-parse", "HEAD"),
-        "uncommitted_changes": bool(status) if status is not None else None,
+        "uncommitted_changes": changed(status, mine) if status is not None else None,
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "versions": {
             "python": platform.python_version(),
@@ -96,7 +104,7 @@ def write(path: Path | str, data: Any, argv: list[str] | None = None, *, indent:
     tmp.write_text(json.dumps(data, indent=indent) + "\n")
     tmp.replace(path)
     entries = read_manifest(path)
-    entry = manifest(argv)
+    entry = manifest(argv, own=(path, manifest_path(path)))
     key = path.resolve()
     if key in _WRITTEN and _WRITTEN[key] < len(entries):  # this invocation wrote the file before: one entry
         before = entries[_WRITTEN[key]]

@@ -144,3 +144,11 @@ def test_every_benchmark_writes_its_json_results_through_record():
         offenders
     )
     assert allowed == NOT_RESULTS  # an entry that no longer matches a write is stale
+
+
+def test_a_recording_does_not_count_its_own_files_as_uncommitted_changes():
+    status = " M benchmarks/data/suite/suite_time.json\n M benchmarks/data/suite/suite_time.manifest.json\n"
+    own = ("benchmarks/data/suite/suite_time.json", "benchmarks/data/suite/suite_time.manifest.json")
+    assert record.changed(status, own) is False
+    assert record.changed(status + " M lightning_zeropp/core.py\n", own) is True
+    assert record.changed("", own) is False and record.changed(status) is True
