@@ -39,6 +39,7 @@ PAGES = [
     "quick_start",
     "bytes_per_step",
     "accuracy",
+    "tensor_parallel_accuracy",
     "gradient_error",
     "slow_link",
     "step_cost",
