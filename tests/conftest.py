@@ -5,6 +5,7 @@ or takes more than about 5 s (marked so by hand). A test outside the slow tier t
 the marker it lacks, so the fast tier can never grow a spawn unnoticed."""
 
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -70,7 +71,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if any(item.get_closest_marker(name) for name in _SLOW_BY_NATURE):
             item.add_marker(pytest.mark.slow)
-    _fast_tier_covers_each_matrix(items)
+    _cover_matrices(config, items)
     if hasattr(config, "workerinput"):  # an xdist worker: its collection order is the order of work
         order = work_order([item.nodeid for item in items], module_seconds())
         items[:] = [items[i] for i in order]
@@ -80,24 +81,62 @@ def _skipped_at_collection(item) -> bool:
     return any(m.args and m.args[0] is True for m in item.iter_markers("skipif")) or item.get_closest_marker("skip")
 
 
-def _fast_tier_covers_each_matrix(items) -> None:
-    """In a module marked ``matrix``, each parametrized test's cases are a product of parameter values, every case run
-    by the full suite. The fast tier runs a subset in which every value of every parameter appears at least once: the
-    first case (in collection order) that brings a value no earlier chosen case had; the rest are marked ``slow``.
-    Cases skipped at collection (no GPU) neither count nor change."""
-    chosen: dict[tuple, set] = {}
+def covering(cases: list[dict[str, str]], strength: int, chosen: tuple[int, ...] = ()) -> list[int]:
+    """Indices of cases in which every combination of ``strength`` parameter values that some case has appears in at
+    least one: ``chosen`` first, then, one at a time, the case that brings the most combinations not yet covered (the
+    earliest on a tie), until none is left. Strength 1: every value of every parameter runs at least once; strength 2:
+    every pair of values of two parameters meets in some case (all-pairs testing)."""
+
+    def combos(case: dict[str, str]) -> set[tuple]:
+        return set(itertools.combinations(sorted(case.items()), strength))
+
+    chosen = list(chosen)
+    left = set().union(*(combos(c) for c in cases)) - set().union(*(combos(cases[i]) for i in chosen))
+    while left:
+        best = max(range(len(cases)), key=lambda i: (len(combos(cases[i]) & left), -i))
+        chosen.append(best)
+        left -= combos(cases[best])
+    return chosen
+
+
+def _cover_matrices(config, items) -> None:
+    """In a module marked ``matrix``, each parametrized test's cases are a product of parameter values. The fast tier
+    runs a :func:`covering` of strength 1 (every value at least once); the full suite adds the cases that make it a
+    covering of strength 2 (every pair of values meets), marked ``slow``; ``--exhaustive`` runs every case. The
+    interpreter's cases are cut so; on a GPU, where a case takes milliseconds, the full suite runs every case. Cases
+    skipped at collection (no GPU) and cases marked ``slow`` by hand take no part."""
+    groups: dict[tuple, list] = {}
     for item in items:
         callspec = getattr(item, "callspec", None)
         if callspec is None or not item.get_closest_marker("matrix") or item.get_closest_marker("slow"):
             continue
         if _skipped_at_collection(item):
             continue
-        seen = chosen.setdefault((item.module.__name__, item.originalname), set())
-        values = {(name, repr(value)) for name, value in callspec.params.items()}
-        if values - seen:
-            seen |= values
-        else:
-            item.add_marker(pytest.mark.slow)
+        groups.setdefault((item.module.__name__, item.originalname), []).append(item)
+    beyond = []
+    for members in groups.values():
+        cases = [{name: repr(value) for name, value in m.callspec.params.items()} for m in members]
+        fast = covering(cases, 1)
+        pairs = covering(cases, 2, tuple(fast))
+        for i, m in enumerate(members):
+            if i in fast:
+                continue
+            m.add_marker(pytest.mark.slow)
+            if i not in pairs and m.get_closest_marker("triton_interpret"):
+                beyond.append(m)
+    if beyond and not config.getoption("exhaustive"):
+        kept = set(map(id, beyond))
+        items[:] = [item for item in items if id(item) not in kept]
+        config.hook.pytest_deselected(items=beyond)
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--exhaustive",
+        action="store_true",
+        help="run every case of the kernel matrices in Triton's interpreter (by default the full suite runs the cases "
+        "in which every pair of parameter values meets; run this after changing a kernel)",
+    )
 
 
 @contextlib.contextmanager

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import inspect
+import itertools
 import json
 import re
 from pathlib import Path
@@ -138,3 +139,71 @@ def test_the_repository_tracks_no_wheel_and_no_saved_cli_config():
         pytest.skip("not a git checkout")
     tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
     assert [f for f in tracked if f.endswith(".whl") or f == "config.yaml"] == []
+
+
+def _product(**values) -> list[dict[str, str]]:
+    names = sorted(values)
+    return [dict(zip(names, combo)) for combo in itertools.product(*(values[n] for n in names))]
+
+
+def _uncovered(cases: list[dict[str, str]], chosen: list[int], strength: int) -> set:
+    def combos(case):
+        return set(itertools.combinations(sorted(case.items()), strength))
+
+    return set().union(*map(combos, cases)) - set().union(*(combos(cases[i]) for i in chosen))
+
+
+def test_a_covering_holds_every_value_or_every_pair_of_values_and_extends_what_it_is_given():
+    import conftest
+
+    cases = _product(layout=list("abcdef"), bits=["8", "4"], width=["0", "32", "16", "8"], rows=["1", "3"])  # 96
+    ones = conftest.covering(cases, 1)
+    assert not _uncovered(cases, ones, 1) and len(ones) == 6  # the most values one parameter has
+    pairs = conftest.covering(cases, 2, tuple(ones))
+    assert pairs[: len(ones)] == ones and not _uncovered(cases, pairs, 2)
+    assert 24 <= len(pairs) < len(cases) // 2  # layout x width alone needs 24
+    assert _uncovered(cases, pairs[:-1], 2), "the last case chosen brought nothing"
+    assert conftest.covering(cases[:1], 2) == [0] and not _uncovered(cases, conftest.covering(cases, 3), 3)
+
+
+class _Item:
+    """What ``_cover_matrices`` reads of a collected test."""
+
+    def __init__(self, name: str, params: dict, *marks: str) -> None:
+        self.module, self.originalname, self.marks = type("M", (), {"__name__": "test_m"}), name, set(marks)
+        self.callspec = type("C", (), {"params": params})
+        self.nodeid = f"test_m.py::{name}{sorted(params.items())}"
+
+    def get_closest_marker(self, name):
+        return pytest.mark.__getattr__(name) if name in self.marks else None
+
+    def iter_markers(self, name):
+        return iter(())
+
+    def add_marker(self, mark):
+        self.marks.add(mark.name)
+
+
+def test_the_full_suite_runs_a_pairwise_covering_of_the_interpreters_matrices_and_every_case_when_asked():
+    import conftest
+
+    deselected = []
+    hook = type("H", (), {"pytest_deselected": staticmethod(lambda items: deselected.extend(items))})
+
+    def covered(exhaustive: bool, *marks: str) -> tuple[list[_Item], list[_Item]]:
+        config = type("Cfg", (), {"hook": hook, "getoption": staticmethod(lambda name: exhaustive)})
+        items = [_Item("t", case, "matrix", *marks) for case in _product(a=list("xyz"), b=list("pqr"), c=["1", "2"])]
+        deselected.clear()
+        conftest._cover_matrices(config, items)
+        return items, list(deselected)
+
+    items, gone = covered(False, "triton_interpret")
+    cases = [dict(item.callspec.params) for item in items + gone]  # the whole product, 18 cases
+    fast = [i for i, item in enumerate(items) if "slow" not in item.marks]
+    assert not _uncovered(cases, fast, 1) and len(fast) == 3
+    assert not _uncovered(cases, list(range(len(items))), 2) and len(cases) == 18 and gone
+    assert all("slow" in item.marks for item in gone)
+    items, gone = covered(True, "triton_interpret")
+    assert len(items) == 18 and not gone  # --exhaustive
+    items, gone = covered(False, "gpu")
+    assert len(items) == 18 and not gone  # a GPU's cases are not cut
