@@ -9,7 +9,8 @@ from pages import Source, mb, table
 TITLE = "Step time on a slow link"
 QUESTION = """How much faster than ZeRO-3 does a step run over a slow link between nodes, per configuration?
 
-And what does each candidate for the defaults cost in step time on that link?
+And what does each candidate for the defaults cost in step time on that link? With tensor parallelism, how much
+faster than Lightning's ModelParallelStrategy on the same mesh?
 
 Two network namespaces on one machine are the nodes; one veth pair between them, shaped with `tc tbf` on both ends,
 is the only inter-node link; loopback inside each namespace is the intra-node fabric (`benchmarks/cluster.py`). Each
@@ -19,9 +20,10 @@ out; its step time is the median of the rest on rank 0. "ledger" is what node 0'
 strategy's per-peer byte count; "link" is what node 0's veth actually transmitted (its `tx_bytes` counter), per step.
 The step times are a CPU testbed's: 4 ranks share one machine's cores, and the quantizers run as their pure-torch
 twins, so the compute ZeRO++ adds weighs far more here than on a GPU. The ledger's bytes are what any fabric is
-given; what the link carries depends on gloo's algorithms (see why the two differ, below)."""
+given; what the link carries depends on gloo's algorithms (see why the two differ, below). The tensor-parallel rows run
+a Llama on 2 nodes x 4 ranks instead ([With tensor parallelism](#with-tensor-parallelism))."""
 
-SOURCES = [
+SOURCES_1D = [
     "slow_link/cluster.json",
     "slow_link/cluster_qhsdp.json",
     "slow_link/cluster_deltas.json",
@@ -34,6 +36,8 @@ SOURCES = [
     "slow_link/cluster_ef_smc_rows.json",
     "slow_link/cluster_plan.json",
 ]
+"""The example GPT's runs on 2 nodes x 2 ranks, each against ZeRO-3."""
+SOURCES = [*SOURCES_1D, "slow_link/cluster_2d.json"]
 
 FIGURES = "../../benchmarks/data/slow_link"
 """The PNGs beside the data, relative to ``docs/results/``."""
@@ -56,6 +60,8 @@ MEANING = {
     "zeropp_rot": "the defaults with the Hadamard rotation before qgZ's quantization",
     "zeropp_sr": "the defaults with stochastic rounding in qgZ",
     "fsdp": "Lightning's stock FSDP2 path (`ModelParallelStrategy`, bf16 all-gather, fp32 reduce-scatter)",
+    "model_parallel": "with tensor parallelism t: Lightning's `ModelParallelStrategy(data_parallel_size=8 / t, "
+                      "tensor_parallel_size=t)` on the Llama (`benchmarks/llama_tp.py`)",
 }  # fmt: skip
 
 RULE = 1.05
@@ -83,6 +89,16 @@ DELTAS_BYTES = 0.12
 """Weight deltas' goals: the link carries at most this share of ZeRO-3's bytes ..."""
 DELTAS_SPEEDUP = 1.3
 """... and the step is this much faster than the defaults' at 200 Mbit/s."""
+
+PATH_2D = "slow_link/cluster_2d.json"
+"""The tensor-parallel rows: the Llama on 2 nodes x 4 ranks, ZeRO++'s defaults against ModelParallelStrategy."""
+TP_BASELINE = "model_parallel"
+GOAL_2D = 2.0
+"""Issue 60's goal with tensor parallelism: at 200 Mbit/s, ZeRO++'s defaults at least this many times faster than
+ModelParallelStrategy on the same mesh (the median of the paired ratios), the two step intervals apart."""
+GOAL_2D_RATE = 200.0
+MIN_REPEATS = 3
+"""Fewer repeats give no interval to tell two configurations apart with."""
 
 LINK_FACTOR = {
     "weight_all_gather": 0.75,
@@ -235,7 +251,7 @@ def _main_table(sources: dict[str, Source], path: str) -> str:
 
 def _defaults_every_run(sources: dict[str, Source]) -> str:
     rows = []
-    for path in SOURCES:
+    for path in SOURCES_1D:
         meta = _meta(sources, path)
         for r in _rows(sources, path):
             if r["config"] != "zeropp":
@@ -409,7 +425,7 @@ def _zero3_drift(sources: dict[str, Source]) -> str:
     """ZeRO-3's step at 200 Mbit/s in the deltas run against the other runs': how loaded the machine was."""
     path = "slow_link/cluster_deltas.json"
     this = _zero3(sources, path, 200.0)["step_s"]
-    others = [r["step_s"] for p in SOURCES if p != path for r in _rows(sources, p)
+    others = [r["step_s"] for p in SOURCES_1D if p != path for r in _rows(sources, p)
               if r["config"] == "zero3" and r["rate"] == 200.0]  # fmt: skip
     lo, hi = min(others), max(others)
     verdict = f"{this / hi:.1f}x the slowest of the others: the machine ran slower that day." if this > 1.2 * hi else ""
@@ -430,6 +446,118 @@ def _probe_table(sources: dict[str, Source]) -> str:
     sizes = sorted({int(p[0]) for by_kind in probe.values() for pts in by_kind.values() for p in pts})
     label = " / ".join(f"{s // 1000} KB" for s in sizes)
     return table(["link", *(f"{k.replace('_', '-')} ms ({label})" for k in kinds)], rows)
+
+
+# --- with tensor parallelism ----------------------------------------------------------------------------------------
+
+
+def _tp_base(rows: list[dict], row: dict) -> dict:
+    """The row ``row`` is paired with: its topology's ``model_parallel`` at the same rate."""
+    return next(r for r in rows if r["config"] == row["baseline"] and r["rate"] == row["rate"]
+                and r["topology"] == row["topology"])  # fmt: skip
+
+
+def _link_seconds(row: dict) -> float | None:
+    """The seconds node 0's link bytes of a step take at the link's nominal rate (``None``: unshaped)."""
+    return None if row["rate"] is None else row["link_tx_bytes_per_step"] * 8 / (row["rate"] * 1e6)
+
+
+def _tp_setup(sources: dict[str, Source], path: str = PATH_2D) -> str:
+    meta = _meta(sources, path)
+    m = meta["llama"]
+    return (
+        f"The Llama of `benchmarks/llama_tp.py` (vocabulary {m['vocab_size']}, {m['n_layer']} blocks of dimension"
+        f" {m['dim']}, {m['n_head']} query and {m['n_kv_head']} key/value heads, SwiGLU hidden {m['ffn_hidden']}:"
+        f" {meta['llama_parameters']:,} parameters), sequences of {m['max_seq_len']} bytes, {meta['batch_size']} per"
+        " data-parallel rank and step, bf16-mixed, on 2 nodes x 4 gloo ranks; t ranks of each node split every layer"
+        " (torch's usual plan with sequence parallelism), FSDP shards over the data-parallel dimension (8 / t ranks)."
+        f" One `configure_model` under both strategies: FSDP gathers {m['param_dtype']} weights and reduces"
+        f" {m['reduce_dtype']} gradients, the policy Lightning's tensor-parallel example passes. `zeropp` is"
+        " `ZeroPPStrategy(tensor_parallel_size=t)` with its defaults (the ranks per node from the launch). Every"
+        " configuration of both topologies runs once per round, so each speedup is paired with `model_parallel`'s"
+        " repeat of the same round."
+    )
+
+
+def _tp_table(sources: dict[str, Source], path: str = PATH_2D) -> str:
+    meta, rows = _meta(sources, path), _rows(sources, path)
+    out = []
+    order = sorted(rows, key=lambda r: (r["tensor_parallel_size"], _rate_key(r["rate"]), r["config"] != TP_BASELINE))
+    for r in order:
+        base = _tp_base(rows, r)
+        speedup = "1" if r is base else _x(*_paired(_repeats(base, meta), _repeats(r, meta)))
+        seconds = _link_seconds(r)
+        at_rate = "-" if seconds is None else f"{seconds:.3f}"
+        share = "-" if seconds is None else f"{seconds / r['step_s']:.0%}"
+        out.append([f"`{r['topology']}`", r["tensor_parallel_size"], _link(r["rate"]), f"`{r['config']}`",
+                    _step(r, meta), f"{r['tokens_per_s']:.0f}", speedup, _mb(r["ledger_inter_bytes_per_step"]),
+                    mb(r["link_tx_bytes_per_step"]), _ratio(r[f"link_ratio_vs_{TP_BASELINE}"]),
+                    _x(1 / r[f"link_ratio_vs_{TP_BASELINE}"]), at_rate, share])  # fmt: skip
+    header = ["topology", "t", "link", "config", _step_header(sources, path), "tokens/s",
+              f"speedup vs `{TP_BASELINE}` (paired)", "ledger inter MB/step", "link MB/step", "link ratio",
+              "1 / link ratio", "link s/step at the nominal rate", "of the step"]  # fmt: skip
+    return table(header, out)
+
+
+def _goals_2d(sources: dict[str, Source], path: str = PATH_2D) -> list[str]:
+    """The goal's verdict for each tensor-parallel size in the file."""
+    meta, rows = _meta(sources, path), _rows(sources, path)
+    out = []
+    for t in sorted({r["tensor_parallel_size"] for r in rows}):
+        at = [r for r in rows if r["tensor_parallel_size"] == t and r["rate"] == GOAL_2D_RATE]
+        pp = next((r for r in at if r["config"] == "zeropp"), None)
+        base = next((r for r in at if r["config"] == TP_BASELINE), None)
+        head = (f"- t = {t}: `zeropp` at least {GOAL_2D:g}x faster than `{TP_BASELINE}` at {_link(GOAL_2D_RATE)},"
+                " the step intervals apart")  # fmt: skip
+        if pp is None or base is None:
+            out.append(f"{head}: **not measured** (`{path.split('/')[-1]}` has no such pair)")
+            continue
+        reps, base_reps = _repeats(pp, meta), _repeats(base, meta)
+        med, lo, hi = _paired(base_reps, reps)
+        apart = _apart(pp, base, meta)
+        if len(reps) < MIN_REPEATS:
+            verdict = f"undecided: {len(reps)} repeat(s), an interval needs {MIN_REPEATS}"
+        else:
+            verdict = _met(med >= GOAL_2D and apart)
+        told = "apart" if apart else "overlapping"
+        out.append(f"{head} (`{pp['topology']}`): **{verdict}** (paired {_x(med, lo, hi)}; step {_step(pp, meta)} s"
+                   f" against {_step(base, meta)} s, {told})")  # fmt: skip
+    return out
+
+
+def _tp_dominates(sources: dict[str, Source], path: str = PATH_2D) -> str:
+    """Per shaped row: the share of its step its link bytes need at the nominal rate, and what that leaves."""
+    rows = [r for r in _rows(sources, path) if r["rate"] is not None]
+    lines = []
+    for r in sorted(rows, key=lambda r: (r["tensor_parallel_size"], _rate_key(r["rate"]), r["config"])):
+        seconds = _link_seconds(r)
+        share = seconds / r["step_s"]
+        what = "mostly the link" if share >= 0.5 else "mostly not the link"
+        lines.append(f"- `{r['topology']}` `{r['config']}` at {_link(r['rate'])}: {mb(r['link_tx_bytes_per_step'])}"
+                     f" MB/step on the link need {seconds:.3f} s of its {r['step_s']:.3f} s step ({share:.0%},"
+                     f" {what}); {r['step_s'] - seconds:.3f} s left to the rest.")  # fmt: skip
+    return "\n".join(lines)
+
+
+def _tensor_parallel(sources: dict[str, Source], path: str = PATH_2D) -> str:
+    """The section of the tensor-parallel rows."""
+    return f"""{_run_line(sources, path)}
+
+{_tp_setup(sources, path)}
+
+{_tp_table(sources, path)}
+
+"1 / link ratio" is what the bytes alone allow: `zeropp` cannot beat `{TP_BASELINE}` by more where the link is all
+that counts. "link s/step at the nominal rate" is node 0's link bytes of a step over the link's rate: the time the link
+needs at the least; "of the step" its share of the step time. The rest of a step is everything else: the 8 ranks'
+compute on the machine's shared cores (with the tensor-parallel collectives inside each node, and ZeRO++'s quantizers
+as their pure-torch twins), and whatever the link loses below its nominal rate. What fills each step:
+
+{_tp_dominates(sources, path)}
+
+### Goal
+
+{chr(10).join(_goals_2d(sources, path))}"""
 
 
 def render(sources: dict[str, Source]) -> str:
@@ -463,7 +591,7 @@ repeat):
 
 ### Goals
 
-{chr(10).join(_goals_main(sources) + deltas_goals)}
+{chr(10).join(_goals_main(sources) + deltas_goals + _goals_2d(sources))}
 
 ## ZeRO++ and each technique against ZeRO-3, by link rate
 
@@ -552,6 +680,10 @@ training's layout, timed at two sizes per rank).
 The link probe, milliseconds per call at the two sizes per rank:
 
 {_probe_table(sources)}
+
+## With tensor parallelism
+
+{_tensor_parallel(sources)}
 
 ## Configurations
 
