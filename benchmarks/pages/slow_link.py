@@ -37,7 +37,9 @@ SOURCES_1D = [
     "slow_link/cluster_plan.json",
 ]
 """The example GPT's runs on 2 nodes x 2 ranks, each against ZeRO-3."""
-SOURCES = [*SOURCES_1D, "slow_link/cluster_2d.json"]
+PATH_2D = "slow_link/cluster_2d.json"
+"""The tensor-parallel rows: the Llama on 2 nodes x 4 ranks, ZeRO++'s defaults against ModelParallelStrategy."""
+SOURCES = [*SOURCES_1D, PATH_2D]
 
 FIGURES = "../../benchmarks/data/slow_link"
 """The PNGs beside the data, relative to ``docs/results/``."""
@@ -90,8 +92,6 @@ DELTAS_BYTES = 0.12
 DELTAS_SPEEDUP = 1.3
 """... and the step is this much faster than the defaults' at 200 Mbit/s."""
 
-PATH_2D = "slow_link/cluster_2d.json"
-"""The tensor-parallel rows: the Llama on 2 nodes x 4 ranks, ZeRO++'s defaults against ModelParallelStrategy."""
 TP_BASELINE = "model_parallel"
 GOAL_2D = 2.0
 """Issue 60's goal with tensor parallelism: at 200 Mbit/s, ZeRO++'s defaults at least this many times faster than
