@@ -20,6 +20,7 @@ import re
 import resource
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -75,13 +76,23 @@ def settle(limit_s: float, quiet: float = 1.0) -> float:
     return os.getloadavg()[0]
 
 
-def run(tier: str, workers: int, keep_output: Path | None = None) -> dict:
+def environment(triton_cache: str, empty: str) -> dict[str, str]:
+    """The run's environment: this one, with Triton's cache in the empty folder ``empty`` when ``triton_cache`` is
+    ``"cold"`` (as on a fresh CI machine: every kernel the compile gate checks is compiled anew)."""
+    if triton_cache not in ("cold", "warm"):
+        raise ValueError(f"triton_cache={triton_cache!r}: give 'cold' or 'warm'")
+    return {**os.environ, "TRITON_CACHE_DIR": empty} if triton_cache == "cold" else dict(os.environ)
+
+
+def run(tier: str, workers: int, keep_output: Path | None = None, triton_cache: str = "cold") -> dict:
     cmd = [sys.executable, "-m", "pytest", "tests", "-n", str(workers), *TIERS[tier], "-q", "--durations=0",
            "-p", "no:cacheprovider"]  # fmt: skip
-    load_before = os.getloadavg()[0]
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    start = time.perf_counter()
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    with tempfile.TemporaryDirectory(prefix="suite-triton-cache-") as empty:
+        env = environment(triton_cache, empty)
+        load_before = os.getloadavg()[0]
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        start = time.perf_counter()
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)  # every process of the run, ranks included, once reaped
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
@@ -92,6 +103,7 @@ def run(tier: str, workers: int, keep_output: Path | None = None) -> dict:
         "tier": tier,
         "command": f"python -m pytest tests -n {workers}" + (' -m "not slow"' if tier == "fast" else ""),
         "exit": done.returncode,
+        "triton_cache": triton_cache,
         "wall_seconds": wall,
         "cpu_seconds": cpu,
         "load_before": load_before,
@@ -114,12 +126,15 @@ def main(argv: list[str] | None = None) -> None:
         default=0,
         help="first wait up to this many seconds for the 1-minute load average to fall below 1 (a quiet start)",
     )
+    parser.add_argument("--triton-cache", choices=["cold", "warm"], default="cold",
+                        help="cold (the default, as on a fresh CI machine): the run gets an empty Triton cache, so the "
+                        "compile gate compiles every kernel; warm: the cache this machine has")  # fmt: skip
     parser.add_argument("--json", type=Path, default=None, help="add the run to this file (benchmarks/record.py)")
     parser.add_argument("--output", type=Path, default=None, help="also write pytest's whole output to this file")
     args = parser.parse_args(argv)
     if args.settle:
         print(f"load average {settle(args.settle):.2f}")
-    row = run(args.tier, args.workers, args.output)
+    row = run(args.tier, args.workers, args.output, args.triton_cache)
     print(json.dumps({k: v for k, v in row.items() if k != "slowest"}))
     if args.json:
         rows = json.loads(args.json.read_text())["runs"] if args.json.is_file() else []

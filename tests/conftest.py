@@ -5,7 +5,6 @@ or takes more than about 5 s (marked so by hand). A test outside the slow tier t
 the marker it lacks, so the fast tier can never grow a spawn unnoticed."""
 
 import contextlib
-import itertools
 import json
 import math
 import os
@@ -13,6 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from lightning_zeropp.kernels.covering import covering
 
 # Without a GPU the Triton kernels run in Triton's interpreter; it must be chosen before triton is imported.
 if not torch.cuda.is_available():
@@ -79,24 +80,6 @@ def pytest_collection_modifyitems(config, items):
 
 def _skipped_at_collection(item) -> bool:
     return any(m.args and m.args[0] is True for m in item.iter_markers("skipif")) or item.get_closest_marker("skip")
-
-
-def covering(cases: list[dict[str, str]], strength: int, chosen: tuple[int, ...] = ()) -> list[int]:
-    """Indices of cases in which every combination of ``strength`` parameter values that some case has appears in at
-    least one: ``chosen`` first, then, one at a time, the case that brings the most combinations not yet covered (the
-    earliest on a tie), until none is left. Strength 1: every value of every parameter runs at least once; strength 2:
-    every pair of values of two parameters meets in some case (all-pairs testing)."""
-
-    def combos(case: dict[str, str]) -> set[tuple]:
-        return set(itertools.combinations(sorted(case.items()), strength))
-
-    chosen = list(chosen)
-    left = set().union(*(combos(c) for c in cases)) - set().union(*(combos(cases[i]) for i in chosen))
-    while left:
-        best = max(range(len(cases)), key=lambda i: (len(combos(cases[i]) & left), -i))
-        chosen.append(best)
-        left -= combos(cases[best])
-    return chosen
 
 
 def _cover_matrices(config, items) -> None:

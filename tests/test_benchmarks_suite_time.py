@@ -39,3 +39,11 @@ def test_each_modules_seconds_add_up_its_phases_longest_first():
     assert suite_time.module_seconds(output) == {"tests/test_a.py": 12.5, "tests/test_b.py": 6.25,
                                                  "tests/test_c.py": 0.5}  # fmt: skip
     assert list(suite_time.module_seconds(output)) == ["tests/test_a.py", "tests/test_b.py", "tests/test_c.py"]
+
+
+def test_a_cold_run_gets_an_empty_triton_cache_and_a_warm_one_this_machines(monkeypatch, tmp_path):
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/somewhere/warm")
+    assert suite_time.environment("cold", str(tmp_path))["TRITON_CACHE_DIR"] == str(tmp_path)
+    assert suite_time.environment("warm", str(tmp_path))["TRITON_CACHE_DIR"] == "/somewhere/warm"
+    with pytest.raises(ValueError, match="triton_cache='hot'"):
+        suite_time.environment("hot", str(tmp_path))

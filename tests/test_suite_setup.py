@@ -154,16 +154,16 @@ def _uncovered(cases: list[dict[str, str]], chosen: list[int], strength: int) ->
 
 
 def test_a_covering_holds_every_value_or_every_pair_of_values_and_extends_what_it_is_given():
-    import conftest
+    from lightning_zeropp.kernels.covering import covering
 
     cases = _product(layout=list("abcdef"), bits=["8", "4"], width=["0", "32", "16", "8"], rows=["1", "3"])  # 96
-    ones = conftest.covering(cases, 1)
+    ones = covering(cases, 1)
     assert not _uncovered(cases, ones, 1) and len(ones) == 6  # the most values one parameter has
-    pairs = conftest.covering(cases, 2, tuple(ones))
+    pairs = covering(cases, 2, tuple(ones))
     assert pairs[: len(ones)] == ones and not _uncovered(cases, pairs, 2)
     assert 24 <= len(pairs) < len(cases) // 2  # layout x width alone needs 24
     assert _uncovered(cases, pairs[:-1], 2), "the last case chosen brought nothing"
-    assert conftest.covering(cases[:1], 2) == [0] and not _uncovered(cases, conftest.covering(cases, 3), 3)
+    assert covering(cases[:1], 2) == [0] and not _uncovered(cases, covering(cases, 3), 3)
 
 
 class _Item:

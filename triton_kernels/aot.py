@@ -40,6 +40,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from lightning_zeropp.compat import triton as compat
+from lightning_zeropp.kernels.covering import covering
 
 ARCHS = (80, 90, 100)
 FEEDBACK_WIDTHS = (32, 16, 8)  # error feedback residuals: fp32, bf16, INT8 codes with a scale per block
@@ -239,7 +240,9 @@ def _fewest_masked_paths(blocks: dict, edges: dict, entries: list) -> list[dict]
     return [{"instructions": i, "masked_accesses": m} for m, i in (f for f in found if f is not None)]
 
 
-def compile_launch(launch: Launch, arch: int) -> Compiled:
+def _described(launch: Launch, arch: int) -> tuple[compat.Specialization, dict]:
+    """The specialization for ``arch`` and what a report says of it before compiling (the fields of
+    :class:`Compiled` up to ``aligned_pointers``)."""
     spec = _specialize(launch, arch)
     sizes = [name for name in ("n", "chunk", "start") if spec.signature.get(name, "constexpr") != "constexpr"]
     base = dict(kernel=launch.kernel.__name__, arch=arch, label=launch.label,
@@ -248,6 +251,23 @@ def compile_launch(launch: Launch, arch: int) -> Compiled:
                 aligned=all(name in spec.divisible_by_16 for name in sizes),
                 aligned_pointers=sorted(name for name in spec.divisible_by_16
                                         if str(spec.signature.get(name, "")).startswith("*")))  # fmt: skip
+    return spec, base
+
+
+def features(entry: dict) -> dict[str, str]:
+    """What a specialization is made of, as parameters of a covering: the kernel, its launch width, each constexpr,
+    each argument's type, and which sizes and pointers it knows to be aligned (an entry of a report, or the fields of
+    it :func:`_described` gives)."""
+    kernel = entry["kernel"]
+    out = {"kernel": kernel, "num_warps": str(entry["num_warps"]), "aligned": f"{kernel} {entry['aligned']}",
+           "aligned_pointers": f"{kernel} {entry['aligned_pointers']}"}  # fmt: skip
+    out.update({f"{kernel} {name}": value for name, value in entry["constexprs"].items()})
+    out.update({f"{kernel} {name}:": str(value) for name, value in entry["signature"].items()})
+    return out
+
+
+def compile_launch(launch: Launch, arch: int) -> Compiled:
+    spec, base = _described(launch, arch)
     try:
         binary = compat.compile_specialization(spec)
     except Exception as err:  # reported with the configuration; the gate fails on it
@@ -618,15 +638,25 @@ def _init_worker(captured: Path | None = None) -> None:
     _UNIQUE = unique_launches((load_captured(captured) if captured else []) + strategy_launches())
 
 
-def report(archs: list[int], workers: int, captured: Path | None = None) -> dict:
+def report(archs: list[int], workers: int, captured: Path | None = None, pairs: tuple[int, ...] = ()) -> dict:
     """Compiles every launch: those ``captured`` from training steps (a file of
     ``lightning_zeropp.testing.capture``), then the hand-picked edge shapes of :func:`strategy_launches`; a
-    specialization both make is compiled once, its label naming both."""
+    specialization both make is compiled once, its label naming both. For the targets in ``pairs``, only a covering
+    of strength 2: specializations in which every pair of values of two :func:`features` that some specialization
+    has meets at least once (a compile error tied to one value, or to two values together, is still found)."""
     # sm_80 and sm_90 are required by the gate; newer targets are compiled where the toolchain knows them
     skipped = [a for a in archs if a not in (80, 90) and not compat.target_supported(a)]
     archs = [a for a in archs if a not in skipped]
+    unknown = sorted(set(pairs) - set(archs) - set(skipped))
+    if unknown:
+        raise ValueError(f"pairs={unknown}: only targets being compiled can be compiled in part (archs={archs})")
     _init_worker(captured)
-    jobs = [(i, arch) for arch in archs for i in range(len(_UNIQUE))]
+    jobs = []
+    for arch in archs:
+        every = range(len(_UNIQUE))
+        if arch in pairs:
+            every = sorted(covering([features(_described(launch, arch)[1]) for launch in _UNIQUE], 2))
+        jobs += [(i, arch) for i in every]
     if workers > 1:
         # spawn, not fork: forking a process that runs torch's and Triton's threads can deadlock the children
         with ProcessPoolExecutor(
@@ -635,7 +665,8 @@ def report(archs: list[int], workers: int, captured: Path | None = None) -> dict
             results = list(pool.map(_compile_one, jobs, chunksize=4))
     else:
         results = [_compile_one(job) for job in jobs]
-    return {"archs": archs, "skipped_archs": skipped, "launches": len(_UNIQUE), "compiled": results}
+    return {"archs": archs, "skipped_archs": skipped, "pairs_archs": [a for a in archs if a in pairs],
+            "launches": len(_UNIQUE), "compiled": results}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -645,14 +676,27 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", type=Path, required=True)
     captured = "launches captured from training steps (python -m lightning_zeropp.testing.capture)"
     parser.add_argument("--captured", type=Path, default=None, help=captured)
+    parser.add_argument(
+        "--pairs",
+        type=int,
+        nargs="+",
+        default=[],
+        metavar="ARCH",
+        help="for these targets compile only a covering in which every pair of configuration values "
+        "meets (the suite's default for sm_80; every specialization is compiled for the others)",
+    )
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         sys.exit("lightning_zeropp.kernels.aot: unset TRITON_INTERPRET: the interpreter replaces the compiler.")
-    out = report(args.arch or list(ARCHS), args.workers, args.captured)
+    try:
+        out = report(args.arch or list(ARCHS), args.workers, args.captured, tuple(args.pairs))
+    except ValueError as err:
+        parser.error(f"--pairs: {err}")
     args.json.write_text(json.dumps(out))
     failed = [c for c in out["compiled"] if c["error"]]
-    print(f"{len(out['compiled'])} compilations ({out['launches']} specializations x {len(out['archs'])} targets),"
-          f" {len(failed)} failed")  # fmt: skip
+    part = f"; a pairwise covering for sm_{', sm_'.join(map(str, out['pairs_archs']))}" if out["pairs_archs"] else ""
+    print(f"{len(out['compiled'])} compilations ({out['launches']} specializations x {len(out['archs'])} targets"
+          f"{part}), {len(failed)} failed")  # fmt: skip
 
 
 if __name__ == "__main__":

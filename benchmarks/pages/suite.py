@@ -17,6 +17,7 @@ BUDGET_S = {"full": 15 * 60, "fast": 3 * 60}
 """The project's budgets: the full suite within 15 minutes, the fast tier within 3."""
 
 MODULES_SHOWN = 15
+HEADER = ["run", "tier", "passed", "skipped", "failed", "wall", "CPU busy", "load before / after", "Triton cache", ""]
 
 QUIET_LOAD = 1.0
 """A run is quiet when the load average before it was below this (nothing else running on the 2 cores)."""
@@ -48,13 +49,18 @@ def _busy(r: dict, cpus: int) -> str:
     return f"{r['cpu_seconds'] / (r['wall_seconds'] * cpus):.0%}" if "cpu_seconds" in r else "-"
 
 
+def _cache(r: dict) -> str:
+    return r.get("triton_cache", "not recorded")
+
+
 def _verdict(runs: list[dict], tier: str) -> str:
     r = _latest(runs, tier)
     if r is None:
         return "no quiet run recorded"
     met = r["wall_seconds"] <= BUDGET_S[tier]
     verdict = "met" if met else "NOT met"
-    return f"**{verdict}** ({_minutes(r['wall_seconds'])}, {r.get('passed', 0)} passed{_failures(r)})"
+    return (f"**{verdict}** ({_minutes(r['wall_seconds'])}, {r.get('passed', 0)} passed{_failures(r)};"
+            f" Triton cache {_cache(r)})")  # fmt: skip
 
 
 def render(sources: dict[str, Source]) -> str:
@@ -62,7 +68,7 @@ def render(sources: dict[str, Source]) -> str:
     runs = data["runs"]
     rows = [
         [i + 1, r["tier"], r.get("passed", 0), r.get("skipped", 0), r.get("failed", 0), _minutes(r["wall_seconds"]),
-         _busy(r, data["cpus"]), f"{r['load_before']:.1f} / {r['load_after']:.1f}",
+         _busy(r, data["cpus"]), f"{r['load_before']:.1f} / {r['load_after']:.1f}", _cache(r),
          "quiet" if _quiet(r) else "beside other work"]
         for i, r in enumerate(runs)
     ]  # fmt: skip
@@ -71,8 +77,10 @@ def render(sources: dict[str, Source]) -> str:
         f"On a machine with {data['cpus']} CPUs. A run is quiet when the load average before it was below"
         f" {QUIET_LOAD:g}; a run beside other work shows what the suite survives, not what it costs. CPU busy is"
         " the CPU time of the run's processes over its wall time and the CPUs, a lower bound: a process its parent"
-        " never waits for (a fork server's ranks may be such) is not counted.",
-        table(["run", "tier", "passed", "skipped", "failed", "wall", "CPU busy", "load before / after", ""], rows),
+        " never waits for (a fork server's ranks may be such) is not counted. Triton cache: cold, the run started"
+        " with an empty one, as a fresh CI machine does (the compile gate compiles every kernel it checks); warm, it"
+        " used this machine's; not recorded before the column existed.",
+        table(HEADER, rows),
         f"## Budgets, by the latest quiet run of each tier\n\n{goals}",
     ]
     full = [r for r in runs if r["tier"] == "full" and r.get("module_seconds")]
