@@ -70,7 +70,9 @@ ModelParallelStrategy), t ranks of each node splitting every layer, ZeRO++ over 
 same two steps. The ledger counts the data-parallel collectives; the plan's activation all-reduces stay inside the
 node and are not in these figures. The ratio is against `exact_2d`. The module's `fully_shard` calls pass no
 `mp_policy`, as such a `configure_model` usually does, so FSDP gathers fp32 weights and reduces fp32 gradients under
-either strategy: against bf16 collectives the quantized rows' ratios would be about twice these.
+either strategy: against bf16 collectives the quantized rows' ratios would be about twice these. So these ratios
+and [the slow link's](slow_link.md#with-tensor-parallelism), whose Llama gathers bf16 weights, measure different
+baselines and are not to be compared.
 
 {table(["nodes x ranks", "t", "config", "inter MB", "intra MB", "ratio", "backward AG inter MB"], cells)}
 
