@@ -14,6 +14,7 @@ What counts as private, outside the compat folder, in every Python file of the r
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import inspect
 from pathlib import Path
@@ -84,8 +85,15 @@ def _violations(path: Path, tree: ast.Module, ours: set[str]) -> list[str]:
     return found
 
 
+@functools.cache
 def _parse_all() -> dict[Path, ast.Module]:
+    """Every Python file of the repository, parsed once per session (the trees are only read)."""
     return {p: ast.parse(p.read_text(), filename=str(p)) for p in _python_files()}
+
+
+@functools.cache
+def _ours() -> frozenset[str]:
+    return frozenset(_defined_names(_parse_all()))
 
 
 def test_no_private_symbol_outside_compat():
@@ -172,7 +180,7 @@ def test_our_classes_leave_their_external_bases_private_state_alone():
 )
 def test_the_check_sees_each_kind_of_private_use(snippet, expected):
     """The checker itself: each kind of private use in a file outside compat is reported."""
-    ours = _defined_names(_parse_all())
+    ours = _ours()
     found = _violations(ROOT / "probe.py", ast.parse(snippet), ours)
     assert any(expected in v for v in found), found
 
