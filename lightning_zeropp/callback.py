@@ -18,8 +18,14 @@ from .ledger import UNITS
 class CommVolumeMonitor(Callback):
     """Logs ``comm/inter_node_MB`` and ``comm/intra_node_MB`` (this rank's payload) after every optimizer step.
 
+    Those totals are the strategy's own, data-parallel collectives. With ``tensor_parallel_size`` > 1 the monitor also
+    switches on the counting of the model's tensor-parallel collectives for its run
+    (``ZeroPPStrategy.count_tensor_parallel_bytes``) and logs their totals apart, ``comm/tensor_parallel/inter_node_MB``
+    and ``comm/tensor_parallel/intra_node_MB``.
+
     Args:
-        per_kind: also log one pair of metrics per collective kind (``comm/weight_all_gather/inter_node_MB``, ...).
+        per_kind: also log one pair of metrics per collective kind (``comm/weight_all_gather/inter_node_MB``, ...;
+            ``comm/tensor_parallel_all_reduce/intra_node_MB``, ... for the tensor-parallel ones).
         prog_bar: also show the two totals in the progress bar (off by default: their names are long, and the bar
             would wrap; the metrics go to the loggers either way).
         unit: ``"B"``, ``"KB"``, ``"MB"`` or ``"GB"`` (decimal); the metric names carry it.
@@ -36,6 +42,7 @@ class CommVolumeMonitor(Callback):
         self.unit = unit
         self._last_global_step = -1
         self._accumulating = False
+        self._counted_before: bool | None = None  # the strategy's tensor-parallel switch before this run
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -46,6 +53,14 @@ class CommVolumeMonitor(Callback):
                 f"CommVolumeMonitor reads ZeroPPStrategy's ledger, but the Trainer uses"
                 f" {type(trainer.strategy).__name__}. Pass `strategy=ZeroPPStrategy(...)` or drop the callback."
             )
+        if trainer.strategy.topology.tensor_parallel_size > 1 and self._counted_before is None:
+            self._counted_before = trainer.strategy.count_tensor_parallel_bytes(True)
+
+    @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self._counted_before is not None:  # the switch as this run found it
+            trainer.strategy.count_tensor_parallel_bytes(self._counted_before)
+            self._counted_before = None
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -68,11 +83,12 @@ class CommVolumeMonitor(Callback):
         if self._accumulating:
             return
         self._last_global_step = trainer.global_step
-        metrics = trainer.strategy.comm_ledger.step_metrics(self.unit, per_kind=self.per_kind, restart=False)
-        totals = {k: v for k, v in metrics.items() if k.count("/") == 1}
+        ledger = trainer.strategy.comm_ledger
+        totals = ledger.step_metrics(self.unit, per_kind=False, restart=False)
         pl_module.log_dict(totals, prog_bar=self.prog_bar, on_step=True, on_epoch=False, rank_zero_only=True)
         if self.per_kind:
-            per_kind = {k: v for k, v in metrics.items() if k.count("/") == 2}
+            metrics = ledger.step_metrics(self.unit, per_kind=True, restart=False)
+            per_kind = {k: v for k, v in metrics.items() if k not in totals}
             pl_module.log_dict(per_kind, on_step=True, on_epoch=False, rank_zero_only=True)
 
 

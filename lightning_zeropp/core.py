@@ -13,6 +13,7 @@ import dataclasses
 import inspect
 import os
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ from .materialize import materialize_meta_tensors
 from .optimizers import check_runs_sharded
 from .preemption import Preemption
 from .sharding import apply_zeropp, check_tensor_parallel, refuse_fsdp1
+from .tensor_parallel_comms import TensorParallelCounter
 from .topology import ProcessGroups, Topology, check_launch, own_group
 
 SUPPORTED_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-true")
@@ -109,6 +111,8 @@ class ZeroPPCore:
         self._topology: Topology | None = None
         self._ledger: CommLedger | None = None
         self._comms: ZeroPPComms | None = None
+        self._count_tensor_parallel = False  # the switch, kept across jobs; the counter exists once the mesh does
+        self._tensor_parallel: TensorParallelCounter | None = None
 
     # ------------------------------------------------------------------ state once the processes exist
     @property
@@ -177,6 +181,10 @@ class ZeroPPCore:
             self._topology = topology
             self.release()
             self._ledger = CommLedger(topology)
+            self._tensor_parallel = None
+            if topology.tensor_parallel_size > 1:
+                self._tensor_parallel = TensorParallelCounter(self._ledger, self.mesh["tensor_parallel"].get_group())
+                self._tensor_parallel.enable(self._count_tensor_parallel)
             groups = ProcessGroups.build(topology, self.config.timeout, plan.hybrid)
             self._comms = ZeroPPComms(self.config, groups, self._ledger, plan)
         assert self._comms is not None and self.mesh is not None
@@ -209,6 +217,17 @@ class ZeroPPCore:
             return DeviceMesh.from_group(shard, device_type, node, mesh_dim_names=("shard",))
         ranks = torch.arange(topology.world_size).view(K, N)
         return DeviceMesh.from_group([replicate, shard], device_type, ranks, mesh_dim_names=("replicate", "shard"))
+
+    def count_tensor_parallel(self, enabled: bool) -> bool:
+        """Switches the counting of the model's tensor-parallel collectives; returns the previous setting."""
+        previous, self._count_tensor_parallel = self._count_tensor_parallel, enabled
+        if self._tensor_parallel is not None:
+            self._tensor_parallel.enable(enabled)
+        return previous
+
+    def counting_tensor_parallel(self) -> AbstractContextManager:
+        """Around a step's forward or backward: counts its tensor-parallel collectives while the switch is on."""
+        return self._tensor_parallel.counting() if self._tensor_parallel is not None else nullcontext()
 
     def release(self) -> None:
         """Destroys the strategy's own process groups (the next run, or a call of the model, builds them again)."""
@@ -437,6 +456,16 @@ class FrontDoor:
         """Bytes this rank sent, by collective kind, split into same-node and other-node peers (per step:
         ``comm_ledger.step_metrics()``, what ``CommVolumeMonitor`` logs and a Fabric loop passes to ``log_dict``)."""
         return self._core.ledger
+
+    def count_tensor_parallel_bytes(self, enabled: bool = True) -> bool:
+        """Counts (or stops counting) the collectives of the model's tensor-parallel plan in :attr:`comm_ledger`, as
+        the ``tensor_parallel_*`` kinds, apart from the data-parallel totals (see :mod:`lightning_zeropp.ledger`);
+        returns the previous setting. Off by default: it watches every operator of the step. The Trainer's strategy
+        counts in ``training_step`` and its backward (``CommVolumeMonitor`` switches it on for its run), Fabric's in
+        every forward of the model and in ``fabric.backward``. No effect with ``tensor_parallel_size=1``."""
+        if not isinstance(enabled, bool):
+            raise TypeError(f"count_tensor_parallel_bytes: `enabled` must be True or False, got {enabled!r}.")
+        return self._core.count_tensor_parallel(enabled)
 
     @property
     def comms(self) -> ZeroPPComms | None:

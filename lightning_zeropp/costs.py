@@ -32,7 +32,7 @@ from torch import nn
 from . import kernels as tk
 from .commplan import CommPlan, job_topology, resolve
 from .config import ZeroPPConfig
-from .ledger import CommLedger
+from .ledger import CommLedger, all_reduce_chunks
 from .qgz import stages
 from .rail import GATHER_KIND, REDUCE_KIND, Piece, pieces
 from .sharding import default_wrap_targets
@@ -267,9 +267,7 @@ def step_bytes(
                 ledger.record_to_peers(GATHER_KIND, rail, cut[topo.node].wire(gradients.gather_bits, bs))
             elif hybrid:
                 rail = topo.rail_ranks()
-                pieces = [(C * (i + 1) // K - C * i // K) * er for i in range(K)]
-                mine = pieces[rail.index(rank)]
-                ledger.record_to_peers("gradient_all_reduce", rail, [p + mine for p in pieces])
+                ledger.record_to_peers("gradient_all_reduce", rail, all_reduce_chunks(C, er, K, rail.index(rank)))
     return {k: (t.intra_node_bytes, t.inter_node_bytes, t.calls) for k, t in ledger.by_kind().items()}
 
 

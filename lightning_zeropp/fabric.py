@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import weakref
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,7 @@ __all__ = ["FabricArguments", "ZeroPPStrategy"]
 
 _RESERVED = (MODEL_KEY, OPTIMIZER_STATES, SCHEDULERS_KEY, RNG_KEY, COMMS_KEY, FABRIC_KEYS, VERSION_KEY)
 _RESHARD_HOOK = "_zeropp_fabric_reshard_hook"
+_COUNT_HOOKS = "_zeropp_fabric_count_hooks"
 
 
 def _no_parallelize(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
@@ -115,6 +117,7 @@ class ZeroPPStrategy(FrontDoor, FabricModelParallelBase, config=ZeroPPConfig, ow
         self._core = core
         self._preemption = Preemption()
         self._user_parallelize = parallelize_fn
+        self._forward_counting = ExitStack()  # the tensor-parallel counting of the forward that is running
         # id of a parameter before sharding -> (it, the sharded parameter that replaced it), both weakly held
         self._before_sharding: dict[int, tuple[weakref.ref, weakref.ref | None]] = {}
 
@@ -138,6 +141,10 @@ class ZeroPPStrategy(FrontDoor, FabricModelParallelBase, config=ZeroPPConfig, ow
         model, _ = self._core.shard(module, precision, self.root_device, "Fabric", self._user_parallelize)
         if not hasattr(model, _RESHARD_HOOK):
             setattr(model, _RESHARD_HOOK, model.register_forward_hook(_reshard_without_grad))
+        if not hasattr(model, _COUNT_HOOKS):  # Fabric's loop owns the forward: count it from the model's own hooks
+            start = model.register_forward_pre_hook(self._start_counting_forward)
+            stop = model.register_forward_hook(self._stop_counting_forward, always_call=True)  # raised or not
+            setattr(model, _COUNT_HOOKS, (start, stop))
         for holder, name, p in before:
             new = getattr(holder, name, None)
             replaced = isinstance(new, nn.Parameter) and new is not p
@@ -199,8 +206,16 @@ class ZeroPPStrategy(FrontDoor, FabricModelParallelBase, config=ZeroPPConfig, ow
 
     @override
     def backward(self, tensor: torch.Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
-        with self._preemption.in_flight():
+        with self._preemption.in_flight(), self._core.counting_tensor_parallel():
             super().backward(tensor, module, *args, **kwargs)
+
+    def _start_counting_forward(self, module: nn.Module, args: Any) -> None:
+        """Tensor-parallel bytes (:meth:`count_tensor_parallel_bytes`): the forward's, from its pre-hook to its
+        post-hook (which runs when the forward raises, too)."""
+        self._forward_counting.enter_context(self._core.counting_tensor_parallel())
+
+    def _stop_counting_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._forward_counting.close()
 
     # ------------------------------------------------------------------ checkpoints
     @override

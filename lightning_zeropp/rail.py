@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from . import kernels as tk
 from .commplan import GradientReduction
-from .ledger import CommLedger
+from .ledger import CommLedger, all_reduce_chunks
 from .topology import Topology
 
 REDUCE_KIND = "gradient_rail_reduce_scatter"
@@ -214,8 +214,5 @@ def exact_all_reduce(shard: torch.Tensor, multiplier: float, rail: dist.ProcessG
 def record_exact(reduced: torch.Tensor, topology: Topology, ledger: CommLedger) -> None:
     """The ledger entry of an exact all-reduce of ``reduced`` on this rank's rail."""
     ranks = topology.rail_ranks()
-    parts = len(ranks)
-    numel, size = reduced.numel(), reduced.element_size()
-    bytes_ = [(numel * (i + 1) // parts - numel * i // parts) * size for i in range(parts)]
-    mine = bytes_[ranks.index(topology.rank)]
-    ledger.record_to_peers(EXACT_KIND, ranks, [b + mine for b in bytes_])
+    chunks = all_reduce_chunks(reduced.numel(), reduced.element_size(), len(ranks), ranks.index(topology.rank))
+    ledger.record_to_peers(EXACT_KIND, ranks, chunks)

@@ -263,12 +263,15 @@ class ZeroPPStrategy(FrontDoor, ModelParallelBase, config=ZeroPPConfig):
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
-        with self._preemption.in_flight():  # outside an optimizer step on the micro-batches of an accumulation
+        # outside an optimizer step on the micro-batches of an accumulation; tensor-parallel bytes: see training_step
+        with self._preemption.in_flight(), self._core.counting_tensor_parallel():
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        with self.precision_plugin.train_step_context():
+        # the model's tensor-parallel collectives are counted in the training step and its backward alone, while the
+        # switch is on (count_tensor_parallel_bytes): validation's are not the step's
+        with self.precision_plugin.train_step_context(), self._core.counting_tensor_parallel():
             return self._step("training_step", *args, **kwargs)
 
     @override

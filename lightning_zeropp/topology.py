@@ -127,6 +127,10 @@ class Topology:
     def node_of(self, rank: int) -> int:
         return rank // self.ranks_per_node
 
+    def node_of_global(self, rank: int) -> int:
+        """The node of a rank as the job numbers it (with tensor parallelism: not a data-parallel rank)."""
+        return self.node_of(rank // self.tensor_parallel_size)
+
     def intra_node_ranks(self, node: int | None = None) -> list[int]:
         node = self.node if node is None else node
         start = node * self.ranks_per_node

@@ -43,6 +43,7 @@ LAYERS = {
     "comm": 3,
     "checkpoint_files": 3,
     "deltas": 2,
+    "tensor_parallel_comms": 2,  # counts the model's tensor-parallel collectives into the ledger
     "feedback": 2,
     "moments": 2,
     "qgz": 2,

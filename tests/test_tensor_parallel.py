@@ -438,11 +438,13 @@ def _parallelize(model: TensorParallelNet, mesh) -> TensorParallelNet:
     return model
 
 
-def _fabric_fit(rank: int, strategy) -> dict[str, torch.Tensor] | None:
+def _fabric_fit(rank: int, strategy, count: bool = False) -> dict | None:
     from lightning.fabric import Fabric
 
     fabric = Fabric(accelerator="cpu", devices=WORLD, strategy=strategy)
     fabric.launch()
+    if count:
+        strategy.count_tensor_parallel_bytes(True)
     torch.manual_seed(0)
     model = fabric.setup_module(TensorParallelNet())
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
@@ -454,6 +456,10 @@ def _fabric_fit(rank: int, strategy) -> dict[str, torch.Tensor] | None:
         optimizer.step()
         optimizer.zero_grad()
     full = {n: p.full_tensor().detach().clone() for n, p in model.module.named_parameters()}
+    if count:
+        tp = {k: (t.intra_node_bytes, t.inter_node_bytes, t.calls)
+              for k, t in strategy.comm_ledger.tensor_parallel_by_kind().items()}  # fmt: skip
+        return {"full": full, "tensor_parallel": tp}
     return full if rank == 0 else None
 
 
@@ -463,18 +469,33 @@ def _fabric_worker(rank: int, world: int) -> dict:
     from lightning_zeropp.fabric import ZeroPPStrategy as FabricZeroPPStrategy
 
     reference = _fabric_fit(rank, ModelParallelStrategy(_parallelize, data_parallel_size=2, tensor_parallel_size=2))
-    strategy = FabricZeroPPStrategy(tensor_parallel_size=2, ranks_per_node=2, quantize_weights=False,
-                                    quantize_gradients=False, parallelize_fn=_parallelize)  # fmt: skip
-    return {"reference": reference, "exact": _fabric_fit(rank, strategy)}
+    exact = dict(tensor_parallel_size=2, ranks_per_node=2, quantize_weights=False, quantize_gradients=False,
+                 parallelize_fn=_parallelize)  # fmt: skip
+    counted = _fabric_fit(rank, FabricZeroPPStrategy(**exact), count=True)
+    return {"reference": reference, "exact": _fabric_fit(rank, FabricZeroPPStrategy(**exact)), "counted": counted}
+
+
+# The plan's traffic under Fabric, from the shapes (fp32; t = 2, the peer on the same node): each block's rowwise w3
+# all-reduces its (4, 32) output in forward, and the colwise w1 and w2 each all-reduce the gradient of their
+# replicated (4, 32) input in backward: 3 all-reduces of 512 bytes per block and step, each counted n / 2 + n / 2
+# values per peer (the ledger's all-reduce convention): 512 bytes. The forward's third (Fabric's loop owns the
+# forward: counted from the model's hooks) and the backward's two thirds.
+FABRIC_TENSOR_PARALLEL = {"tensor_parallel_all_reduce": (STEPS * 2 * 3 * 512, 0, STEPS * 2 * 3)}
 
 
 @pytest.mark.multiprocess
 def test_fabric_parallelize_fn_is_bit_identical_to_fabrics_model_parallel_strategy():
-    result = spawn(_fabric_worker, WORLD, timeout=600)[0]
+    """Bit-identical to Fabric's ModelParallelStrategy, with the tensor-parallel bytes counted too (forward and
+    backward, every rank, inside the node)."""
+    results = spawn(_fabric_worker, WORLD, timeout=600)
+    result = results[0]
     reference, exact = result["reference"], result["exact"]
     assert reference.keys() == exact.keys() and len(reference) == 16
     different = [n for n in reference if not torch.equal(reference[n], exact[n])]
     assert not different, different
+    assert all(torch.equal(reference[n], result["counted"]["full"][n]) for n in reference)
+    for rank, r in enumerate(results):
+        assert r["counted"]["tensor_parallel"] == FABRIC_TENSOR_PARALLEL, (rank, r["counted"]["tensor_parallel"])
     torch.manual_seed(0)
     unmoved = [n for n, p in TensorParallelNet().named_parameters() if torch.equal(p.detach(), exact[n])]
     assert not unmoved, unmoved
