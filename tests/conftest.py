@@ -122,29 +122,6 @@ def pytest_addoption(parser):
     )
 
 
-@pytest.fixture(scope="session")
-def captured_launches(tmp_path_factory, worker_id) -> Path:
-    """The kernel launches of real training steps (``lightning_zeropp.testing.capture``: 4 configurations x 2 models x
-    3 topologies), the path of the records: captured once per run and shared by the compile gate's modules, which run
-    on different workers (pytest-xdist's way for a session fixture that runs once: the first worker to take the lock
-    captures, the others read its file)."""
-    from filelock import FileLock
-
-    from lightning_zeropp.testing.capture import CONFIGS, TOPOLOGIES, capture
-
-    shared = tmp_path_factory.getbasetemp() if worker_id == "master" else tmp_path_factory.getbasetemp().parent
-    path = shared / "captured_launches.json"
-    with FileLock(str(path) + ".lock"):
-        if not path.is_file():
-            # on ranks spawned from this process; ``capture`` unsets the interpreter for them (they define the kernels
-            # compiled)
-            records = capture(list(TOPOLOGIES), list(CONFIGS), timeout=1800)
-            tmp = path.with_suffix(".partial")
-            tmp.write_text(json.dumps(records))
-            tmp.replace(path)
-    return path
-
-
 @contextlib.contextmanager
 def environment_restored():
     """Leaves ``os.environ`` as it found it: variables set inside are removed, changed ones restored."""

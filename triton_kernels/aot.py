@@ -651,14 +651,11 @@ def report(archs: list[int], workers: int, captured: Path | None = None, pairs: 
     if unknown:
         raise ValueError(f"pairs={unknown}: only targets being compiled can be compiled in part (archs={archs})")
     _init_worker(captured)
-    jobs, not_compiled = [], {}
+    jobs = []
     for arch in archs:
         every = range(len(_UNIQUE))
         if arch in pairs:
-            described = [_described(launch, arch)[1] for launch in _UNIQUE]
-            every = sorted(covering([features(d) for d in described], 2))
-            chosen = set(every)
-            not_compiled[arch] = [d for i, d in enumerate(described) if i not in chosen]
+            every = sorted(covering([features(_described(launch, arch)[1]) for launch in _UNIQUE], 2))
         jobs += [(i, arch) for i in every]
     if workers > 1:
         # spawn, not fork: forking a process that runs torch's and Triton's threads can deadlock the children
@@ -668,10 +665,8 @@ def report(archs: list[int], workers: int, captured: Path | None = None, pairs: 
             results = list(pool.map(_compile_one, jobs, chunksize=4))
     else:
         results = [_compile_one(job) for job in jobs]
-    # not_compiled: per target compiled in part, what the report says of each specialization left out (its
-    # kernel, signature, constexprs, ...), so that a reader can check the part against the whole
     return {"archs": archs, "skipped_archs": skipped, "pairs_archs": [a for a in archs if a in pairs],
-            "launches": len(_UNIQUE), "compiled": results, "not_compiled": not_compiled}  # fmt: skip
+            "launches": len(_UNIQUE), "compiled": results}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:

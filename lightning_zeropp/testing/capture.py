@@ -20,9 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
-import subprocess
-import sys
 import tempfile
 import warnings
 from pathlib import Path
@@ -185,15 +182,6 @@ def capture(topologies: list[str], configs: list[str], setup: str | None = None,
                             timeout=timeout, env={"TRITON_INTERPRET": "0"})  # fmt: skip
             records.extend(results[0])
     return records
-
-
-def without_interpreter(code: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    """Runs ``code`` in a fresh Python at the repository's root without ``TRITON_INTERPRET`` (the interpreter replaces
-    the compiler, which the compile gate needs), capturing its output."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = Path(__file__).resolve().parents[2]
-    return subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
-                          timeout=timeout)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
