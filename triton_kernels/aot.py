@@ -266,14 +266,16 @@ def features(entry: dict) -> dict[str, str]:
     return out
 
 
-def compile_launch(launch: Launch, arch: int) -> Compiled:
+def compile_launch(launch: Launch, arch: int, sass: bool = True) -> Compiled:
+    """Compiles ``launch`` for ``arch`` and reads the code: registers, stack and local memory always; the SASS paths
+    and spill instructions for :data:`PATH_ARCH` when ``sass`` (disassembly: about 0.4 s per kernel)."""
     spec, base = _described(launch, arch)
     try:
         binary = compat.compile_specialization(spec)
     except Exception as err:  # reported with the configuration; the gate fails on it
         return Compiled(**base, registers=0, stack_bytes=0, local_bytes=0, shared_bytes=0, spill_instructions=0,
                         sass_paths=[], accesses=[], error=_describe(err))  # fmt: skip
-    usage = _code_facts(binary.cubin, with_paths=arch == PATH_ARCH)
+    usage = _code_facts(binary.cubin, with_paths=sass and arch == PATH_ARCH)
     return Compiled(
         **base,
         registers=usage["registers"],
@@ -598,10 +600,10 @@ def unique_launches(launches: list[Launch]) -> list[Launch]:
     return list(seen.values())
 
 
-def _compile_one(job: tuple[int, int]) -> dict:
-    index, arch = job
+def _compile_one(job: tuple[int, int, bool]) -> dict:
+    index, arch, sass = job
     launch = _UNIQUE[index]
-    return dataclasses.asdict(compile_launch(launch, arch))
+    return dataclasses.asdict(compile_launch(launch, arch, sass))
 
 
 def _rebuilt_argument(argument: list) -> object:
@@ -638,7 +640,8 @@ def _init_worker(captured: Path | None = None) -> None:
     _UNIQUE = unique_launches((load_captured(captured) if captured else []) + strategy_launches())
 
 
-def report(archs: list[int], workers: int, captured: Path | None = None, pairs: tuple[int, ...] = ()) -> dict:
+def report(archs: list[int], workers: int, captured: Path | None = None, pairs: tuple[int, ...] = (),
+           sass: bool = True) -> dict:  # fmt: skip
     """Compiles every launch: those ``captured`` from training steps (a file of
     ``lightning_zeropp.testing.capture``), then the hand-picked edge shapes of :func:`strategy_launches`; a
     specialization both make is compiled once, its label naming both. For the targets in ``pairs``, only a covering
@@ -656,7 +659,7 @@ def report(archs: list[int], workers: int, captured: Path | None = None, pairs: 
         every = range(len(_UNIQUE))
         if arch in pairs:
             every = sorted(covering([features(_described(launch, arch)[1]) for launch in _UNIQUE], 2))
-        jobs += [(i, arch) for i in every]
+        jobs += [(i, arch, sass) for i in every]
     if workers > 1:
         # spawn, not fork: forking a process that runs torch's and Triton's threads can deadlock the children
         with ProcessPoolExecutor(
@@ -665,7 +668,7 @@ def report(archs: list[int], workers: int, captured: Path | None = None, pairs: 
             results = list(pool.map(_compile_one, jobs, chunksize=4))
     else:
         results = [_compile_one(job) for job in jobs]
-    return {"archs": archs, "skipped_archs": skipped, "pairs_archs": [a for a in archs if a in pairs],
+    return {"archs": archs, "skipped_archs": skipped, "pairs_archs": [a for a in archs if a in pairs], "sass": sass,
             "launches": len(_UNIQUE), "compiled": results}  # fmt: skip
 
 
@@ -685,11 +688,14 @@ def main(argv: list[str] | None = None) -> None:
         help="for these targets compile only a covering in which every pair of configuration values "
         "meets (the suite's default for sm_80; every specialization is compiled for the others)",
     )
+    parser.add_argument("--no-sass", action="store_true",
+                        help=f"do not disassemble sm_{PATH_ARCH}'s SASS (its paths and spill instructions; registers, "
+                        "stack and local memory, where spills go, are read either way)")  # fmt: skip
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         sys.exit("lightning_zeropp.kernels.aot: unset TRITON_INTERPRET: the interpreter replaces the compiler.")
     try:
-        out = report(args.arch or list(ARCHS), args.workers, args.captured, tuple(args.pairs))
+        out = report(args.arch or list(ARCHS), args.workers, args.captured, tuple(args.pairs), not args.no_sass)
     except ValueError as err:
         parser.error(f"--pairs: {err}")
     args.json.write_text(json.dumps(out))
