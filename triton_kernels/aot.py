@@ -640,26 +640,41 @@ def _init_worker(captured: Path | None = None) -> None:
     _UNIQUE = unique_launches((load_captured(captured) if captured else []) + strategy_launches())
 
 
+def rotated(launch: Launch) -> bool:
+    """A launch of rotated blocks (``ROTATE``) or of the sign table they use: the specializations that unroll a
+    Hadamard butterfly, the costliest to compile (about three times the others)."""
+    return bool(launch.kwargs.get("ROTATE")) or launch.kernel.__name__ == "_rotation_table_kernel"
+
+
 def report(archs: list[int], workers: int, captured: Path | None = None, pairs: tuple[int, ...] = (),
-           sass: bool = True) -> dict:  # fmt: skip
+           sass: bool = True, rotated_only: tuple[int, ...] = ()) -> dict:  # fmt: skip
     """Compiles every launch: those ``captured`` from training steps (a file of
     ``lightning_zeropp.testing.capture``), then the hand-picked edge shapes of :func:`strategy_launches`; a
     specialization both make is compiled once, its label naming both. For the targets in ``pairs``, only a covering
     of strength 2: specializations in which every pair of values of two :func:`features` that some specialization
-    has meets at least once (a compile error tied to one value, or to two values together, is still found)."""
+    has meets at least once (a compile error tied to one value, or to two values together, is still found). For the
+    targets in ``rotated_only``, only the :func:`rotated` specializations. The rotated compilations go first, so that
+    none of the slowest is left to one worker at the end."""
     # sm_80 and sm_90 are required by the gate; newer targets are compiled where the toolchain knows them
     skipped = [a for a in archs if a not in (80, 90) and not compat.target_supported(a)]
     archs = [a for a in archs if a not in skipped]
-    unknown = sorted(set(pairs) - set(archs) - set(skipped))
-    if unknown:
-        raise ValueError(f"pairs={unknown}: only targets being compiled can be compiled in part (archs={archs})")
+    for name, subset in (("pairs", pairs), ("rotated_only", rotated_only)):
+        unknown = sorted(set(subset) - set(archs) - set(skipped))
+        if unknown:
+            raise ValueError(f"{name}={unknown}: only targets being compiled can be compiled in part (archs={archs})")
+    both = sorted(set(pairs) & set(rotated_only))
+    if both:
+        raise ValueError(f"pairs and rotated_only both name {both}: a target is compiled in one part only")
     _init_worker(captured)
     jobs = []
     for arch in archs:
         every = range(len(_UNIQUE))
         if arch in pairs:
             every = sorted(covering([features(_described(launch, arch)[1]) for launch in _UNIQUE], 2))
+        if arch in rotated_only:
+            every = [i for i in every if rotated(_UNIQUE[i])]
         jobs += [(i, arch, sass) for i in every]
+    jobs.sort(key=lambda job: not rotated(_UNIQUE[job[0]]))  # stable: each part keeps its order
     if workers > 1:
         # spawn, not fork: forking a process that runs torch's and Triton's threads can deadlock the children
         with ProcessPoolExecutor(
@@ -668,8 +683,9 @@ def report(archs: list[int], workers: int, captured: Path | None = None, pairs: 
             results = list(pool.map(_compile_one, jobs, chunksize=4))
     else:
         results = [_compile_one(job) for job in jobs]
-    return {"archs": archs, "skipped_archs": skipped, "pairs_archs": [a for a in archs if a in pairs], "sass": sass,
-            "launches": len(_UNIQUE), "compiled": results}  # fmt: skip
+    return {"archs": archs, "skipped_archs": skipped, "pairs_archs": [a for a in archs if a in pairs],
+            "rotated_only_archs": [a for a in archs if a in rotated_only], "sass": sass, "launches": len(_UNIQUE),
+            "rotated_launches": sum(map(rotated, _UNIQUE)), "compiled": results}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -688,6 +704,9 @@ def main(argv: list[str] | None = None) -> None:
         help="for these targets compile only a covering in which every pair of configuration values "
         "meets (the suite's default for sm_80; every specialization is compiled for the others)",
     )
+    parser.add_argument("--rotated-only", type=int, nargs="+", default=[], metavar="ARCH",
+                        help="for these targets compile only the rotated blocks' specializations and the sign table's "
+                        "(the suite's choice for sm_100)")  # fmt: skip
     parser.add_argument("--no-sass", action="store_true",
                         help=f"do not disassemble sm_{PATH_ARCH}'s SASS (its paths and spill instructions; registers, "
                         "stack and local memory, where spills go, are read either way)")  # fmt: skip
@@ -695,12 +714,15 @@ def main(argv: list[str] | None = None) -> None:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         sys.exit("lightning_zeropp.kernels.aot: unset TRITON_INTERPRET: the interpreter replaces the compiler.")
     try:
-        out = report(args.arch or list(ARCHS), args.workers, args.captured, tuple(args.pairs), not args.no_sass)
+        subsets = {"pairs": tuple(args.pairs), "rotated_only": tuple(args.rotated_only)}
+        out = report(args.arch or list(ARCHS), args.workers, args.captured, sass=not args.no_sass, **subsets)
     except ValueError as err:
-        parser.error(f"--pairs: {err}")
+        parser.error(f"--pairs/--rotated-only: {err}")
     args.json.write_text(json.dumps(out))
     failed = [c for c in out["compiled"] if c["error"]]
     part = f"; a pairwise covering for sm_{', sm_'.join(map(str, out['pairs_archs']))}" if out["pairs_archs"] else ""
+    if out["rotated_only_archs"]:
+        part += f"; the rotated ones only for sm_{', sm_'.join(map(str, out['rotated_only_archs']))}"
     print(f"{len(out['compiled'])} compilations ({out['launches']} specializations x {len(out['archs'])} targets"
           f"{part}), {len(failed)} failed")  # fmt: skip
 
