@@ -198,17 +198,28 @@ def _feedback_rule(pairs: list[tuple[int, float]]) -> str:
     return "**not met**: not resolved lower than the defaults; feedback stays opt-in"
 
 
-def _bf16_rule(pairs: list[tuple[int, float]], defaults: list[tuple[int, float]], planned: int) -> str:
+BF16_PLANNED, BF16_CLOSE = 3, 5
+"""The bf16 study's seeds (decisions log, 2026-12-06): 3 planned; 5 when the answer at 3 is close."""
+
+
+def bf16_rule(pairs: list[tuple[int, float]], defaults: list[tuple[int, float]]) -> str:
+    """The verdict of the rule fixed before the bf16 study's runs, from the paired second-half gaps of the correction
+    against none (``pairs``) and of the defaults against ZeRO-3 (``defaults``): resolved worse (mean - 2 SE > 0) at
+    any count of seeds from the planned 3 stands the correction down; close (the interval holds 0 with a mean above
+    0, or the defaults' interval holds the 0.1% line) asks for seeds 4 and 5 first; otherwise, and when still close
+    at 5 seeds, the correction stays the default."""
     values = _values(pairs)
-    if len(values) < planned:
-        return f"**no verdict yet**: {len(values)} of the {planned} paired seeds the rule needs have run"
+    if len(values) < BF16_PLANNED:
+        return f"**no verdict yet**: {len(values)} of the {BF16_PLANNED} paired seeds the rule needs have run"
     m, se = mean_se(values)
     if m - 2 * se > 0:
-        return '**resolved worse**: "auto" stands down under bf16 precisions'
-    dm, dse = mean_se(_values(defaults)) if defaults else (0.0, 0.0)
-    if (m > 0 and m - 2 * se <= 0 <= m + 2 * se) or (dm - 2 * dse <= LINE <= dm + 2 * dse):
-        return "**close**: seeds 4 and 5 run before any verdict"
-    return "**not worse**: the correction stays the default in bf16-mixed"
+        return f'**resolved worse** at {len(values)} seeds: "auto" stands down under bf16 precisions'
+    dm, dse = mean_se(_values(defaults)) if len(defaults) > 1 else (0.0, 0.0)
+    close = (m > 0 and m - 2 * se <= 0 <= m + 2 * se) or (dm - 2 * dse <= LINE <= dm + 2 * dse)
+    if close and len(values) < BF16_CLOSE:
+        return f"**close** at {len(values)} seeds: seeds up to {BF16_CLOSE} run before any verdict"
+    how = f", close at {len(values)} seeds too" if close else ""
+    return f"**not worse** at {len(values)} seeds{how}: the correction stays the default in bf16-mixed"
 
 
 def _cross(source: Source, base: Source, config: str, steps: int) -> list[list[Any]]:
@@ -303,14 +314,13 @@ the paired interval below 0, at least {FEEDBACK_MIN_SEEDS} seeds): the defaults 
     bbase = b.get(BASE, {})
     smc_vs_none = _paired_configs(b, DEFAULTS, "zeropp")
     defaults_bf16 = gaps(b.get(DEFAULTS, {}), bbase, "second_half")
-    planned = 3
     done = sorted(f"`{c}` seed {s}" for c, rs in b.items() for s in rs)
-    parts.append(f"""## bf16-mixed, 500 steps: the correction under bf16 (in progress)
+    parts.append(f"""## bf16-mixed, 500 steps: the correction under bf16
 
 Rule fixed 2026-12-06 before the first run ([decisions log](../decisions.md)): the correction stays the default in
 bf16-mixed unless, paired by seed, its second half is resolved worse than the defaults without it (mean - 2 SE > 0);
 close (its interval holds 0 with a mean above 0, or the defaults' interval against ZeRO-3 holds 0.1%): seeds 4 and 5
-first. Planned: seeds 1-3 of `zero3`, `zeropp+smc`, `zeropp`.
+first; at 5 seeds the verdict is final. Planned: seeds 1-3 of `zero3`, `zeropp+smc`, `zeropp`.
 
 Runs done: {", ".join(done) or "none"}.
 
@@ -320,7 +330,7 @@ Runs done: {", ".join(done) or "none"}.
     ["with the correction against without, second half", _per_seed(smc_vs_none), _cell(smc_vs_none)],
 ])}
 
-Verdict: {_bf16_rule(smc_vs_none, defaults_bf16, planned)}.""")  # fmt: skip
+Verdict: {bf16_rule(smc_vs_none, defaults_bf16)}.""")  # fmt: skip
 
     q = _runs(sources[QHSDP], 100, "32-true")
     parts.append(f"""## Quantized HSDP, 100 steps, fp32
