@@ -38,3 +38,9 @@ def test_a_partial_target_must_be_compiled_and_named_once(subsets, message):
     archs = [90] if "rotated_only" in subsets and "pairs" not in subsets else [80, 90]
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
         aot.report(archs, 1, **subsets)
+
+
+def test_the_command_line_refuses_no_compiler(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        aot.main(["--workers", "0", "--json", str(tmp_path / "r.json")])
+    assert "--workers 0: give at least 1 compiler process" in capsys.readouterr().err

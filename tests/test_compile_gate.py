@@ -42,7 +42,7 @@ def captured(tmp_path_factory):
 @pytest.fixture(scope="module")
 def report(tmp_path_factory, captured, request):
     """sm_90 (the H100's target, whose SASS is read): every specialization. sm_80: a covering in which every pair of
-    configuration values meets (~100 of ~400 specializations; a cold compile is ~1 s each on this machine), every
+    configuration values meets (about a quarter of the specializations; cold compiles are the gate's cost), every
     specialization with ``--exhaustive``. sm_100, where the toolchain knows it: the rotated specializations (~50). One
     pool of compilers for all three, the slowest first."""
     out = tmp_path_factory.mktemp("aot") / "report.json"
@@ -257,9 +257,9 @@ def test_rotated_blocks_compile_for_sm100_without_spills(report):
 def test_no_register_spills_and_no_local_memory(report, request):
     """On every target no stack frame and no local memory, which is where spilled registers go (``cuobjdump
     -res-usage``); with ``--exhaustive`` also no spill instruction in the sm_90 SASS, whose every path is then read
-    (disassembly costs 0.4 s a kernel, a sixth of the gate when cold). Every entry's figures were read: a kernel
-    without a register count fails the gate when it is compiled (``aot._code_facts``), and none may report zero
-    registers here."""
+    (disassembly is a subprocess per kernel, a large part of the gate when cold). Every entry's figures were read:
+    a kernel without a register count fails the gate when it is compiled (``aot._code_facts``), and none may report
+    zero registers here."""
     unread = [_where(c) for c in report["compiled"] if not c["error"] and c["registers"] <= 0]
     assert not unread, "\n".join(unread[:10])
     paths = [c for c in report["compiled"] if c["arch"] == 90 and not c["error"]]

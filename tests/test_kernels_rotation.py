@@ -355,7 +355,7 @@ def test_kernels_write_every_wire_byte(device, monkeypatch):
 GATE = "tests/test_compile_gate.py::test_every_configuration_compiles_for_sm80_and_sm90"
 
 
-@pytest.mark.slow  # a subprocess compiling the rotated variants: three minutes cold on 2 cores
+@pytest.mark.slow  # a subprocess compiling the rotated variants: minutes when cold
 def test_rotated_kernels_compile_with_the_installed_triton(request):
     """The rotated specializations compile for sm_90 with the Triton that is installed, not only with the one the
     compile gate (tests/test_compile_gate.py) ran: the interpreter runs none of the compiler's checks, and the
@@ -364,7 +364,7 @@ def test_rotated_kernels_compile_with_the_installed_triton(request):
     runs this on the oldest Triton the project allows. One launch per kernel and variant (layout, rounding, residual
     width, threads per block), from the strategy's own launches (``aot.strategy_launches``). Where the gate's check
     of every sm_90 specialization runs in the same session (the full suite), it compiles each of these with this same
-    Triton, so this one would only repeat three minutes of cold compiles."""
+    Triton, so this one would only repeat its cold compiles."""
     if any(item.nodeid == GATE for item in request.session.items):
         pytest.skip(f"{GATE} compiles every rotated specialization for sm_90 in this session, with this Triton")
     import subprocess

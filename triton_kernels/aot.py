@@ -268,7 +268,7 @@ def features(entry: dict) -> dict[str, str]:
 
 def compile_launch(launch: Launch, arch: int, sass: bool = True) -> Compiled:
     """Compiles ``launch`` for ``arch`` and reads the code: registers, stack and local memory always; the SASS paths
-    and spill instructions for :data:`PATH_ARCH` when ``sass`` (disassembly: about 0.4 s per kernel)."""
+    and spill instructions for :data:`PATH_ARCH` when ``sass`` (disassembly adds a subprocess per kernel)."""
     spec, base = _described(launch, arch)
     try:
         binary = compat.compile_specialization(spec)
@@ -642,7 +642,7 @@ def _init_worker(captured: Path | None = None) -> None:
 
 def rotated(launch: Launch) -> bool:
     """A launch of rotated blocks (``ROTATE``) or of the sign table they use: the specializations that unroll a
-    Hadamard butterfly, the costliest to compile (about three times the others)."""
+    Hadamard butterfly, the costliest to compile (the suite's times: docs/results/suite.md)."""
     return bool(launch.kwargs.get("ROTATE")) or launch.kernel.__name__ == "_rotation_table_kernel"
 
 
@@ -713,6 +713,8 @@ def main(argv: list[str] | None = None) -> None:
                         help=f"do not disassemble sm_{PATH_ARCH}'s SASS (its paths and spill instructions; registers, "
                         "stack and local memory, where spills go, are read either way)")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.workers < 1:
+        parser.error(f"--workers {args.workers}: give at least 1 compiler process")
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         sys.exit("lightning_zeropp.kernels.aot: unset TRITON_INTERPRET: the interpreter replaces the compiler.")
     try:
