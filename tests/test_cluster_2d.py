@@ -184,3 +184,14 @@ def test_overlapping_intervals_fail_the_goal_even_at_a_2x_median():
 def test_fewer_than_three_repeats_leave_the_goal_undecided():
     sources = _page_sources([0.4, 0.5], [0.4, 0.5], [1.0, 2.0])
     assert all("**undecided: 2 repeat(s)" in g for g in slow_link._goals_2d(sources))
+
+
+def test_the_page_sets_a_loaded_machines_run_beside_the_quiet_one_with_its_own_verdict():
+    quiet = _page_sources([0.4, 0.8, 0.6], [0.4, 0.8, 0.6], [1.0, 2.0, 1.5])
+    loaded = _page_sources([1.0, 1.4, 1.2], [1.0, 1.4, 1.2], [1.0, 2.0, 1.5])
+    sources = {**quiet, slow_link.PATH_2D_LOADED: loaded[slow_link.PATH_2D]}
+    text = slow_link._tp_loaded(sources)
+    # zeropp's 5 MB at 200 Mbit/s are 0.2 s: a 1.2 s step leaves 1.0 s, the quiet run's 0.6 s leaves 0.4 s
+    assert "`2x4t2` `zeropp`: 1.000 s of each step besides the link, against 0.400 s in the run above" in text
+    assert text.count("**NOT met**") == 2 and "**met**" not in text
+    assert slow_link._tp_loaded(quiet) == ""

@@ -39,7 +39,10 @@ SOURCES_1D = [
 """The example GPT's runs on 2 nodes x 2 ranks, each against ZeRO-3."""
 PATH_2D = "slow_link/cluster_2d.json"
 """The tensor-parallel rows: the Llama on 2 nodes x 4 ranks, ZeRO++'s defaults against ModelParallelStrategy."""
-SOURCES = [*SOURCES_1D, PATH_2D]
+PATH_2D_LOADED = "archive/cluster_2d_2026-12-07a.json"
+"""The same command's earlier run, on the machine while a study ran beside it: what a loaded machine does to the
+goal (the CPU-bound part of each step grows, the link's part does not)."""
+SOURCES = [*SOURCES_1D, PATH_2D, PATH_2D_LOADED]
 
 FIGURES = "../../benchmarks/data/slow_link"
 """The PNGs beside the data, relative to ``docs/results/``."""
@@ -559,7 +562,37 @@ as their pure-torch twins), and whatever the link loses below its nominal rate. 
 
 ### Goal
 
-{chr(10).join(_goals_2d(sources, path))}"""
+{chr(10).join(_goals_2d(sources, path))}
+
+{_tp_loaded(sources, path)}"""
+
+
+def _tp_loaded(sources: dict[str, Source], path: str = PATH_2D, loaded: str = PATH_2D_LOADED) -> str:
+    """The goal as the same command's run on a loaded machine judged it, and the rest of each step in both runs:
+    the goal at t = 4 holds on a quiet machine only."""
+    if loaded not in sources:
+        return ""
+    quiet_rows, loaded_rows = _rows(sources, path), _rows(sources, loaded)
+    lines = []
+    for r in sorted(loaded_rows, key=lambda r: (r["tensor_parallel_size"], r["config"])):
+        q = next((x for x in quiet_rows if (x["topology"], x["config"], x["rate"]) == (r["topology"], r["config"],
+                                                                                        r["rate"])), None)  # fmt: skip
+        if q is None or r["rate"] is None:
+            continue
+        rest, quiet_rest = r["step_s"] - _link_seconds(r), q["step_s"] - _link_seconds(q)
+        lines.append(f"- `{r['topology']}` `{r['config']}`: {rest:.3f} s of each step besides the link, against"
+                     f" {quiet_rest:.3f} s in the run above")  # fmt: skip
+    goals = _goals_2d(sources, loaded)
+    return (
+        f"The same command ran earlier on this machine while a study ran beside it ({_date(sources[loaded])},"
+        f" `benchmarks/data/{loaded}`). The link's seconds were the same; the rest of each step, the 8 ranks' compute"
+        " on 2 shared cores, was not:\n\n"
+        + "\n".join(lines)
+        + "\n\nThat run judged the goal so:\n\n"
+        + "\n".join(goals)
+        + "\n\nOn a machine whose compute is slow against its link the speedup shrinks toward"
+        " the ratio of the two strategies' compute: the goal is a statement about link-bound steps."
+    )
 
 
 def render(sources: dict[str, Source]) -> str:
