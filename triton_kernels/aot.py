@@ -661,10 +661,17 @@ def report(archs: list[int], workers: int, captured: Path | None = None, pairs: 
     for name, subset in (("pairs", pairs), ("rotated_only", rotated_only)):
         unknown = sorted(set(subset) - set(archs) - set(skipped))
         if unknown:
-            raise ValueError(f"{name}={unknown}: only targets being compiled can be compiled in part (archs={archs})")
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(
+                f"{name}={unknown} ({flag}): only targets being compiled (archs={archs}, --arch) can be compiled in"
+                f" part; name them in --arch too, or leave them out of {flag}"
+            )
     both = sorted(set(pairs) & set(rotated_only))
     if both:
-        raise ValueError(f"pairs and rotated_only both name {both}: a target is compiled in one part only")
+        raise ValueError(
+            f"pairs and rotated_only (--pairs, --rotated-only) both name {both}: a target is compiled in one part"
+            " only; name each target in one of them"
+        )
     _init_worker(captured)
     jobs = []
     for arch in archs:
