@@ -17,7 +17,8 @@ zeropp-qwz-only (INT8 weights and hpZ, gradients reduce-scattered exactly) and z
 weights, no secondary partition), the long-run candidates zeropp+rot (Hadamard-rotated gradient blocks on the inter-node
 hop), zeropp+sr (stochastic rounding), zeropp+ef1 (error feedback as it is now: decay 1, the error telescopes),
 zeropp+rot+ef1, zeropp-qgz8 (the inter-node hop in INT8: twice its bytes), zeropp+smc (the second-moment correction:
-qgZ's noise variance taken out of AdamW's exp_avg_sq, no bytes more), and reference-like (the ablation of the
+qgZ's noise variance taken out of AdamW's exp_avg_sq, no bytes more), zeropp+smc-matrices (the same, on the
+parameters of two or more dimensions only: ``second_moment_scope="matrices"``), and reference-like (the ablation of the
 reference implementation's choices: INT4 on both gradient hops, blocks over each unit's flat buffer, so that a block
 may hold elements of two parameters, INT8 weights, no error feedback).
 
@@ -113,6 +114,7 @@ RUNS: dict[str, dict[str, Any] | Callable[[int], dict[str, Any]]] = {
     "zeropp+rot+ef1": dict(gradient_rotation="hadamard", gradient_error_feedback=True, error_feedback_decay=1.0),
     "zeropp-qgz8": dict(gradient_bits=8),
     "zeropp+smc": dict(second_moment_correction=True),
+    "zeropp+smc-matrices": dict(second_moment_correction=True, second_moment_scope="matrices"),
     "zeropp+ef1+smc": dict(gradient_error_feedback=True, error_feedback_decay=1.0, second_moment_correction=True),
     "hsdp": dict(sharding_strategy="HYBRID_SHARD", quantize_weights=False, quantize_gradients=False),
     "qhsdp": dict(sharding_strategy="HYBRID_SHARD", quantize_weights=False, quantize_gradients=True),

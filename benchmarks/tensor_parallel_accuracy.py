@@ -15,7 +15,8 @@ gloo ranks, t = 2:
 and, with ``--configs``, ``zeropp-exact`` (the same strategy with quantization off: bit-identical to the baseline when
 the strategy adds nothing but its quantization, a control) and ``zeropp-no-smc`` (the defaults without AdamW's
 second-moment correction: what the correction, which lengthens Adam's steps by the noise it takes out of ``v``, adds
-to the quantization's own gap). ``--world 8 --ranks-per-node 4`` is 2 nodes x 4 (r/t = 2:
+to the quantization's own gap) and ``zeropp-matrices`` (the correction on matrices only, norm gains and biases left
+as AdamW makes them: ``second_moment_scope="matrices"``). ``--world 8 --ranks-per-node 4`` is 2 nodes x 4 (r/t = 2:
 qgZ's INT8 hop inside a node, then INT4 across); give it its own ``--json``.
 
 The model (``--size``, default ``small``): vocabulary 256 (bytes), 4 blocks of dimension 128, 8 query heads and 4
@@ -83,7 +84,7 @@ from data import ByteWindows, load_corpus  # noqa: E402  (examples/gpt/data.py: 
 DEFAULT_JSON = BENCH / "data" / "accuracy" / "tensor_parallel.json"
 T = 2  # tensor-parallel size
 BASE = "model_parallel"
-CONFIGS = ("model_parallel", "zeropp", "zeropp-exact", "zeropp-no-smc")
+CONFIGS = ("model_parallel", "zeropp", "zeropp-exact", "zeropp-no-smc", "zeropp-matrices")
 DEFAULT_CONFIGS = ["model_parallel", "zeropp"]
 GOAL = 0.001  # |relative gap of the final validation loss vs the exact 2-D run| (issue 60)
 SIZES = {
@@ -166,6 +167,8 @@ def strategy(config: str, world: int, ranks_per_node: int):
         )
     if config == "zeropp-no-smc":
         return ZeroPPStrategy(tensor_parallel_size=T, ranks_per_node=ranks_per_node, second_moment_correction=False)
+    if config == "zeropp-matrices":
+        return ZeroPPStrategy(tensor_parallel_size=T, ranks_per_node=ranks_per_node, second_moment_scope="matrices")
     raise ValueError(f"unknown configuration {config!r}: one of {', '.join(CONFIGS)}")
 
 

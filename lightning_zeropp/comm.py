@@ -81,6 +81,7 @@ class ZeroPPComms:
             SecondMomentCorrection(
                 noise_factor(g.rounding, g.feedback.decay if g.feedback is not None else None),
                 True if g.second_moment_strict else "auto",
+                g.second_moment_scope,
             )
             if g.second_moment and self.use_qgz and self.topology.num_nodes > 1
             else None

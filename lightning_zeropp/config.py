@@ -31,6 +31,7 @@ StateDictType = Literal["sharded", "full"]
 GradientRounding = Literal["nearest", "stochastic"]
 GradientRotation = Literal["none", "hadamard"]
 BlockAlignment = Literal["parameter", "flat"]
+SecondMomentScope = Literal["all", "matrices"]
 ShardingStrategy = Literal["FULL_SHARD", "HYBRID_SHARD"]
 ModulePolicy = Callable[[nn.Module], bool]
 ModuleSelection = set[type[nn.Module]] | list[str] | ModulePolicy | None
@@ -66,6 +67,7 @@ _STATE_DICT_TYPES = get_args(StateDictType)
 _GRADIENT_ROUNDINGS = get_args(GradientRounding)
 _GRADIENT_ROTATIONS = get_args(GradientRotation)
 _BLOCK_ALIGNMENTS = get_args(BlockAlignment)
+_SECOND_MOMENT_SCOPES = get_args(SecondMomentScope)
 _SHARDING_STRATEGIES = get_args(ShardingStrategy)
 
 
@@ -398,6 +400,16 @@ class ZeroPPConfig:
         check=_check_bool_or_auto,
         when='Leave "auto": it keeps the late loss gap from growing with training, at no cost in bytes (docs:'
         " Accuracy). False only to measure qgZ without it.",
+    )
+    second_moment_scope: SecondMomentScope = argument(
+        "all",
+        "The parameters whose second moment second_moment_correction lowers: \"all\", or \"matrices\" (parameters"
+        " of two or more dimensions; norm gains and biases keep their second moment as the optimizer made it). A"
+        " norm's gain sums its gradient over every token, so one block holds a few large coordinates and many that"
+        " the rounding noise dominates; there the estimate often exceeds the coordinate's own square, the floor"
+        " binds, and the run's trajectory parts from ZeRO-3's (docs: Accuracy).",
+        check=_one_of(_SECOND_MOMENT_SCOPES),
+        when='Leave the default; "all" or "matrices" only to compare the two (docs: Accuracy).',
     )
     block_alignment: BlockAlignment = argument(
         "parameter",

@@ -17,7 +17,8 @@ rounding, error feedback), and the step AdamW takes when fed ``g^2 - var`` again
 docs/accuracy.md).
 
 Where: right before the optimizer's update (after the closure's backward and any gradient clipping), for every
-parameter of an optimizer :func:`judge` accepts (torch's Adam family), ``exp_avg_sq`` is lowered so that the update
+parameter of an optimizer :func:`judge` accepts (torch's Adam family; with ``second_moment_scope="matrices"``
+only its parameters of two or more dimensions, :func:`in_scope`), ``exp_avg_sq`` is lowered so that the update
 ``b2 * v + (1 - b2) * g^2`` becomes ``max(b2 * v + (1 - b2) * (g^2 - var), FLOOR * (b2 * v + (1 - b2) * g^2))``,
 ``g`` the gradient the optimizer squares (``grad + wd * p`` with coupled L2 weight decay: :func:`squared_gradient`).
 Then ``exp_avg_sq >= FLOOR * (b2 * v + (1 - b2) * g^2) >= 0`` after the update, whatever the estimate: the lowered
@@ -229,6 +230,16 @@ def _squared_norms(grads: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(compat.foreach_norm(grads, 2, dtype=torch.float32)).square()
 
 
+SCOPES = ("all", "matrices")
+
+
+def in_scope(param: torch.Tensor, scope: str) -> bool:
+    """Whether the correction lowers ``param``'s second moment: every parameter (``"all"``), or (``"matrices"``) one
+    of two or more dimensions, counted on the whole parameter (a sharded DTensor's global shape). Decided from the
+    parameter's shape alone: norm gains and biases are the parameters of one dimension."""
+    return scope == "all" or param.dim() >= 2
+
+
 # torch.optim's optimizers whose update keeps the second moment ``exp_avg_sq = b2 * v + (1 - b2) * g^2`` (``g`` the
 # gradient they square: negated with ``maximize``, plus ``weight_decay * p`` where the decay is coupled L2) and divide
 # by its square root: what the correction is derived for. Adamax keeps an infinity norm instead, SparseAdam has its own
@@ -294,11 +305,16 @@ class SecondMomentCorrection:
         factor: the variance of one element's error in squared block scales (:func:`noise_factor`).
         setting: the argument as the user gave it: ``True`` refuses an optimizer it cannot correct; ``"auto"``
             leaves that optimizer alone (and keeps no estimate for its parameters).
+        scope: ``"all"`` corrects every parameter of a corrected optimizer; ``"matrices"`` only those of two or more
+            dimensions (:func:`in_scope`).
     """
 
-    def __init__(self, factor: float, setting: bool | str = True) -> None:
+    def __init__(self, factor: float, setting: bool | str = True, scope: str = "all") -> None:
+        if scope not in SCOPES:
+            raise ValueError(f"ZeroPPStrategy: `second_moment_scope={scope!r}`: use one of {SCOPES}.")
         self.factor = factor
         self.setting = setting
+        self.scope = scope
         self.verdicts: dict[int, Verdict] = {}  # id(optimizer) -> its verdict
         self._params: set[int] = set()  # id(param) of every corrected optimizer's parameters
         self._units: dict[str, _UnitNoise] = {}
@@ -323,7 +339,8 @@ class SecondMomentCorrection:
             )
         self.verdicts[id(optimizer)] = verdict
         if verdict.corrected:
-            self._params.update(id(p) for group in optimizer.param_groups for p in group["params"])
+            params = (p for group in optimizer.param_groups for p in group["params"])
+            self._params.update(id(p) for p in params if in_scope(p, self.scope))
             self._wanted.clear()
         return verdict
 
@@ -427,8 +444,8 @@ class SecondMomentCorrection:
         todo = []
         for entry, param, start, length in self.reduced_parameters():
             group = groups.get(id(param))
-            if group is None or param.grad is None:  # another optimizer's parameter, or no gradient
-                continue
+            if group is None or param.grad is None or id(param) not in self._params:
+                continue  # another optimizer's parameter, no gradient, or outside the scope
             todo.append((entry, param, start, length, group, _local(param.grad)))
         if not todo:
             return

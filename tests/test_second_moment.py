@@ -195,6 +195,50 @@ def test_every_optimizer_stepping_after_one_backward_corrects_its_own_parameters
         assert all(torch.equal(again[p], o.state[p]["exp_avg_sq"]) for o, p in ((first, a), (second, b)))
 
 
+@pytest.mark.parametrize("scope", ["all", "matrices"])
+def test_the_scope_matrices_leaves_norm_gains_and_biases_as_the_optimizer_made_them(scope, lowering):
+    """One unit of a weight (2 x 2), a norm gain (2) and a bias (2), blocks of 2, the same noise everywhere:
+    ``"all"`` lowers all three second moments, ``"matrices"`` the weight's alone; a 1-D parameter is left bit for bit
+    as AdamW made it, and the weight is lowered by the same amount in both scopes."""
+    from lightning_zeropp.moments import SecondMomentCorrection
+
+    correction = SecondMomentCorrection(1 / 12, "auto", scope)
+    weight, gain, bias = (torch.nn.Parameter(torch.zeros(shape)) for shape in ((2, 2), (2,), (2,)))
+    entry_of = lambda: correction._units["unit"]  # noqa: E731
+    correction.reduced_parameters = lambda: iter(
+        [(entry_of(), weight, 0, 4), (entry_of(), gain, 4, 2), (entry_of(), bias, 6, 2)]
+    )
+    optimizer = torch.optim.AdamW([weight, gain, bias], lr=0.1, betas=(0.9, 0.8))
+    correction.judge_optimizer(optimizer)
+    correction._wanted["unit"] = True
+    for p in (weight, gain, bias):
+        p.grad = torch.ones_like(p)
+    optimizer.step()  # the state exists: the next update is corrected before it
+    correction.new_step()
+    correction.buffer(_Unit("unit"), 8, (0, 2, 4, 6, 8), torch.device("cpu")).fill_(0.01)
+    correction.backward_done()
+    before = {p: optimizer.state[p]["exp_avg_sq"].clone() for p in (weight, gain, bias)}
+    correction.before_update(optimizer, True)
+    after = {p: optimizer.state[p]["exp_avg_sq"] for p in (weight, gain, bias)}
+    shift = 0.2 / 0.8
+    assert torch.allclose(after[weight], before[weight] - shift * 0.01)
+    for p in (gain, bias):
+        if scope == "all":
+            assert torch.allclose(after[p], before[p] - shift * 0.01)
+        else:
+            assert torch.equal(after[p], before[p])
+    assert correction.corrected == (3 if scope == "all" else 1)
+
+
+def test_the_scope_is_checked_where_it_is_given():
+    from lightning_zeropp.moments import SecondMomentCorrection
+
+    with pytest.raises(ValueError, match="second_moment_scope='rows'"):
+        SecondMomentCorrection(1 / 12, "auto", "rows")
+    with pytest.raises(Exception, match="second_moment_scope"):
+        ZeroPPStrategy(second_moment_scope="rows")
+
+
 @pytest.mark.parametrize(
     "starts, start, length, shape",
     [

@@ -33,6 +33,7 @@ correction and ``zeropp+smc`` is what a user gets (``convergence.py``'s RUNS).""
 MEANING = {
     "zeropp+smc": "**the defaults** (qwZ INT8, hpZ, qgZ INT8 then INT4, the second-moment correction)",
     "zeropp": "the defaults without the second-moment correction",
+    "zeropp+smc-matrices": 'the defaults with the correction on matrices only (`second_moment_scope="matrices"`)',
     "zeropp+ef1+smc": "the defaults + `gradient_error_feedback=True`",
     "zeropp+ef1": "without the correction, + error feedback (decay 1.0)",
     "zeropp+ef": "without the correction, + error feedback (decay 0.8, the old default decay)",
