@@ -403,7 +403,7 @@ class ZeroPPConfig:
     )
     second_moment_scope: SecondMomentScope = argument(
         "all",
-        "The parameters whose second moment second_moment_correction lowers: \"all\", or \"matrices\" (parameters"
+        'The parameters whose second moment second_moment_correction lowers: "all", or "matrices" (parameters'
         " of two or more dimensions; norm gains and biases keep their second moment as the optimizer made it). A"
         " norm's gain sums its gradient over every token, so one block holds a few large coordinates and many that"
         " the rounding noise dominates; there the estimate often exceeds the coordinate's own square, the floor"

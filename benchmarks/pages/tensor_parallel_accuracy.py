@@ -29,7 +29,7 @@ MEANING = {
     "zeropp": "**ZeRO++'s defaults**, `ZeroPPStrategy(tensor_parallel_size=2, ranks_per_node=...)`",
     "zeropp-exact": "ZeRO++ with quantization off (`quantize_weights=False, quantize_gradients=False`): a control",
     "zeropp-no-smc": "the defaults without AdamW's second-moment correction (`second_moment_correction=False`)",
-    "zeropp-matrices": "the defaults with the correction on matrices only (`second_moment_scope=\"matrices\"`)",
+    "zeropp-matrices": 'the defaults with the correction on matrices only (`second_moment_scope="matrices"`)',
 }
 MEASURES = (("final", "final validation"), ("second_half", "second half (training)"))
 PART = 0.01
