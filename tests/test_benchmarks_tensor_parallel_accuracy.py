@@ -164,3 +164,24 @@ def test_the_smallest_run_writes_the_rows_the_page_reads(tmp_path):
     assert json.loads(path.with_name("tp.manifest.json").read_text())["runs"][0]["command"].startswith("python ")
     text = page.render({page.STUDY: Source(page.STUDY, data, [])})
     assert "## 2 nodes x 2, 2 steps, aggressive" in text and "no verdict (one seed)" in text
+
+
+def _calm(runs, world=4, per_node=2):
+    return [dict(r, world=world, ranks_per_node=per_node, lr=3e-4, warmup=30) for r in runs]
+
+
+def test_the_scope_rule_holds_where_the_candidates_spread_is_at_most_half_the_defaults_on_every_layout():
+    # the defaults' final gaps spread by a std of 0.5%, the candidate's by 0.1% (2x2) and 0.3% (2x4)
+    defaults, narrow, wide = [-0.004, 0.001, 0.006], [0.0, 0.001, 0.002], [0.001, 0.004, 0.007]
+    two = _calm(_study(defaults) + _study(narrow, config=page.SCOPE_CANDIDATE)[3:])
+    eight = _calm(_study(defaults) + _study(narrow, config=page.SCOPE_CANDIDATE)[3:], 8, 4)
+    result, lines = page.scope_rule({"a": Source("a", {"runs": two}, []), "b": Source("b", {"runs": eight}, [])})
+    assert result == "holds" and len(lines) == 2 and "ratio 0.20" in lines[0]
+    eight = _calm(_study(defaults) + _study(wide, config=page.SCOPE_CANDIDATE)[3:], 8, 4)
+    result, lines = page.scope_rule({"a": Source("a", {"runs": two}, []), "b": Source("b", {"runs": eight}, [])})
+    assert result == "fails" and "ratio 0.60 (fails" in lines[1]
+    # two of the three seeds: no verdict
+    short = _calm(_study(defaults) + _study(narrow[:2], config=page.SCOPE_CANDIDATE)[3:])
+    assert page.scope_rule({"a": Source("a", {"runs": short}, [])})[0] == "not run"
+    # the aggressive regime does not count
+    assert page.scope_rule({"a": Source("a", {"runs": _study(defaults)}, [])}) == ("not run", [])

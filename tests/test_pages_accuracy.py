@@ -42,3 +42,16 @@ def test_the_bf16_rule_stands_the_correction_down_only_when_resolved_worse():
     assert '"auto" stands down' in verdict
     for gaps in ([0.0010, -0.0005, 0.0008, 0.0004, -0.0001], [-0.0014, -0.0010, 0.0009]):
         assert "stays the default" in accuracy.bf16_rule(_seeded(gaps), FAR)
+
+
+@pytest.mark.parametrize(
+    ("gaps", "want"),
+    [
+        ([0.001, 0.001], "not run (2 of the 3 seeds)"),
+        ([0.0020, 0.0021, 0.0019], "fails"),  # the candidate 0.2% +- 0.012% above the defaults
+        ([0.0010, -0.0005, 0.0008], "holds"),  # above on average, not resolved
+        ([-0.0010, -0.0012, -0.0008], "holds"),
+    ],
+)
+def test_the_scope_rule_fails_only_where_the_candidate_is_resolved_worse_at_three_seeds(gaps, want):
+    assert accuracy.scope_rule_1d(_seeded(gaps)).startswith(want)

@@ -199,6 +199,20 @@ def _feedback_rule(pairs: list[tuple[int, float]]) -> str:
     return "**not met**: not resolved lower than the defaults; feedback stays opt-in"
 
 
+SCOPE_CANDIDATE = "zeropp+smc-matrices"
+SCOPE_SEEDS = (1, 2, 3)
+"""The decisions log's rule of 2026-12-07, its 1-D half: the correction on matrices only, seeds 1-3 at 500 steps."""
+
+
+def scope_rule_1d(pairs: list[tuple[int, float]]) -> str:
+    """``holds`` unless the candidate's second half is resolved worse than the defaults' (paired mean - 2 SE > 0),
+    ``fails`` if it is; ``not run`` before the rule's seeds are all in."""
+    if len(pairs) < len(SCOPE_SEEDS):
+        return f"not run ({len(pairs)} of the {len(SCOPE_SEEDS)} seeds)"
+    m, se = mean_se(_values(pairs))
+    return "fails: resolved worse than the defaults" if m - 2 * se > 0 else "holds: not resolved worse"
+
+
 BF16_PLANNED, BF16_CLOSE = 3, 5
 """The bf16 study's seeds (decisions log, 2026-12-06): 3 planned; 5 when the answer at 3 is close."""
 
@@ -332,6 +346,25 @@ Runs done: {", ".join(done) or "none"}.
 ])}
 
 Verdict: {bf16_rule(smc_vs_none, defaults_bf16)}.""")  # fmt: skip
+
+    scope = [(s, g) for s, g in _paired_configs(s500, SCOPE_CANDIDATE, DEFAULTS) if s in SCOPE_SEEDS]
+    candidate = [(s, g) for s, g in gaps(s500.get(SCOPE_CANDIDATE, {}), base500, "second_half") if s in SCOPE_SEEDS]
+    defaults3 = [(s, g) for s, g in gaps(s500.get(DEFAULTS, {}), base500, "second_half") if s in SCOPE_SEEDS]
+    parts.append(f"""## The correction on matrices only: the decisions log's rule, its 1-D half
+
+Rule fixed 2026-12-07 before its runs ([decisions log](../decisions.md)): `second_moment_scope="matrices"` (the
+correction on parameters of two or more dimensions; norm gains and biases keep their second moment) replaces `"all"`
+if its 2-D half holds ([Loss with tensor parallelism](tensor_parallel_accuracy.md)) and here, at 500 steps, seeds
+{", ".join(map(str, SCOPE_SEEDS))}, its second half is not resolved worse than the defaults' (`{SCOPE_CANDIDATE}`
+against `{DEFAULTS}`, paired: mean - 2 SE <= 0).
+
+{table(["measure", "per seed", "over the seeds"], [
+    [f"`{SCOPE_CANDIDATE}` against ZeRO-3, second half", _per_seed(candidate), _cell(candidate)],
+    [f"`{DEFAULTS}` against ZeRO-3, second half (the same seeds)", _per_seed(defaults3), _cell(defaults3)],
+    [f"`{SCOPE_CANDIDATE}` against `{DEFAULTS}`, second half", _per_seed(scope), _cell(scope)],
+])}
+
+The 1-D half: **{scope_rule_1d(scope)}**.""")  # fmt: skip
 
     q = _runs(sources[QHSDP], 100, "32-true")
     parts.append(f"""## Quantized HSDP, 100 steps, fp32

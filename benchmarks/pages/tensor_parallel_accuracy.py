@@ -186,6 +186,62 @@ Minutes per run (wall time on the machine of the runs below, shared with other j
 {table(["config", "runs", "minutes per run"], times)}"""
 
 
+ONE_D_HALF = "accuracy.md#the-correction-on-matrices-only-the-decisions-logs-rule-its-1-d-half"
+SCOPE_CANDIDATE = "zeropp-matrices"
+"""The candidate of the decisions log's rule of 2026-12-07: the correction on matrices only."""
+SCOPE_SEEDS = (1, 2, 3)
+SCOPE_RATIO = 0.5
+"""The rule's 2-D half: the candidate's spread of the final validation gap over the seeds at most this fraction of the
+defaults' (``zeropp``, the correction on every parameter), on every calm layout."""
+
+
+def scope_rule(sources: dict[str, Source]) -> tuple[str, list[str]]:
+    """The 2-D half of the decisions log's rule for ``second_moment_scope``: per calm layout, the standard deviation
+    over seeds 1-3 of the paired final validation gap, the defaults' (``zeropp``) and the candidate's; the half
+    holds when the candidate's is at most :data:`SCOPE_RATIO` of the defaults' on every layout. ``("not run",
+    ...)`` until both have the three seeds on a layout."""
+    import statistics
+
+    lines, held, ready = [], [], True
+    for (layout, _, steps), runs in _groups(sources).items():
+        if _regime(runs)[0] != "calm":
+            continue
+        base = runs.get(BASE, {})
+        spread = {}
+        for config in ("zeropp", SCOPE_CANDIDATE):
+            pairs = [g for s, g in gaps(runs.get(config, {}), base, "final") if s in SCOPE_SEEDS]
+            spread[config] = statistics.stdev(pairs) if len(pairs) == len(SCOPE_SEEDS) else None
+        if None in spread.values():
+            ready = False
+            lines.append(f"- {layout}, {steps} steps: not run at seeds {', '.join(map(str, SCOPE_SEEDS))} by both")
+            continue
+        ratio = spread[SCOPE_CANDIDATE] / spread["zeropp"]
+        ok = ratio <= SCOPE_RATIO
+        held.append(ok)
+        lines.append(
+            f"- {layout}, {steps} steps: spread (std over seeds) of the final validation gap"
+            f" {pct(spread[SCOPE_CANDIDATE], 3, sign=False)} for `{SCOPE_CANDIDATE}` against"
+            f" {pct(spread['zeropp'], 3, sign=False)} for `zeropp`: ratio {ratio:.2f}"
+            f" ({'holds' if ok else 'fails'}: at most {SCOPE_RATIO:g})"
+        )
+    if not ready or not held:
+        return "not run", lines
+    return ("holds" if all(held) else "fails"), lines
+
+
+def _scope_section(sources: dict[str, Source]) -> str:
+    result, lines = scope_rule(sources)
+    return f"""## The correction on matrices only: the decisions log's rule, its 2-D half
+
+The [decisions log](../decisions.md) (2026-12-07) fixed before these runs when `second_moment_scope="matrices"` (the
+second-moment correction on parameters of two or more dimensions; norm gains and biases keep their second moment)
+replaces `"all"`. Its 2-D half, read from the calm runs above at seeds {", ".join(map(str, SCOPE_SEEDS))}:
+
+{chr(10).join(lines)}
+
+The 2-D half **{result}**. The 1-D half is on [Loss against ZeRO-3]({ONE_D_HALF})."""
+
+
 def render(sources: dict[str, Source]) -> str:
     parts = [
         f"""## How to read it
@@ -207,6 +263,7 @@ def render(sources: dict[str, Source]) -> str:
     ]
     for (_, _, steps), runs in _groups(sources).items():
         parts.append(_section(steps, runs))
+    parts.append(_scope_section(sources))
     return "\n\n".join(parts)
 
 
