@@ -113,9 +113,10 @@ RUNS: dict[str, dict[str, Any] | Callable[[int], dict[str, Any]]] = {
     "zeropp+ef1": dict(gradient_error_feedback=True, error_feedback_decay=1.0),
     "zeropp+rot+ef1": dict(gradient_rotation="hadamard", gradient_error_feedback=True, error_feedback_decay=1.0),
     "zeropp-qgz8": dict(gradient_bits=8),
-    "zeropp+smc": dict(second_moment_correction=True),
+    "zeropp+smc": dict(second_moment_correction=True, second_moment_scope="all"),  # the defaults until 2026-12-07
     "zeropp+smc-matrices": dict(second_moment_correction=True, second_moment_scope="matrices"),
-    "zeropp+ef1+smc": dict(gradient_error_feedback=True, error_feedback_decay=1.0, second_moment_correction=True),
+    "zeropp+ef1+smc": dict(gradient_error_feedback=True, error_feedback_decay=1.0, second_moment_correction=True,
+                           second_moment_scope="all"),
     "hsdp": dict(sharding_strategy="HYBRID_SHARD", quantize_weights=False, quantize_gradients=False),
     "qhsdp": dict(sharding_strategy="HYBRID_SHARD", quantize_weights=False, quantize_gradients=True),
     "qhsdp-bf16": dict(sharding_strategy="HYBRID_SHARD", quantize_weights=False, quantize_gradients=True,

@@ -83,7 +83,7 @@ def test_one_seed_gives_a_gap_and_no_verdict():
 
 
 def test_the_page_and_its_snippets_come_from_the_runs():
-    runs = _study([0.0002, 0.0003, 0.0001]) + [_run("zeropp", 4, 2.5, error="rank 1 raised")]
+    runs = _study([0.0002, 0.0003, 0.0001], config=page.DEFAULT) + [_run(page.DEFAULT, 4, 2.5, error="rank 1 raised")]
     sources = {page.STUDY: Source(page.STUDY, {"runs": runs}, [])}
     text = page.render(sources)
     assert "4 CPU ranks as 2 nodes x 2" in text and "+0.020% ± 0.012% (3 seeds)" in text
@@ -95,8 +95,10 @@ def test_the_page_and_its_snippets_come_from_the_runs():
 
 
 def test_each_layout_and_regime_has_its_section_and_snippets_the_default_layout_first():
-    calm8 = [dict(r, world=8, ranks_per_node=4, lr=3e-4, warmup=30) for r in _study([0.002, 0.003, 0.004])]
-    sources = {"a": Source("a", {"runs": _study([0.0002, 0.0003, 0.0001])}, []), "b": Source("b", {"runs": calm8}, [])}
+    D = page.DEFAULT
+    calm8 = [dict(r, world=8, ranks_per_node=4, lr=3e-4, warmup=30) for r in _study([0.002, 0.003, 0.004], config=D)]
+    two = _study([0.0002, 0.0003, 0.0001], config=D)
+    sources = {"a": Source("a", {"runs": two}, []), "b": Source("b", {"runs": calm8}, [])}
     text = page.render(sources)
     assert text.index("## 2 nodes x 2, 4 steps, aggressive") < text.index("## 2 nodes x 4, 4 steps, calm: lr 0.0003")
     snips = page.snippets(sources)
@@ -152,12 +154,13 @@ def test_the_smallest_run_writes_the_rows_the_page_reads(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     data = json.loads(path.read_text())
     runs = {r["config"]: r for r in data["runs"]}
-    assert sorted(runs) == ["model_parallel", "zeropp"] and not any("error" in r for r in runs.values())
+    assert sorted(runs) == ["model_parallel", "zeropp-matrices"] and not any("error" in r for r in runs.values())
     for r in runs.values():
         assert [s for s, _ in r["train_curve"]] == [1, 2] and [s for s, _ in r["val_curve"]] == [2]
         assert all(math.isfinite(v) and 4 < v < 7 for _, v in r["train_curve"] + r["val_curve"])  # about ln 256
     assert runs["model_parallel"]["describe"] is None
-    assert "INT8" in runs["zeropp"]["describe"] and "INT4" in runs["zeropp"]["describe"]
+    assert "INT8" in runs["zeropp-matrices"]["describe"] and "INT4" in runs["zeropp-matrices"]["describe"]
+    assert "correction on matrices" in runs["zeropp-matrices"]["describe"]
     # the first step's loss is the same weights on the same batch: only qwZ's rounding of the weights differs
     first = [r["train_curve"][0][1] for r in runs.values()]
     assert first[0] != first[1] and first[0] == pytest.approx(first[1], rel=1e-2)
@@ -185,3 +188,17 @@ def test_the_scope_rule_holds_where_the_candidates_spread_is_at_most_half_the_de
     assert page.scope_rule({"a": Source("a", {"runs": short}, [])})[0] == "not run"
     # the aggressive regime does not count
     assert page.scope_rule({"a": Source("a", {"runs": _study(defaults)}, [])}) == ("not run", [])
+
+
+@pytest.mark.parametrize(
+    ("gaps", "want"),
+    [
+        ([0.0002, 0.0003, 0.0001], "3"),  # met already: the seeds run
+        ([0.0006, 0.0009, 0.0012], "36"),  # mean 0.09%, sd 0.03%: 2 SE must reach 0.01%, (2 * 0.03 / 0.01)^2
+        ([0.0010, 0.0010, 0.0010, 0.0010, 0.0011, 0.0009], "never"),  # a mean on the line never decides
+        ([0.0004, 0.0012], "32"),  # mean 0.08%, sd 0.057%: 2 SE must reach 0.02%, (2 * 0.0566 / 0.02)^2
+    ],
+)
+def test_the_seeds_the_rule_needs_to_decide_shrink_its_interval_to_the_distance_from_the_line(gaps, want):
+    pairs = list(enumerate(gaps, start=1))
+    assert page._seeds_needed(pairs) == want

@@ -405,7 +405,8 @@ def _fabric_worker(rank, world, init_path, steps, clip_at, lowering="per paramet
 
     torch.manual_seed(0)
     fabric = Fabric(accelerator="cpu", devices=world, precision=precision,
-                    strategy=FabricZeroPP(ranks_per_node=N, second_moment_correction=True))  # fmt: skip
+                    strategy=FabricZeroPP(ranks_per_node=N, second_moment_correction=True,
+                                          second_moment_scope="all"))  # fmt: skip
     fabric.launch()
     net = TinyTransformer(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_embd=32, mlp_hidden=64, dropout=0.0)
     net.load_state_dict(torch.load(init_path, weights_only=True))
@@ -547,7 +548,7 @@ def _trainer_worker(rank, world, init_path, data_path, steps):
     x, y = torch.load(data_path, weights_only=True)
     loader = DataLoader(TensorDataset(x[rank::world], y[rank::world]), batch_size=2, shuffle=False)
     order = Order()
-    strategy = ZeroPPStrategy(ranks_per_node=N, second_moment_correction=True)
+    strategy = ZeroPPStrategy(ranks_per_node=N, second_moment_correction=True, second_moment_scope="all")
     trainer = lightning_trainer(world, strategy, max_steps=steps, callbacks=[order], gradient_clip_val=1e-3,
                                 use_distributed_sampler=False)  # fmt: skip
     module = AdamTinyLM(init_path)
@@ -616,7 +617,9 @@ def _default_worker(rank, world, init_path, data_path, steps, optimizer_name, pr
         "verdicts": module.seen["verdicts"],
         "noise_bytes": module.seen["noise_bytes"],
         "freed": strategy.persistent_memory["second_moment_noise"],
-        "params": sum(1 for p in trainer.lightning_module.parameters() if p.requires_grad),
+        # the default scope ("matrices"): the parameters of two or more dimensions
+        "params": sum(1 for p in trainer.lightning_module.parameters() if p.requires_grad and p.dim() >= 2),
+        "vectors": sum(1 for p in trainer.lightning_module.parameters() if p.requires_grad and p.dim() < 2),
         "line": strategy.comms.describe(),
     }
 
@@ -624,7 +627,8 @@ def _default_worker(rank, world, init_path, data_path, steps, optimizer_name, pr
 @pytest.mark.multiprocess
 def test_the_default_corrects_adamw_and_stands_down_silently_for_sgd(tmp_path):
     """What a user gets without choosing, through the Trainer on 2 x 2 ranks: AdamW corrected every step after the
-    first (the first step's right after its update: every step, all parameters), its estimates kept (and counted in
+    first (the first step's right after its update: every step, every parameter of two or more dimensions, the default
+    scope), its estimates kept (and counted in
     persistent_memory); SGD: nothing corrected, no warning, no estimate kept; fp16 gradients: off from the start."""
     from lightning_zeropp.testing.workers import save_inputs
 
@@ -632,9 +636,10 @@ def test_the_default_corrects_adamw_and_stands_down_silently_for_sgd(tmp_path):
     init_path, data_path, _, _ = save_inputs(tmp_path, W * 2 * steps)
     for rank, r in enumerate(spawn(_default_worker, W, init_path, data_path, steps, "adamw")):
         assert r["corrected"] == steps * r["params"] and r["verdicts"] == ["AdamW corrected"], (rank, r)
+        assert r["vectors"] > 0, (rank, r)  # the norms and biases the default scope leaves alone
         assert r["freed"] == 0, (rank, r)  # the teardown frees the estimates
         assert r["noise_bytes"] > 0 and not r["warned"], (rank, r)
-        assert "Adam second-moment correction" in r["line"], (rank, r)
+        assert "Adam second-moment correction on matrices" in r["line"], (rank, r)
     for rank, r in enumerate(spawn(_default_worker, W, init_path, data_path, steps, "sgd")):
         assert r["corrected"] == 0 and r["verdicts"] == ["SGD: not an Adam second moment, off"], (rank, r)
         assert r["noise_bytes"] == 0 and not r["warned"], (rank, r)
@@ -695,7 +700,7 @@ def _two_optimizers_worker(rank, world, init_path, data_path, steps, second="ada
 
     x, y = torch.load(data_path, weights_only=True)
     loader = DataLoader(TensorDataset(x[rank::world], y[rank::world]), batch_size=2, shuffle=False)
-    strategy = ZeroPPStrategy(ranks_per_node=N)  # the defaults
+    strategy = ZeroPPStrategy(ranks_per_node=N, second_moment_scope="all")  # the second optimizer's are 1-D
     trainer = lightning_trainer(world, strategy, max_steps=steps, use_distributed_sampler=False)
     module = TwoOptimizers(init_path)
     trainer.fit(module, loader)
@@ -705,10 +710,10 @@ def _two_optimizers_worker(rank, world, init_path, data_path, steps, second="ada
 
 
 @pytest.mark.multiprocess
-def test_the_default_corrects_every_optimizer_that_steps_after_one_backward(tmp_path):
-    """Manual optimization with two Adam-family optimizers after one backward, through the Trainer on 2 x 2 ranks:
-    every parameter of both corrected once per step (the second optimizer found no estimates when the first step's
-    update dropped them)."""
+def test_every_optimizer_that_steps_after_one_backward_is_corrected(tmp_path):
+    """Manual optimization with two Adam-family optimizers after one backward (the second holds the 1-D parameters,
+    so the scope is "all"), through the Trainer on 2 x 2 ranks: every parameter of both corrected once per step
+    (the second optimizer found no estimates when the first step's update dropped them)."""
     from lightning_zeropp.testing.workers import save_inputs
 
     batches = 2  # manual optimization: each optimizer's step counts toward max_steps

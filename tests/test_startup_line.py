@@ -25,7 +25,8 @@ def _line(world: int, per_node: int, **kwargs) -> tuple[str, ZeroPPComms]:
     [
         (8, 8, {}, ["1 node x 8 ranks", "weights gathered exactly (qwZ off: one node", "qgZ off: one node"], 0, 0),
         (8, 2, {}, ["4 nodes x 2 ranks", "qwZ INT8 weights across 4 nodes", "hpZ backward gather inside 2 ranks",
-                    "qgZ INT8 -> INT4 gradients (2 pieces, nearest rounding, Adam second-moment correction)"], 1, 1),
+                    "qgZ INT8 -> INT4 gradients (2 pieces, nearest rounding, Adam second-moment correction on"
+                    " matrices)"], 1, 1),
         (4, 4, dict(quantize_weights=True), ["qwZ INT8 weights (quantize_weights=True on one node: lossy"], 1, 0),
         (8, 4, dict(quantize_weights=False), ["weights gathered exactly (quantize_weights=False)"], 0, 1),
         (8, 4, dict(gradient_error_feedback=True, quantize_gradients_steps=50, gradient_bits=8),

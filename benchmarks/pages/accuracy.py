@@ -31,9 +31,11 @@ DEFAULTS = "zeropp+smc"
 correction and ``zeropp+smc`` is what a user gets (``convergence.py``'s RUNS)."""
 
 MEANING = {
-    "zeropp+smc": "**the defaults** (qwZ INT8, hpZ, qgZ INT8 then INT4, the second-moment correction)",
+    "zeropp+smc-matrices": "**the defaults** since 2026-12-07 (qwZ INT8, hpZ, qgZ INT8 then INT4, the second-moment"
+    ' correction on matrices: `second_moment_scope="matrices"`)',
+    "zeropp+smc": "the defaults until 2026-12-07: the second-moment correction on every parameter"
+    ' (`second_moment_scope="all"`)',
     "zeropp": "the defaults without the second-moment correction",
-    "zeropp+smc-matrices": 'the defaults with the correction on matrices only (`second_moment_scope="matrices"`)',
     "zeropp+ef1+smc": "the defaults + `gradient_error_feedback=True`",
     "zeropp+ef1": "without the correction, + error feedback (decay 1.0)",
     "zeropp+ef": "without the correction, + error feedback (decay 0.8, the old default decay)",
@@ -447,7 +449,12 @@ def snippets(sources: dict[str, Source]) -> dict[str, str]:
     feedback_vs_defaults = _paired_configs(s500, "zeropp+ef1+smc", DEFAULTS)
     q = _runs(sources[QHSDP], 100, "32-true")
     old = _runs(sources[BF16_100], 100, "bf16-mixed")
+    scope = [(s, g) for s, g in _paired_configs(s500, SCOPE_CANDIDATE, DEFAULTS) if s in SCOPE_SEEDS]
     return {
+        "matrices_second_half": _cell(gaps(s500.get(SCOPE_CANDIDATE, {}), base500, "second_half")),
+        "matrices_final": _cell(gaps(s500.get(SCOPE_CANDIDATE, {}), base500, "final")),
+        "matrices_vs_all": _cell(scope),
+        "scope_1d": scope_rule_1d(scope),
         "defaults_second_half": _cell(gaps(s500.get(DEFAULTS, {}), base500, "second_half")),
         "defaults_verdict": verdict(gaps(s500.get(DEFAULTS, {}), base500, "second_half")),
         "defaults_final": _cell(gaps(s500.get(DEFAULTS, {}), base500, "final")),
