@@ -407,10 +407,10 @@ class ZeroPPConfig:
         " of two or more dimensions; norm gains and biases keep their second moment as the optimizer made it). A"
         " norm's gain sums its gradient over every token, so one block holds a few large coordinates and many that"
         " the rounding noise dominates; there the estimate often exceeds the coordinate's own square, the floor"
-        " binds, and the run's trajectory parts from ZeRO-3's (docs: Accuracy).",
+        " binds, and the run's trajectory parts from the exact run's (docs: Accuracy).",
         check=_one_of(_SECOND_MOMENT_SCOPES),
-        when='Leave "matrices": with "all" the runs of a Llama part from ZeRO-3\'s, seed by seed, by several times'
-        ' the quantization\'s own gap (docs: Accuracy). "all" only to compare.',
+        when='Leave "matrices": with "all" a Llama\'s runs parted from the exact run\'s, seed by seed, by several'
+        ' times the quantization\'s own gap (docs: Accuracy). "all" only to compare.',
     )
     block_alignment: BlockAlignment = argument(
         "parameter",
