@@ -165,7 +165,10 @@ def test_regimes_and_the_configurations():
     assert convergence.regime_name(3e-4, 10) == "lr0.0003-warmup10"
     assert convergence.strategy_arguments("zeropp-qgz-half", 40) == {"quantize_gradients_steps": 20,
                                                                      "second_moment_correction": False}  # fmt: skip
-    assert convergence.strategy_arguments("zeropp+smc", 40) == {"second_moment_correction": True}
+    assert convergence.strategy_arguments("zeropp+smc", 40) == {
+        "second_moment_correction": True,
+        "second_moment_scope": "all",
+    }
     assert set(convergence.DEFAULT_CONFIGS) <= set(convergence.RUNS)
     for name in convergence.RUNS:  # every configuration is a valid strategy
         ZeroPPConfig(**convergence.strategy_arguments(name, 100))
