@@ -148,17 +148,47 @@ def build(name: str) -> Page:
     return Page(name, module.TITLE, text, {k: v.strip() for k, v in snippets.items()})
 
 
-def index(pages: list[Page], prefix: str = "", decisions: str = "../decisions.md") -> str:
+NEWEST = 8
+"""How many runs ``benchmarks/RESULTS.md`` lists as the newest."""
+
+
+def newest_runs(pages: list[Page], prefix: str, count: int = NEWEST) -> str:
+    """The ``count`` newest runs over every page's data (by their manifests' dates): the command, and the figures
+    the page names for that data file (its ``HEADLINES``, read from its snippets: never written here by hand)."""
+    rows = []
+    for p in pages:
+        module = renderer(p.name)
+        heads = getattr(module, "HEADLINES", {})
+        for path in module.SOURCES:
+            source = load(path)
+            if not source.runs:
+                continue
+            e = max(source.runs, key=lambda r: r.get("date", ""))
+            figures = "; ".join(f"{label}: {p.snippets[name]}" for label, name in heads.get(path, []))
+            commands = [_command(c) for c in (e.get("commands") or [e.get("command")]) if c][-1:]
+            rows.append((e.get("date", ""), [e.get("date", "")[:16].replace("T", " "), f"`{path}`",
+                         "<br>".join(f"`{c}`" for c in commands) or "not recorded", figures or "on the page",
+                         f"[{p.title}]({prefix}{p.name}.md)"]))  # fmt: skip
+    rows.sort(key=lambda r: r[0], reverse=True)
+    return table(["date (UTC)", "data", "command (the newest)", "figures", "page"], [r for _, r in rows[:count]])
+
+
+def index(pages: list[Page], prefix: str = "", decisions: str = "../decisions.md", newest: bool = False) -> str:
     """The list of questions and where their answers are: ``docs/results/index.md`` and, with the links made
-    relative to ``benchmarks/``, ``benchmarks/RESULTS.md``."""
+    relative to ``benchmarks/``, ``benchmarks/RESULTS.md`` (``newest``: with the newest runs and their figures)."""
     rows = [[f"[{p.title}]({prefix}{p.name}.md)", renderer(p.name).QUESTION.strip().splitlines()[0]] for p in pages]
     head = GENERATED.format(sources="the pages' data", renderer="`benchmarks/report.py`")
-    return (
+    text = (
         f"# Results\n\n{head}\n\nWhat we measured, one page per question, each generated from its data by"
         " `python benchmarks/report.py` (the data, and a manifest per run saying where it came from, under"
         f" `benchmarks/data/`). The rules that decide a default are fixed before their runs, in the [decisions log]"
         f"({decisions}).\n\n" + table(["page", "question"], rows) + "\n"
     )
+    if newest:
+        text += f"\n## The newest runs\n\nThe {NEWEST} newest runs of any page's data, with the figures their page"
+        text += " names:\n\n"
+        text += newest_runs(pages, prefix) + "\n"
+    return text
 
 
 def quoted(text: str, pages: dict[str, Page], where: str) -> str:
@@ -181,7 +211,7 @@ def outputs() -> dict[Path, str]:
     pages = [build(name) for name in PAGES]
     out = {PAGES_DIR / f"{p.name}.md": p.text for p in pages}
     out[PAGES_DIR / "index.md"] = index(pages)
-    out[HERE / "RESULTS.md"] = index(pages, prefix="../docs/results/", decisions="../docs/decisions.md")
+    out[HERE / "RESULTS.md"] = index(pages, prefix="../docs/results/", decisions="../docs/decisions.md", newest=True)
     by_name = {p.name: p for p in pages}
     for path in QUOTING:
         text = path.read_text()

@@ -98,3 +98,29 @@ def test_the_site_lists_every_page():
     for name in [*report.PAGES, "index"]:
         assert f"results/{name}.md" in nav, f"mkdocs.yml's nav lacks results/{name}.md"
     assert "decisions.md" in nav
+
+
+def test_results_md_lists_the_newest_runs_with_their_commands_and_the_figures_their_pages_name():
+    pages = [report.build(name) for name in report.PAGES]
+    text = report.index(pages, prefix="../docs/results/", newest=True)
+    rows = [line for line in text.split("## The newest runs", 1)[1].splitlines() if line.startswith("| 20")]
+    assert len(rows) == report.NEWEST
+    dates = [row.split(" | ")[0].lstrip("| ") for row in rows]
+    assert dates == sorted(dates, reverse=True)
+    # every figure a page names for a data file is that page's snippet, never text written here
+    for page in pages:
+        for path, heads in getattr(report.renderer(page.name), "HEADLINES", {}).items():
+            assert path in report.renderer(page.name).SOURCES, (page.name, path)
+            for label, name in heads:
+                assert name in page.snippets, (page.name, name)
+                row = next((r for r in rows if f"`{path}`" in r), None)
+                if row is not None:
+                    assert f"{label}: {page.snippets[name]}" in row
+    assert "## The newest runs" not in report.index(pages)
+
+
+@pytest.mark.parametrize(("seconds", "want"), [(899.547, "14 min 59.5 s"), (64.0, "1 min 4 s"), (59.96, "1 min 0 s")])
+def test_the_suite_page_rounds_a_time_once(seconds, want):
+    from pages.suite import _minutes
+
+    assert _minutes(seconds) == want

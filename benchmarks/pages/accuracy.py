@@ -435,6 +435,13 @@ def _candidates(s500: Runs, base: dict[int, dict]) -> str:
                   "seeds where the second half is higher"], rows)  # fmt: skip
 
 
+HEADLINES = {
+    STUDY: [("the defaults against ZeRO-3, second half", "matrices_second_half"),
+            ("the correction on matrices against on every parameter", "matrices_vs_all")],
+}  # fmt: skip
+"""Per data file, the figures ``benchmarks/RESULTS.md`` shows beside its newest run (snippet names)."""
+
+
 def snippets(sources: dict[str, Source]) -> dict[str, str]:
     s500 = _runs(sources[STUDY], 500, "32-true", "calm")
     s1000 = _runs(sources[LONG], 1000, "32-true", "calm")

@@ -745,10 +745,26 @@ def _detail(sources: dict[str, Source], path: str, defaults: str) -> str:
     return f"{_run_line(sources, path)}\n\n{table(header, out)}"
 
 
+def _tp_speedup(sources: dict[str, Source], t: int, path: str = PATH_2D) -> str:
+    """``zeropp``'s paired speedup over ``model_parallel`` at tensor-parallel size ``t`` and the goal's rate."""
+    meta, rows = _meta(sources, path), _rows(sources, path)
+    at = {r["config"]: r for r in rows if r["tensor_parallel_size"] == t and r["rate"] == GOAL_2D_RATE}
+    if "zeropp" not in at or TP_BASELINE not in at:
+        return "-"
+    return _x(*_paired(_repeats(at[TP_BASELINE], meta), _repeats(at["zeropp"], meta)))
+
+
+HEADLINES = {PATH_2D: [("t = 2, speedup vs ModelParallelStrategy", "tp_speedup_t2"),
+                       ("t = 4", "tp_speedup_t4")]}  # fmt: skip
+"""Per data file, the figures ``benchmarks/RESULTS.md`` shows beside its newest run (snippet names)."""
+
+
 def snippets(sources: dict[str, Source]) -> dict[str, str]:
     main, qh, cand = "slow_link/cluster.json", "slow_link/cluster_qhsdp.json", "slow_link/cluster_candidates.json"
     rule = {(path, config): med for path, config, _, med, *_ in _rule_rows(sources)}
     return {
+        "tp_speedup_t2": _tp_speedup(sources, 2),
+        "tp_speedup_t4": _tp_speedup(sources, 4),
         "zeropp_speedup_50": _x(_row(sources, main, "zeropp", 50.0)["speedup_vs_zero3"]),
         "zeropp_speedup_200": _x(_row(sources, main, "zeropp", 200.0)["speedup_vs_zero3"]),
         "zeropp_speedup_unshaped": _x(_row(sources, main, "zeropp", None)["speedup_vs_zero3"]),

@@ -28,7 +28,9 @@ def _quiet(r: dict) -> bool:
 
 
 def _minutes(seconds: float) -> str:
-    return f"{int(seconds // 60)} min {seconds % 60:.0f} s"
+    """``14 min 59.5 s``: whole minutes and the seconds to a tenth (rounded once, so never ``60 s``)."""
+    tenths = round(seconds * 10)
+    return f"{tenths // 600} min {tenths % 600 / 10:g} s"
 
 
 def _latest(runs: list[dict], tier: str, quiet: bool = True) -> dict | None:
@@ -100,6 +102,10 @@ def render(sources: dict[str, Source]) -> str:
             slow = [[f"{s:.1f}", phase, f"`{test}`"] for s, phase, test in r["slowest"]]
             parts.append(f"## The slowest {tier}-tier tests (latest run)\n\n" + table(["s", "phase", "test"], slow))
     return "\n\n".join(parts)
+
+
+HEADLINES = {"suite/suite_time.json": [("the full suite, newest run", "full")]}
+"""Per data file, the figures ``benchmarks/RESULTS.md`` shows beside its newest run (snippet names)."""
 
 
 def snippets(sources: dict[str, Source]) -> dict[str, str]:

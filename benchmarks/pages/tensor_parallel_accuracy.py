@@ -279,6 +279,14 @@ def render(sources: dict[str, Source]) -> str:
     return "\n\n".join(parts)
 
 
+HEADLINES = {
+    STUDY: [("the defaults' final validation gap, 2 x 2, calm", "calm_final"),
+            ("with the correction on every parameter", "calm_all_final")],
+    EIGHT_RANKS: [("the defaults' final validation gap, 2 x 4, calm", "calm_2x4_final")],
+}  # fmt: skip
+"""Per data file, the figures ``benchmarks/RESULTS.md`` shows beside its newest run (snippet names)."""
+
+
 def snippets(sources: dict[str, Source]) -> dict[str, str]:
     """Per named regime (``convergence.py``'s: ``calm_final``, ``aggressive_final_verdict``, ...; ``calm_2x4_final``
     in another layout) and length (the longest last): ZeRO++'s defaults against the exact run."""
