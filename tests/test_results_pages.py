@@ -121,6 +121,6 @@ def test_results_md_lists_the_newest_runs_with_their_commands_and_the_figures_th
 
 @pytest.mark.parametrize(("seconds", "want"), [(899.547, "14 min 59.5 s"), (64.0, "1 min 4 s"), (59.96, "1 min 0 s")])
 def test_the_suite_page_rounds_a_time_once(seconds, want):
-    from pages.suite import _minutes
+    from pages.suite import minutes_text
 
-    assert _minutes(seconds) == want
+    assert minutes_text(seconds) == want

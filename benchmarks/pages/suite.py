@@ -27,7 +27,7 @@ def _quiet(r: dict) -> bool:
     return r["load_before"] < QUIET_LOAD
 
 
-def _minutes(seconds: float) -> str:
+def minutes_text(seconds: float) -> str:
     """``14 min 59.5 s``: whole minutes and the seconds to a tenth (rounded once, so never ``60 s``)."""
     tenths = round(seconds * 10)
     return f"{tenths // 600} min {tenths % 600 / 10:g} s"
@@ -61,7 +61,7 @@ def _verdict(runs: list[dict], tier: str) -> str:
         return "no quiet run recorded"
     met = r["wall_seconds"] <= BUDGET_S[tier]
     verdict = "met" if met else "NOT met"
-    return (f"**{verdict}** ({_minutes(r['wall_seconds'])}, {r.get('passed', 0)} passed{_failures(r)};"
+    return (f"**{verdict}** ({minutes_text(r['wall_seconds'])}, {r.get('passed', 0)} passed{_failures(r)};"
             f" Triton cache {_cache(r)})")  # fmt: skip
 
 
@@ -69,7 +69,7 @@ def render(sources: dict[str, Source]) -> str:
     data = sources[SOURCES[0]].data
     runs = data["runs"]
     rows = [
-        [i + 1, r["tier"], r.get("passed", 0), r.get("skipped", 0), r.get("failed", 0), _minutes(r["wall_seconds"]),
+        [i + 1, r["tier"], r.get("passed", 0), r.get("skipped", 0), r.get("failed", 0), minutes_text(r["wall_seconds"]),
          _busy(r, data["cpus"]), f"{r['load_before']:.1f} / {r['load_after']:.1f}", _cache(r),
          "quiet" if _quiet(r) else "beside other work"]
         for i, r in enumerate(runs)
@@ -119,5 +119,5 @@ def snippets(sources: dict[str, Source]) -> dict[str, str]:
         where = "quiet" if _quiet(r) else "beside other work, not a quiet run"
         failed = f", {r['failed']} failed (see the page)" if r.get("failed") else ""
         counts = f"{r.get('passed', 0)} passed, {r.get('skipped', 0)} skipped{failed}"
-        out[tier] = f"{_minutes(r['wall_seconds'])} ({counts}; {where}; budget {BUDGET_S[tier] // 60} min)"
+        out[tier] = f"{minutes_text(r['wall_seconds'])} ({counts}; {where}; budget {BUDGET_S[tier] // 60} min)"
     return out
