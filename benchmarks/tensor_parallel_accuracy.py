@@ -84,7 +84,7 @@ from data import ByteWindows, load_corpus  # noqa: E402  (examples/gpt/data.py: 
 DEFAULT_JSON = BENCH / "data" / "accuracy" / "tensor_parallel.json"
 T = 2  # tensor-parallel size
 BASE = "model_parallel"
-CONFIGS = ("model_parallel", "zeropp", "zeropp-exact", "zeropp-no-smc", "zeropp-matrices")
+CONFIGS = ("model_parallel", "zeropp", "zeropp-exact", "zeropp-no-smc", "zeropp-matrices", "zeropp-vectors")
 DEFAULT_CONFIGS = ["model_parallel", "zeropp-matrices"]
 GOAL = 0.001  # |relative gap of the final validation loss vs the exact 2-D run| (issue 60)
 SIZES = {
@@ -167,8 +167,12 @@ def strategy(config: str, world: int, ranks_per_node: int):
         )
     if config == "zeropp-no-smc":
         return ZeroPPStrategy(tensor_parallel_size=T, ranks_per_node=ranks_per_node, second_moment_correction=False)
-    if config == "zeropp-matrices":
-        return ZeroPPStrategy(tensor_parallel_size=T, ranks_per_node=ranks_per_node, second_moment_scope="matrices")
+    if config == "zeropp-matrices":  # every gradient quantized, as its runs were made
+        return ZeroPPStrategy(tensor_parallel_size=T, ranks_per_node=ranks_per_node, second_moment_scope="matrices",
+                              gradient_quantization_scope="all")  # fmt: skip
+    if config == "zeropp-vectors":
+        return ZeroPPStrategy(tensor_parallel_size=T, ranks_per_node=ranks_per_node, second_moment_scope="matrices",
+                              gradient_quantization_scope="matrices")  # fmt: skip
     raise ValueError(f"unknown configuration {config!r}: one of {', '.join(CONFIGS)}")
 
 

@@ -20,7 +20,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from . import kernels as tk
-from .compat.torch import unit_parameters
+from .compat.torch import unit_fsdp_parameters, unit_parameters
 
 
 class UnitBlocks:
@@ -51,6 +51,7 @@ class UnitBlocks:
         self.gradient_block_size = gradient_block_size
         self._layout: list[tuple[int, bool]] | None = None
         self._blocks: dict[tuple[int, int], tk.Blocks | None] = {}
+        self._vectors: dict[int, tuple[tuple[int, int], ...] | None] = {}
         self.unaligned: list[str] = []  # the buffers that fell back to flat blocks (what, elements per rank)
         self._warned = False
 
@@ -78,6 +79,25 @@ class UnitBlocks:
             segments = [n for n, trained in self._segments() if trained]
             self._blocks[key] = self._checked(segments, chunk, self.gradient_block_size, "gradient reduction")
         return self._blocks[key]
+
+    def vector_spans(self, chunk: int) -> tuple[tuple[int, int], ...] | None:
+        """For a gradient reduce-scatter chunk of ``chunk`` elements: the ``(start, stop)`` spans of the parameters of
+        fewer than two dimensions (norm gains, biases; judged by the parameter's global shape), adjacent ones merged;
+        ``()`` where there are none, None where the chunk's layout is not known (a parameter received no gradient:
+        :meth:`gradients`)."""
+        if chunk not in self._vectors:
+            params = unit_fsdp_parameters(self.module)
+            spans: list[tuple[int, int]] | None = []
+            start = 0
+            for param, size in params:
+                if param.dim() < 2 and size:
+                    if spans and spans[-1][1] == start:
+                        spans[-1] = (spans[-1][0], start + size)
+                    else:
+                        spans.append((start, start + size))
+                start += size
+            self._vectors[chunk] = tuple(spans) if start == chunk else None
+        return self._vectors[chunk]
 
     def _checked(self, segments: list[int], chunk: int, block_size: int, what: str) -> tk.Blocks | None:
         if sum(segments) == chunk:

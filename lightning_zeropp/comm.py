@@ -16,7 +16,9 @@ FSDP reshards fully                                       output kept; backward:
                                                           in the hpZ group (hpz.SecondaryCopies)
 backward all-gather (no hpZ)   whole group                 same as forward (identical weights)
 gradient reduce-scatter        whole group                 qgZ 2-hop all-to-all, or exact (also after
-                                                          the first quantize_gradients_steps steps)
+                                                          the first quantize_gradients_steps steps); norm
+                                                          gains and biases exact beside it with
+                                                          gradient_quantization_scope="matrices" (vectors.py)
 HSDP (HYBRID_SHARD): every     the node's ranks            exact, on our node group; FSDP then
 all-gather and reduce-scatter                             all-reduces the gradients across nodes on
                                                           its own rail group (its hook records it)
@@ -35,7 +37,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from . import hpz, qgz, qwz, rail
+from . import hpz, qgz, qwz, rail, vectors
 from .blocks import UnitBlocks
 from .collectives import all_gather_flat, reduce_scatter_flat, split_reduce_op
 from .commplan import CommPlan, resolve
@@ -229,7 +231,13 @@ class ZeroPPComms:
                 starts = blocks.starts if blocks is not None else _flat_starts(chunk, gradients.block_size)
                 noise = self.moments.buffer(unit, chunk, starts, output.device)
             factor = self.moments.factor if self.moments is not None else 0.0
+            exact = None
+            if gradients.exact_vectors and unit is not None and (spans := unit.vector_spans(chunk)):
+                exact = vectors.start(input, chunk, spans, base_op, premul, groups.group(role), groups.ranks(role),
+                                      self.ledger)  # fmt: skip
             qgz.quantized_reduce_scatter(output, input, reduction, groups, self.ledger, residuals, noise, factor)
+            if exact is not None:
+                vectors.finish(exact, output)
             return
         exact_reduce_scatter(output, input, base_op, premul, groups, self.ledger, role)
 

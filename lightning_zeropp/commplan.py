@@ -71,7 +71,9 @@ class GradientReduction:
     after), ``second_moment`` (the inter-node hop's noise taken out of an Adam-family optimizer's second moment,
     :mod:`~lightning_zeropp.moments`) and ``second_moment_strict`` (it was asked for outright,
     ``second_moment_correction=True``: an optimizer it cannot correct is refused, not left alone), and
-    ``second_moment_scope`` (``"matrices"``: only parameters of two or more dimensions corrected). A quantized rail
+    ``second_moment_scope`` (``"matrices"``: only parameters of two or more dimensions corrected), and
+    ``exact_vectors`` (the gradients of parameters of fewer than two dimensions reduce-scattered exactly beside qgZ,
+    :mod:`~lightning_zeropp.vectors`). A quantized rail
     has the same fields but ``intra_bits``, ``pieces`` (its pieces are the K rail ranks') and the second-moment
     fields, and ``gather_bits``: the reduced pieces' width on the rail's all-gather (8: INT8 blocks, 16: bf16)."""
 
@@ -89,6 +91,7 @@ class GradientReduction:
     second_moment: bool = False
     second_moment_strict: bool = False
     second_moment_scope: str = "all"
+    exact_vectors: bool = False
 
     @property
     def stochastic(self) -> bool:
@@ -206,6 +209,7 @@ class CommPlan:
             extras += ", Hadamard-rotated blocks" if g.rotation == "hadamard" else ""
             scope = " on matrices" if g.second_moment_scope == "matrices" else ""
             extras += f", Adam second-moment correction{scope}" if g.second_moment else ""
+            extras += ", norm gains and biases exact" if g.exact_vectors else ""
             hops = f"INT{g.intra_bits} -> INT{g.inter_bits} gradients"
             if N == 1:  # one data-parallel rank per node: no intra-node hop
                 hops = f"INT{g.inter_bits} gradients in one hop across nodes"
@@ -306,7 +310,7 @@ def two_hop(config: ZeroPPConfig, precision: str | None = None) -> GradientReduc
         "two_hop", "world", c.intra_node_gradient_bits, c.gradient_bits, c.gradient_block_size, c.gradient_pieces,
         c.gradient_rounding, feedback, c.gradient_rotation, c.quantize_gradients_steps, None,
         c.second_moment_correction is True or (c.second_moment_correction == "auto" and precision != "16-true"),
-        c.second_moment_correction is True, c.second_moment_scope,
+        c.second_moment_correction is True, c.second_moment_scope, c.gradient_quantization_scope == "matrices",
     )  # fmt: skip
 
 

@@ -412,6 +412,16 @@ class ZeroPPConfig:
         when='Leave "matrices": with "all" a Llama\'s runs parted from the exact run\'s, seed by seed, by several'
         ' times the quantization\'s own gap (docs: Accuracy). "all" only to compare.',
     )
+    gradient_quantization_scope: SecondMomentScope = argument(
+        "all",
+        'qgZ: the parameters whose gradients are quantized: "all", or "matrices" (parameters of two or more'
+        " dimensions); the gradients of norm gains and biases are then reduce-scattered exactly beside qgZ, in"
+        " FSDP's reduce dtype, at a few bytes more per step (their elements times the reduce dtype's width). A"
+        " norm's gain sums its gradient over every token: its blocks hold a few large coordinates and many that"
+        " INT4 rounds to noise, and its steps are shortened by that noise (docs: Accuracy).",
+        check=_one_of(_SECOND_MOMENT_SCOPES),
+        when='"all" only to measure qgZ on every parameter (docs: Accuracy).',
+    )
     block_alignment: BlockAlignment = argument(
         "parameter",
         '"parameter": no quantization block (weights or gradients) holds elements of two parameters, so a small'

@@ -38,6 +38,7 @@ KINDS = (
     "gradient_reduce_scatter",
     "gradient_all_to_all_intra",
     "gradient_all_to_all_inter",
+    "gradient_reduce_scatter_vectors",  # gradient_quantization_scope="matrices": norm gains and biases, exact
     "gradient_all_reduce",  # HSDP: the node's reduce-scattered gradients, all-reduced across nodes
     "gradient_rail_reduce_scatter",  # quantized HSDP: INT4 pieces of the node's gradients, each to its rail owner
     "gradient_rail_all_gather",  # quantized HSDP: the owner's reduced piece (INT8 or bf16) to every rail rank

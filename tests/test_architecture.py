@@ -47,6 +47,7 @@ LAYERS = {
     "feedback": 2,
     "moments": 2,
     "qgz": 2,
+    "vectors": 2,  # norm gains and biases reduced exactly beside qgZ
     "rail": 2,
     "qwz": 2,
     "hpz": 2,
