@@ -18,9 +18,10 @@ weights, no secondary partition), the long-run candidates zeropp+rot (Hadamard-r
 hop), zeropp+sr (stochastic rounding), zeropp+ef1 (error feedback as it is now: decay 1, the error telescopes),
 zeropp+rot+ef1, zeropp-qgz8 (the inter-node hop in INT8: twice its bytes), zeropp+smc (the second-moment correction:
 qgZ's noise variance taken out of AdamW's exp_avg_sq, no bytes more), zeropp+smc-matrices (the same, on the
-parameters of two or more dimensions only: ``second_moment_scope="matrices"``), and reference-like (the ablation of the
-reference implementation's choices: INT4 on both gradient hops, blocks over each unit's flat buffer, so that a block
-may hold elements of two parameters, INT8 weights, no error feedback).
+parameters of two or more dimensions only: ``second_moment_scope="matrices"``), zeropp+smc-vectors (that, with the
+gradients of norm gains and biases reduced exactly: ``gradient_quantization_scope="matrices"``), and reference-like
+(the ablation of the reference implementation's choices: INT4 on both gradient hops, blocks over each unit's flat
+buffer, so that a block may hold elements of two parameters, INT8 weights, no error feedback).
 
 Seeds: ``--seed_everything`` sets the initial weights, dropout and the data order, and every configuration runs at
 every seed of ``--seeds``, so each gap is paired: at one seed, (config - zero3) / zero3. The seed alone moves ZeRO-3's
@@ -93,8 +94,9 @@ import record  # noqa: E402
 from plots import convergence_png, try_plot  # noqa: E402
 
 # Strategy arguments by configuration; a callable takes the run's steps (settings that depend on the run's length).
-# Every configuration runs without the second-moment correction unless it names it (``+smc``): the stored runs
-# predate its "auto" default (NO_CORRECTION below), so "zeropp" is ZeRO++ without it, and "zeropp+smc" the defaults.
+# Every configuration runs without the second-moment correction and with every gradient quantized unless it names the
+# setting (``+smc``, ``-vectors``): the stored runs predate those defaults (AS_RECORDED below), so "zeropp" is ZeRO++
+# without the correction.
 RUNS: dict[str, dict[str, Any] | Callable[[int], dict[str, Any]]] = {
     "zero3": dict(quantize_weights=False, hpz_partition_size=1, quantize_gradients=False),
     "zeropp": dict(),
@@ -115,6 +117,8 @@ RUNS: dict[str, dict[str, Any] | Callable[[int], dict[str, Any]]] = {
     "zeropp-qgz8": dict(gradient_bits=8),
     "zeropp+smc": dict(second_moment_correction=True, second_moment_scope="all"),  # the defaults until 2026-12-07
     "zeropp+smc-matrices": dict(second_moment_correction=True, second_moment_scope="matrices"),
+    "zeropp+smc-vectors": dict(second_moment_correction=True, second_moment_scope="matrices",
+                               gradient_quantization_scope="matrices"),
     "zeropp+ef1+smc": dict(gradient_error_feedback=True, error_feedback_decay=1.0, second_moment_correction=True,
                            second_moment_scope="all"),
     "hsdp": dict(sharding_strategy="HYBRID_SHARD", quantize_weights=False, quantize_gradients=False),
@@ -126,9 +130,10 @@ RUNS: dict[str, dict[str, Any] | Callable[[int], dict[str, Any]]] = {
     "qhsdp-int4+ef": dict(sharding_strategy="HYBRID_SHARD", quantize_weights=False, quantize_gradients=True,
                           hsdp_gather_bits=4, gradient_error_feedback=True),
 }  # fmt: skip
-NO_CORRECTION = dict(second_moment_correction=False)
-"""What every configuration sets unless it names the correction itself (its runs were made before it was on by
-default; ``False`` is accepted everywhere, HSDP and ZeRO-3 included)."""
+AS_RECORDED = dict(second_moment_correction=False, gradient_quantization_scope="all")
+"""What every configuration sets unless it names the setting itself: its runs were made before the correction was on
+by default and while every gradient was quantized (``False`` and ``"all"`` are accepted everywhere, HSDP and ZeRO-3
+included)."""
 DEFAULT_CONFIGS = ["zero3", "zeropp", "zeropp+ef", "zeropp-deltas+ef", "zeropp-qgz-half"]
 BASE = "zero3"
 REGIMES = {"aggressive": (1e-3, 10), "calm": (3e-4, 30)}  # (peak learning rate, warm-up steps)
@@ -150,7 +155,7 @@ Key = tuple[str, int, str, int]  # (config, seed, regime, steps)
 def strategy_arguments(name: str, steps: int) -> dict[str, Any]:
     """The strategy arguments of configuration ``name`` for a run of ``steps`` optimizer steps."""
     spec = RUNS[name]
-    return NO_CORRECTION | (spec(steps) if callable(spec) else spec)
+    return AS_RECORDED | (spec(steps) if callable(spec) else spec)
 
 
 def unfit(name: str, args: argparse.Namespace) -> str | None:
