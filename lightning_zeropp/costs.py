@@ -36,6 +36,7 @@ from .ledger import CommLedger, all_reduce_chunks
 from .qgz import stages
 from .rail import GATHER_KIND, REDUCE_KIND, Piece, pieces
 from .sharding import default_wrap_targets
+from .vectors import KIND as VECTORS_KIND
 
 Shape = tuple[int, ...]
 ELEMENT_BYTES = {"32-true": (4, 4, 4), "bf16-mixed": (4, 2, 2), "bf16-true": (2, 2, 2), "16-true": (2, 2, 2)}
@@ -57,6 +58,11 @@ class Unit:
     def shards(self, ranks: int) -> list[int]:
         """Per parameter, the elements of one rank's shard (dim 0 padded to a multiple of ``ranks``)."""
         return [-(-s[0] // ranks) * math.prod(s[1:]) if s else 1 for s in self.shapes]
+
+    def vector_shard(self, ranks: int) -> int:
+        """The elements of one rank's shard that belong to parameters of fewer than two dimensions (norm gains,
+        biases: what ``gradient_quantization_scope="matrices"`` reduces exactly)."""
+        return sum(n for s, n in zip(self.shapes, self.shards(ranks)) if len(s) < 2)
 
 
 def units_of(model: nn.Module) -> list[Unit]:
@@ -258,6 +264,8 @@ def step_bytes(
                 if N > 1:
                     ledger.record_to_peers("gradient_all_to_all_intra", topo.intra_node_ranks(), K * row_in)
                 ledger.record_to_peers("gradient_all_to_all_inter", topo.rail_ranks(), row_out)
+            if gradients.exact_vectors and (V := unit.vector_shard(S)):
+                ledger.record_to_peers(VECTORS_KIND, world_ranks, V * er)
         else:
             ledger.record_to_peers("gradient_reduce_scatter", shard_group, C * er)
             if hybrid and gradients.quantized_rail:  # each piece (INT4) to its owner; the owner's (INT8, bf16) to all
@@ -352,9 +360,11 @@ def _rail_kernel_bytes(plan: CommPlan, segments: tuple[int, ...], er: int) -> in
 def collective_buffers(units: list[Unit], config: ZeroPPConfig, world: int, ranks_per_node: int) -> int:
     """Bytes the quantized collectives hold at their peak, for the unit that needs most: qwZ's packed shard and the
     gathered rows (forward); weight deltas' packed delta, sent and received rows; qgZ's intra-node rows sent and
-    received and its rail rows (backward: the two never overlap for one unit); quantized HSDP's INT4 pieces sent and
-    its K copies of one piece received, then that piece sent to every rail rank and every piece received (for the rank
-    whose piece is largest). Exact collectives use FSDP's own buffers (the unsharded units): 0."""
+    received and its rail rows, with the vectors' columns and their reduced piece where norm gains and biases are
+    reduced exactly (``gradient_quantization_scope="matrices"``; counted in fp32, a bound) (backward: the two never
+    overlap for one unit); quantized HSDP's INT4 pieces sent and its K copies of one piece received, then that piece
+    sent to every rail rank and every piece received (for the rank whose piece is largest). Exact collectives use
+    FSDP's own buffers (the unsharded units): 0."""
     plan = _plan(config, world, ranks_per_node)
     K, N, W, R = plan.num_nodes, plan.ranks_per_node, plan.world_size, plan.hpz_partition_size
     aligned, gather, g = plan.aligned, plan.forward, plan.gradients
@@ -371,6 +381,8 @@ def collective_buffers(units: list[Unit], config: ZeroPPConfig, world: int, rank
         if plan.gradients.kind == "two_hop":
             rows = _qgz_rows(segments, _GradientFormat.of(plan))
             backward = 2 * W * sum(r[2] for r in rows) + 2 * K * sum(r[3] for r in rows)
+            if g.exact_vectors:  # the vectors' columns of the W chunks and their reduced piece, fp32 at most
+                backward += (W + 1) * unit.vector_shard(W) * 4
         elif g.quantized_rail:
             cut = _rail_pieces(tuple(unit.shards(N)), K, g.block_size, aligned)
             sent = sum(p.wire(g.inter_bits, g.block_size) for p in cut)

@@ -163,12 +163,13 @@ def test_regimes_and_the_configurations():
     assert convergence.DEFAULT_SEED == demo["seed_everything"]
     assert convergence.regime_name(3e-4, 30) == "calm" and convergence.regime_name(1e-3, 10) == "aggressive"
     assert convergence.regime_name(3e-4, 10) == "lr0.0003-warmup10"
-    assert convergence.strategy_arguments("zeropp-qgz-half", 40) == {"quantize_gradients_steps": 20,
-                                                                     "second_moment_correction": False}  # fmt: skip
+    assert convergence.strategy_arguments("zeropp-qgz-half", 40) == {
+        "quantize_gradients_steps": 20, "second_moment_correction": False, "gradient_quantization_scope": "all",
+    }  # fmt: skip
     assert convergence.strategy_arguments("zeropp+smc", 40) == {
-        "second_moment_correction": True,
-        "second_moment_scope": "all",
-    }
+        "second_moment_correction": True, "second_moment_scope": "all", "gradient_quantization_scope": "all",
+    }  # fmt: skip
+    assert convergence.strategy_arguments("zeropp+smc-vectors", 40)["gradient_quantization_scope"] == "matrices"
     assert set(convergence.DEFAULT_CONFIGS) <= set(convergence.RUNS)
     for name in convergence.RUNS:  # every configuration is a valid strategy
         ZeroPPConfig(**convergence.strategy_arguments(name, 100))

@@ -1,0 +1,102 @@
+"""Norm gains and biases reduced exactly beside qgZ (``gradient_quantization_scope="matrices"``): which spans of a
+chunk are vectors, that their updates are the exact reduction's while the matrices stay quantized, and that the
+planner counts their bytes as the ledger does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_zeropp import ZeroPPConfig
+from lightning_zeropp.blocks import UnitBlocks
+from lightning_zeropp.costs import collective_buffers, step_bytes, units_of
+from lightning_zeropp.testing.distributed import spawn
+from lightning_zeropp.testing.models import TinyLM
+from lightning_zeropp.testing.workers import relative_error, save_inputs, train_worker
+from lightning_zeropp.vectors import KIND
+
+
+def _unit(monkeypatch, params) -> UnitBlocks:
+    """A unit whose FSDP parameters are ``params``: ``(sharded parameter, padded shard elements)`` pairs."""
+    import lightning_zeropp.blocks as blocks
+
+    monkeypatch.setattr(blocks, "unit_fsdp_parameters", lambda module: params)
+    return UnitBlocks(nn.Linear(2, 2), "blocks.0", aligned=True, weight_block_size=256, gradient_block_size=128)
+
+
+def test_the_spans_are_the_parameters_of_fewer_than_two_dimensions(monkeypatch):
+    """A weight, then a gain, a scalar, a matrix and a bias: the gain and the scalar are one span (adjacent), the bias
+    another; the dimensions are the parameter's own (global) ones, the sizes its padded shard's."""
+    params = [(torch.empty(8, 4), 16), (torch.empty(8), 4), (torch.empty(()), 1), (torch.empty(6, 2), 6)]
+    unit = _unit(monkeypatch, [*params, (torch.empty(3), 2)])
+    assert unit.vector_spans(29) == ((16, 21), (27, 29))
+    assert unit.vector_spans(29) is unit.vector_spans(29)  # made once per chunk length
+
+
+def test_no_spans_without_vectors_and_none_when_the_layout_is_unknown(monkeypatch):
+    """Matrices alone: no span. A chunk whose length is not its parameters' (one received no gradient): None, and
+    the reduction quantizes the chunk whole."""
+    unit = _unit(monkeypatch, [(torch.empty(8, 4), 16), (torch.empty(2, 2), 2)])
+    assert unit.vector_spans(18) == ()
+    assert unit.vector_spans(16) is None
+
+
+def test_the_planner_counts_the_vectors_in_the_reduce_dtype():
+    """Per unit, the vectors' elements of a rank's shard, to each of the W - 1 peers, at the reduce dtype's width; and
+    no such bytes where every gradient is quantized, or where gradients are reduced exactly."""
+    model = TinyLM()
+    model.configure_model()
+    units = units_of(model)
+    vectors = sum(u.vector_shard(4) for u in units)
+    assert 0 < vectors < sum(sum(u.shards(4)) for u in units) // 10
+    on = ZeroPPConfig(ranks_per_node=2, gradient_quantization_scope="matrices")
+    for precision, width in (("32-true", 4), ("bf16-mixed", 2)):
+        intra, inter, calls = step_bytes(units, on, 4, 2, 0, precision)[KIND]
+        assert (intra, inter) == (vectors * width, 2 * vectors * width)  # one peer in the node, two in the other
+        assert calls == sum(1 for u in units if u.vector_shard(4))
+    off = ZeroPPConfig(ranks_per_node=2, gradient_quantization_scope="all")
+    assert KIND not in step_bytes(units, off, 4, 2, 0)
+    exact = ZeroPPConfig(ranks_per_node=2, gradient_quantization_scope="matrices", quantize_gradients=False)
+    assert KIND not in step_bytes(units, exact, 4, 2, 0)
+    assert collective_buffers(units, on, 4, 2) > collective_buffers(units, off, 4, 2)
+
+
+def _worker(rank, world, configs, *args):
+    return {name: train_worker(rank, world, kwargs, *args) for name, kwargs in configs.items()}
+
+
+@pytest.mark.multiprocess
+def test_vectors_take_the_exact_reduction_and_matrices_stay_quantized(tmp_path):
+    """TinyLM, 2 nodes x 2, weights gathered exactly (so the first step's gradients are the exact run's), one SGD
+    step: with ``"matrices"`` every norm gain's and bias's update is the exact reduction's to float rounding, and every
+    matrix's is not (qgZ still quantizes it); with ``"all"`` the vectors carry INT4's error (what makes the first
+    check able to fail). The ledger's vector bytes are the planner's, on every rank."""
+    world, batch, steps = 4, 2, 1
+    init_path, data_path, *_ = save_inputs(tmp_path, world * batch * steps)
+    base = dict(ranks_per_node=2, quantize_weights=False, hpz_partition_size=1)
+    configs = {
+        "exact": dict(base, quantize_gradients=False),
+        "matrices": dict(base, gradient_quantization_scope="matrices"),
+        "all": dict(base, gradient_quantization_scope="all"),
+    }
+    results = spawn(_worker, world, configs, init_path, data_path, batch, steps)
+    init = {f"net.{k}": v for k, v in torch.load(init_path).items()}
+    states = {name: results[0][name]["state"] for name in configs}
+    exact = states["exact"]
+
+    def errors(name: str, vectors: bool) -> dict[str, float]:
+        return {n: relative_error(states[name][n] - init[n], exact[n] - init[n])
+                for n in exact if (exact[n].dim() < 2) == vectors and not torch.equal(exact[n], init[n])}  # fmt: skip
+
+    assert errors("matrices", vectors=True) and max(errors("matrices", vectors=True).values()) < 1e-6
+    assert min(errors("matrices", vectors=False).values()) > 1e-4
+    assert max(errors("all", vectors=True).values()) > 1e-3
+    model = TinyLM()
+    model.configure_model()
+    units = units_of(model)
+    for rank, r in enumerate(results):
+        assert not r["matrices"]["unaligned_blocks"]
+        planned = step_bytes(units, ZeroPPConfig(**configs["matrices"]), world, 2, rank, "32-true")[KIND]
+        assert tuple(r["matrices"]["ledger"][KIND]) == planned
+        assert KIND not in r["all"]["ledger"] and KIND not in r["exact"]["ledger"]
