@@ -261,7 +261,12 @@ class ZeroPPComms:
             if shape := reduction.gather_feedback_shape():
                 (row,) = self.feedback.pieces(f"{name}{rail.GATHER_RESIDUAL}", 1, shape, output.device, self.steps)
                 gather = row.arguments(self.feedback.decay)
+        exact = None
+        if self.plan.gradients.exact_vectors and unit is not None and (spans := unit.vector_spans(shard)):
+            exact = vectors.start_on_rail(output, spans, multiplier, groups.inter_node, self.topology, self.ledger)
         rail.all_reduce(output, reduction, groups.inter_node, self.ledger, residuals, gather)
+        if exact is not None:
+            vectors.finish(exact, output)
 
     def reduce_alone_on_rail(self, unit: UnitBlocks, reduced: torch.Tensor) -> None:
         """Quantized HSDP with one rank per node, from FSDP's all-reduce hook: FSDP calls no reduce-scatter on a

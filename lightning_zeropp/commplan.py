@@ -75,7 +75,8 @@ class GradientReduction:
     ``exact_vectors`` (the gradients of parameters of fewer than two dimensions reduce-scattered exactly beside qgZ,
     :mod:`~lightning_zeropp.vectors`). A quantized rail
     has the same fields but ``intra_bits``, ``pieces`` (its pieces are the K rail ranks') and the second-moment
-    fields, and ``gather_bits``: the reduced pieces' width on the rail's all-gather (8: INT8 blocks, 16: bf16)."""
+    fields (``exact_vectors``: the vectors all-reduced exactly on the rail), and ``gather_bits``: the reduced
+    pieces' width on the rail's all-gather (8: INT8 blocks, 16: bf16)."""
 
     kind: GradientKind
     group: Group
@@ -177,6 +178,7 @@ class CommPlan:
                 steps = f" for the first {g.until_step} steps" if g.until_step else ""
                 extras = ", error feedback" if g.feedback is not None else ""
                 extras += ", Hadamard-rotated blocks" if g.rotation == "hadamard" else ""
+                extras += ", norm gains and biases exact" if g.exact_vectors else ""
                 gather = "bf16" if g.gather_bits == 16 else f"INT{g.gather_bits}"
                 rail = (
                     f"quantized HSDP across nodes{steps}: INT{g.inter_bits} reduce-scatter, {gather} all-gather"
@@ -320,7 +322,7 @@ def quantized_rail(config: ZeroPPConfig) -> GradientReduction:
     q = two_hop(config)
     return GradientReduction(
         "hsdp_rail", "node", None, q.inter_bits, q.block_size, None, q.rounding, q.feedback, q.rotation, q.until_step,
-        config.hsdp_gather_bits,
+        config.hsdp_gather_bits, exact_vectors=q.exact_vectors,
     )  # fmt: skip
 
 

@@ -37,6 +37,7 @@ from .qgz import stages
 from .rail import GATHER_KIND, REDUCE_KIND, Piece, pieces
 from .sharding import default_wrap_targets
 from .vectors import KIND as VECTORS_KIND
+from .vectors import RAIL_KIND as RAIL_VECTORS_KIND
 
 Shape = tuple[int, ...]
 ELEMENT_BYTES = {"32-true": (4, 4, 4), "bf16-mixed": (4, 2, 2), "bf16-true": (2, 2, 2), "16-true": (2, 2, 2)}
@@ -273,6 +274,8 @@ def step_bytes(
                 rail, bs = topo.rail_ranks(), gradients.block_size
                 ledger.record_to_peers(REDUCE_KIND, rail, [p.wire(gradients.inter_bits, bs) for p in cut])
                 ledger.record_to_peers(GATHER_KIND, rail, cut[topo.node].wire(gradients.gather_bits, bs))
+                if gradients.exact_vectors and (V := unit.vector_shard(S)):
+                    ledger.record_to_peers(RAIL_VECTORS_KIND, rail, all_reduce_chunks(V, er, K, rail.index(rank)))
             elif hybrid:
                 rail = topo.rail_ranks()
                 ledger.record_to_peers("gradient_all_reduce", rail, all_reduce_chunks(C, er, K, rail.index(rank)))
@@ -389,6 +392,8 @@ def collective_buffers(units: list[Unit], config: ZeroPPConfig, world: int, rank
             gathered = sum(p.wire(g.gather_bits, g.block_size) for p in cut)
             largest = max(K * (p.wire(g.inter_bits, g.block_size) + p.wire(g.gather_bits, g.block_size)) for p in cut)
             backward = sent + largest + gathered
+            if g.exact_vectors:  # the vectors of the node's shard, taken out and all-reduced, fp32 at most
+                backward += unit.vector_shard(N) * 4
         peak = max(peak, forward, backward)
     return peak
 

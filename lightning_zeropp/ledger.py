@@ -42,6 +42,7 @@ KINDS = (
     "gradient_all_reduce",  # HSDP: the node's reduce-scattered gradients, all-reduced across nodes
     "gradient_rail_reduce_scatter",  # quantized HSDP: INT4 pieces of the node's gradients, each to its rail owner
     "gradient_rail_all_gather",  # quantized HSDP: the owner's reduced piece (INT8 or bf16) to every rail rank
+    "gradient_all_reduce_vectors",  # quantized HSDP, gradient_quantization_scope="matrices": norm gains, biases
     "weight_delta_all_to_all",  # weight_deltas: INT4 deltas, each shard to the one holder per node
     "weight_delta_refresh",  # weight_deltas: a shard itself, exact, to the same holders (first step, refreshes)
     "weight_all_gather_node_copy",  # weight_deltas: forward, the node copy's slices (inside the hpZ group)

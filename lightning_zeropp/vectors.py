@@ -16,6 +16,10 @@ Every rank's chunk of FSDP's reduce-scatter input lays the parameters out the sa
 
 Bytes: V elements in the reduce dtype to each of the W - 1 peers (a reduce-scatter of W x V), recorded as
 ``gradient_reduce_scatter_vectors``; the zeroed blocks still cross qgZ's hops as INT4 zeros and their scales.
+
+Quantized HSDP does the same on its rail (:func:`start_on_rail`): after the exact reduce-scatter inside the node, the
+vectors' spans of the node's shard are all-reduced exactly across the K nodes (``gradient_all_reduce_vectors``),
+while the rail's INT4 / INT8 all-reduce carries the rest.
 """
 
 from __future__ import annotations
@@ -26,19 +30,31 @@ import torch
 import torch.distributed as dist
 
 from .collectives import reduce_scatter_flat
-from .ledger import CommLedger
+from .ledger import CommLedger, all_reduce_chunks
+from .topology import Topology
 
 KIND = "gradient_reduce_scatter_vectors"
+RAIL_KIND = "gradient_all_reduce_vectors"
 
 Spans = tuple[tuple[int, int], ...]
 
 
 class VectorReduction(NamedTuple):
-    """An exact reduce-scatter of the vectors' columns in flight: the spans, its work handle and its output."""
+    """An exact reduction of the vectors' columns in flight: the spans, its work handle, its output (this rank's
+    reduced vectors, in span order) and what the output is scaled by once it arrives."""
 
     spans: Spans
     work: dist.Work | None
     reduced: torch.Tensor
+    multiplier: float = 1.0
+
+
+def _take(rows: torch.Tensor, spans: Spans) -> torch.Tensor:
+    """The ``spans`` columns of ``rows`` (R, chunk) as one (R, V) tensor; zeroed in ``rows``."""
+    taken = torch.cat([rows[:, a:b] for a, b in spans], dim=1)
+    for a, b in spans:
+        rows[:, a:b].zero_()
+    return taken
 
 
 def start(
@@ -53,10 +69,7 @@ def start(
 ) -> VectorReduction:
     """Steps 1 and 2: takes the ``spans`` columns out of the W chunks of ``input`` (zeroing them there) and starts
     their reduce-scatter with ``base_op`` (AVG or SUM; ``premul``: PREMUL_SUM's factor) on ``group``."""
-    rows = input.view(-1, chunk)
-    taken = torch.cat([rows[:, a:b] for a, b in spans], dim=1)
-    for a, b in spans:
-        rows[:, a:b].zero_()
+    taken = _take(input.view(-1, chunk), spans)
     if premul is not None:
         taken.mul_(premul)
     reduced = taken.new_empty(taken.shape[1])
@@ -65,10 +78,31 @@ def start(
     return VectorReduction(spans, work, reduced)
 
 
+def start_on_rail(
+    shard: torch.Tensor,
+    spans: Spans,
+    multiplier: float,
+    rail: dist.ProcessGroup,
+    topology: Topology,
+    ledger: CommLedger,
+) -> VectorReduction:
+    """Quantized HSDP: takes the ``spans`` of this rank's node-reduced ``shard`` out (zeroing them there) and starts
+    their exact all-reduce on the ``rail`` (the K nodes' sum, scaled by ``multiplier`` when it arrives)."""
+    taken = _take(shard.view(1, -1), spans).view(-1)
+    ranks = topology.rail_ranks()
+    chunks = all_reduce_chunks(taken.numel(), taken.element_size(), len(ranks), ranks.index(topology.rank))
+    ledger.record_to_peers(RAIL_KIND, ranks, chunks)
+    work = dist.all_reduce(taken, op=dist.ReduceOp.SUM, group=rail, async_op=True)
+    return VectorReduction(spans, work, taken, multiplier)
+
+
 def finish(reduction: VectorReduction, output: torch.Tensor) -> None:
-    """Steps 4: waits for the reduce-scatter and writes this rank's reduced vectors over their spans of ``output``."""
+    """Step 4: waits for the exact reduction and writes this rank's reduced vectors over their spans of ``output``
+    (the reduce-scatter's output chunk, or the rail's shard)."""
     if reduction.work is not None:
         reduction.work.wait()
+    if reduction.multiplier != 1.0:
+        reduction.reduced.mul_(reduction.multiplier)
     out, offset = output.view(-1), 0
     for a, b in reduction.spans:
         out[a:b].copy_(reduction.reduced[offset : offset + b - a])

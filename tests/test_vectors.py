@@ -14,7 +14,7 @@ from lightning_zeropp.costs import collective_buffers, step_bytes, units_of
 from lightning_zeropp.testing.distributed import spawn
 from lightning_zeropp.testing.models import TinyLM
 from lightning_zeropp.testing.workers import relative_error, save_inputs, train_worker
-from lightning_zeropp.vectors import KIND
+from lightning_zeropp.vectors import KIND, RAIL_KIND
 
 
 def _unit(monkeypatch, params) -> UnitBlocks:
@@ -100,3 +100,38 @@ def test_vectors_take_the_exact_reduction_and_matrices_stay_quantized(tmp_path):
         planned = step_bytes(units, ZeroPPConfig(**configs["matrices"]), world, 2, rank, "32-true")[KIND]
         assert tuple(r["matrices"]["ledger"][KIND]) == planned
         assert KIND not in r["all"]["ledger"] and KIND not in r["exact"]["ledger"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("per_node", [2, 1], ids=["2x2", "2x1"])
+def test_quantized_hsdp_takes_the_vectors_off_its_rail_too(tmp_path, per_node):
+    """Quantized HSDP, 2 nodes of ``per_node`` ranks (one rank per node: the path FSDP's all-reduce hook takes), one
+    SGD step: with ``"matrices"`` the vectors' updates are exact HSDP's to float rounding and the matrices' are not;
+    with ``"all"`` the vectors carry the rail's rounding. The vectors' all-reduce bytes are the planner's."""
+    world, batch, steps = 2 * per_node, 2, 1
+    init_path, data_path, *_ = save_inputs(tmp_path, world * batch * steps)
+    base = dict(ranks_per_node=per_node, sharding_strategy="HYBRID_SHARD", quantize_weights=False)
+    configs = {
+        "exact": dict(base, quantize_gradients=False),
+        "matrices": dict(base, gradient_quantization_scope="matrices"),
+        "all": dict(base, gradient_quantization_scope="all"),
+    }
+    results = spawn(_worker, world, configs, init_path, data_path, batch, steps)
+    init = {f"net.{k}": v for k, v in torch.load(init_path).items()}
+    states = {name: results[0][name]["state"] for name in configs}
+
+    def errors(name: str, vectors: bool) -> list[float]:
+        exact = states["exact"]
+        return [relative_error(states[name][n] - init[n], exact[n] - init[n])
+                for n in exact if (exact[n].dim() < 2) == vectors and not torch.equal(exact[n], init[n])]  # fmt: skip
+
+    assert errors("matrices", vectors=True) and max(errors("matrices", vectors=True)) < 1e-6
+    assert min(errors("matrices", vectors=False)) > 1e-4
+    assert max(errors("all", vectors=True)) > 1e-3
+    model = TinyLM()
+    model.configure_model()
+    units = units_of(model)
+    for rank, r in enumerate(results):
+        planned = step_bytes(units, ZeroPPConfig(**configs["matrices"]), world, per_node, rank, "32-true")
+        assert tuple(r["matrices"]["ledger"][RAIL_KIND]) == planned[RAIL_KIND]
+        assert RAIL_KIND not in r["all"]["ledger"]

@@ -107,6 +107,7 @@ LINK_FACTOR = {
     "weight_all_gather": 0.75,
     "weight_all_gather_backward": 0.75,
     "gradient_reduce_scatter": 1.5,
+    "gradient_reduce_scatter_vectors": 1.5,
     "gradient_all_to_all_inter": 1.0,
 }
 """What the wire carries per ledger byte, by collective (gloo, 4 ranks as 2 x 2): a ring all-gather crosses the node

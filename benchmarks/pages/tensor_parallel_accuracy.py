@@ -33,6 +33,8 @@ MEANING = {
     "zeropp": 'the defaults until 2026-12-07: the correction on every parameter (`second_moment_scope="all"`)',
     "zeropp-exact": "ZeRO++ with quantization off (`quantize_weights=False, quantize_gradients=False`): a control",
     "zeropp-no-smc": "the defaults without AdamW's second-moment correction (`second_moment_correction=False`)",
+    "zeropp-vectors": "the candidate of 2026-12-07 12:08: norm gains and biases reduced exactly"
+    ' (`gradient_quantization_scope="matrices"`), the correction on matrices',
 }
 MEASURES = (("final", "final validation"), ("second_half", "second half (training)"))
 PART = 0.01
@@ -253,6 +255,59 @@ replaces `"all"`. Its 2-D half, read from the calm runs above at seeds {", ".joi
 The 2-D half **{result}**. The 1-D half is on [Loss against ZeRO-3]({ONE_D_HALF})."""
 
 
+VECTORS_CANDIDATE, VECTORS_AGAINST = "zeropp-vectors", "zeropp-matrices"
+"""The decisions log's rule of 2026-12-07 12:08: norm gains and biases reduced exactly, against the defaults of that
+hour (every gradient quantized, the correction on matrices)."""
+ONE_D_VECTORS = "accuracy.md#norm-gains-and-biases-reduced-exactly-the-decisions-logs-rule-its-1-d-half"
+
+
+def vectors_rule(sources: dict[str, Source]) -> tuple[str, list[str]]:
+    """The 2-D half of the decisions log's rule for ``gradient_quantization_scope``: per calm layout, at seeds 1-3,
+    the candidate's mean final validation gap below the defaults', and the paired difference (candidate - defaults)
+    not resolved above zero (mean - 2 SE <= 0); ``("not run", ...)`` until both have the three seeds on a layout."""
+    lines, held, ready = [], [], True
+    for (layout, _, steps), runs in _groups(sources).items():
+        if _regime(runs)[0] != "calm":
+            continue
+        base = runs.get(BASE, {})
+        mine = dict(gaps(runs.get(VECTORS_CANDIDATE, {}), base, "final"))
+        theirs = dict(gaps(runs.get(VECTORS_AGAINST, {}), base, "final"))
+        if not all(s in mine and s in theirs for s in SCOPE_SEEDS):
+            ready = False
+            lines.append(f"- {layout}, {steps} steps: not run at seeds {', '.join(map(str, SCOPE_SEEDS))} by both")
+            continue
+        differences = [mine[s] - theirs[s] for s in SCOPE_SEEDS]
+        m, se = mean_se(differences)
+        lower = mean_se([mine[s] for s in SCOPE_SEEDS])[0] < mean_se([theirs[s] for s in SCOPE_SEEDS])[0]
+        ok = lower and m - 2 * se <= 0
+        held.append(ok)
+        lines.append(
+            f"- {layout}, {steps} steps: final validation gap {interval([mine[s] for s in SCOPE_SEEDS])} for"
+            f" `{VECTORS_CANDIDATE}` against {interval([theirs[s] for s in SCOPE_SEEDS])} for `{VECTORS_AGAINST}`;"
+            f" paired difference {interval(differences)}, lower at {sum(d < 0 for d in differences)} of"
+            f" {len(differences)} seeds ({'holds' if ok else 'fails'})"
+        )
+    if not ready or not held:
+        return "not run", lines
+    return ("holds" if all(held) else "fails"), lines
+
+
+def _vectors_section(sources: dict[str, Source]) -> str:
+    result, lines = vectors_rule(sources)
+    return f"""## Norm gains and biases reduced exactly: the decisions log's rule, its 2-D half
+
+The [decisions log](../decisions.md) (2026-12-07 12:08) fixed before these runs when
+`gradient_quantization_scope="matrices"` (the gradients of parameters of fewer than two dimensions reduce-scattered
+exactly beside qgZ) replaces `"all"`. Its 2-D half, read from the calm runs above at seeds
+{", ".join(map(str, SCOPE_SEEDS))}: the candidate's mean final validation gap below the defaults' of that hour
+(`{VECTORS_AGAINST}`), and not resolved worse (paired mean - 2 SE <= 0), on each layout:
+
+{chr(10).join(lines)}
+
+The 2-D half **{result}**. The 1-D half is on [Loss against ZeRO-3]({ONE_D_VECTORS}); the bytes are on
+[Bytes per step](bytes_per_step.md)."""
+
+
 def render(sources: dict[str, Source]) -> str:
     parts = [
         f"""## How to read it
@@ -275,6 +330,7 @@ def render(sources: dict[str, Source]) -> str:
     ]
     for (_, _, steps), runs in _groups(sources).items():
         parts.append(_section(steps, runs))
+    parts.append(_vectors_section(sources))
     parts.append(_scope_section(sources))
     return "\n\n".join(parts)
 
