@@ -13,8 +13,8 @@ ledger is exact and repeatable; what a real link carries is on [Step time on a s
 
 SOURCES = ["bytes_per_step/comm_volume.json", "bytes_per_step/comm_volume_2d.json"]
 
-ORDER = ["zero3", "hsdp", "qhsdp", "qhsdp_bf16", "qhsdp_int4", "qhsdp_ef", "qwz", "hpz", "qgz", "zeropp", "zeropp_ef",
-         "zeropp_deltas", "zeropp_deltas8"]  # fmt: skip
+ORDER = ["zero3", "hsdp", "qhsdp", "qhsdp_bf16", "qhsdp_int4", "qhsdp_ef", "qwz", "hpz", "qgz", "zeropp",
+         "zeropp_quantized_vectors", "zeropp_ef", "zeropp_deltas", "zeropp_deltas8"]  # fmt: skip
 
 MEANING = {
     "zero3": "exact ZeRO-3 (FSDP2 `FULL_SHARD`), every technique off",
@@ -27,6 +27,8 @@ MEANING = {
     "hpz": "hpZ alone (a secondary partition inside the node)",
     "qgz": "qgZ alone (2-hop INT4 gradient all-to-all)",
     "zeropp": "the defaults: qwZ + hpZ + qgZ",
+    "zeropp_quantized_vectors": 'the defaults with every gradient quantized (`gradient_quantization_scope="all"`;'
+    " the defaults until 2026-12-07)",
     "zeropp_ef": "the defaults with `gradient_error_feedback=True`",
     "zeropp_deltas": "the defaults with `weight_deltas=True` (INT4 deltas)",
     "zeropp_deltas8": "the defaults with `weight_deltas=True, weight_delta_bits=8`",
@@ -36,7 +38,7 @@ GOALS = [("zeropp", 0.26), ("zeropp_deltas", 0.12)]
 """The goals set when the techniques were built: a configuration's cross-node bytes at most this share of ZeRO-3's."""
 
 
-TWO_D_ORDER = ["exact_2d", "qwz", "hpz", "qgz", "zeropp"]
+TWO_D_ORDER = ["exact_2d", "qwz", "hpz", "qgz", "zeropp", "zeropp_quantized_vectors"]
 TWO_D_MEANING = {
     "exact_2d": "every technique off: the collectives ModelParallelStrategy runs on the same mesh (bit-identical"
     " training, tests/test_tensor_parallel_llama.py)",
@@ -44,7 +46,11 @@ TWO_D_MEANING = {
     "hpz": "hpZ alone (over the node's data-parallel ranks; none where t fills the node)",
     "qgz": "qgZ alone",
     "zeropp": "the defaults",
+    "zeropp_quantized_vectors": 'the defaults with every gradient quantized (`gradient_quantization_scope="all"`)',
 }
+VECTORS_BOUND = 1.02
+"""The decisions log's rule of 2026-12-07 12:08, its bytes half: with norm gains and biases reduced exactly, the
+defaults' cross-node bytes at most this many times those with every gradient quantized, at every node count."""
 TWO_D_GOAL = ("zeropp", 2, 0.3)
 """Issue 60's goal: with t = 2, the defaults' cross-node bytes at most this share of ModelParallelStrategy's."""
 
@@ -152,13 +158,59 @@ all-reduce, which qhsdp quantizes).
 
 {table(["nodes x ranks", "config", "share of hsdp's"], qhsdp)}
 
-{_two_d(sources[SOURCES[1]].data)}"""  # fmt: skip
+{_two_d(sources[SOURCES[1]].data)}
+
+{_vectors_section(sources)}"""  # fmt: skip
+
+
+def _vectors_section(sources: dict[str, Source]) -> str:
+    result, lines = vectors_rule(sources)
+    return f"""## Norm gains and biases reduced exactly: the decisions log's rule, its bytes half
+
+The [decisions log](../decisions.md) (2026-12-07 12:08): with `gradient_quantization_scope="matrices"` the defaults'
+cross-node bytes per step at most {VECTORS_BOUND:g}x those with every gradient quantized, and with t = 2 at most
+{TWO_D_GOAL[2]} of the exact 2-D run's:
+
+{chr(10).join(lines) or "- no layout measured with both configurations"}
+
+The bytes half **{result}**. The accuracy halves are on [Loss with tensor parallelism](tensor_parallel_accuracy.md)
+and [Loss against ZeRO-3](accuracy.md)."""
 
 
 def _of_hsdp(data: list[dict], config: str) -> list[float]:
     hsdp = {(r["nodes"], r["ranks_per_node"]): r["inter_node_bytes_per_step"] for r in data if r["config"] == "hsdp"}
     return [r["inter_node_bytes_per_step"] / hsdp[(r["nodes"], r["ranks_per_node"])]
             for r in data if r["config"] == config and (r["nodes"], r["ranks_per_node"]) in hsdp]  # fmt: skip
+
+
+def vectors_rule(sources: dict[str, Source]) -> tuple[str, list[str]]:
+    """The bytes half of the decisions log's rule for ``gradient_quantization_scope``: per measured layout, the
+    defaults' (``zeropp``, norm gains and biases exact) cross-node bytes over ``zeropp_quantized_vectors``' at most
+    :data:`VECTORS_BOUND`, and with t = 2 the defaults at most the 2-D goal's share of the exact 2-D run's."""
+    lines, held = [], []
+    for path in SOURCES:
+        rows = sources[path].data
+        layouts = sorted({(r["nodes"], r["ranks_per_node"], r.get("tensor_parallel_size", 1)) for r in rows})
+        for nodes, per_node, t in layouts:
+            at = {r["config"]: r for r in rows if (r["nodes"], r["ranks_per_node"], r.get("tensor_parallel_size", 1))
+                  == (nodes, per_node, t)}  # fmt: skip
+            if "zeropp" not in at or "zeropp_quantized_vectors" not in at:
+                continue
+            ratio = (
+                at["zeropp"]["inter_node_bytes_per_step"] / at["zeropp_quantized_vectors"]["inter_node_bytes_per_step"]
+            )
+            ok = ratio <= VECTORS_BOUND
+            where = f"{nodes}x{per_node}" + (f", t = {t}" if t > 1 else "")
+            text = f"- {where}: {ratio:.4f} of the cross-node bytes with every gradient quantized"
+            if t == TWO_D_GOAL[1]:
+                share = at["zeropp"]["ratio_vs_zero3"]
+                ok = ok and share <= TWO_D_GOAL[2]
+                text += f", {share:.4f} of the exact 2-D run's (at most {TWO_D_GOAL[2]})"
+            held.append(ok)
+            lines.append(f"{text} ({'holds' if ok else 'fails'})")
+    if not held:
+        return "not measured", lines
+    return ("holds" if all(held) else "fails"), lines
 
 
 def snippets(sources: dict[str, Source]) -> dict[str, str]:
