@@ -233,8 +233,7 @@ class ZeroPPComms:
             factor = self.moments.factor if self.moments is not None else 0.0
             exact = None
             if gradients.exact_vectors and unit is not None and (spans := unit.vector_spans(chunk)):
-                exact = vectors.start(input, chunk, spans, base_op, premul, groups.group(role), groups.ranks(role),
-                                      self.ledger)  # fmt: skip
+                exact = vectors.start(input, chunk, spans, base_op, premul, groups, self.ledger)
             qgz.quantized_reduce_scatter(output, input, reduction, groups, self.ledger, residuals, noise, factor)
             if exact is not None:
                 vectors.finish(exact, output)

@@ -265,8 +265,11 @@ def step_bytes(
                 if N > 1:
                     ledger.record_to_peers("gradient_all_to_all_intra", topo.intra_node_ranks(), K * row_in)
                 ledger.record_to_peers("gradient_all_to_all_inter", topo.rail_ranks(), row_out)
-            if gradients.exact_vectors and (V := unit.vector_shard(S)):
-                ledger.record_to_peers(VECTORS_KIND, world_ranks, V * er)
+            if gradients.exact_vectors and (V := unit.vector_shard(S)):  # two hops, as qgZ's
+                if N > 1:
+                    ledger.record_to_peers(VECTORS_KIND, topo.intra_node_ranks(), K * V * er)
+                if K > 1:
+                    ledger.record_to_peers(VECTORS_KIND, topo.rail_ranks(), V * er)
         else:
             ledger.record_to_peers("gradient_reduce_scatter", shard_group, C * er)
             if hybrid and gradients.quantized_rail:  # each piece (INT4) to its owner; the owner's (INT8, bf16) to all
@@ -384,8 +387,8 @@ def collective_buffers(units: list[Unit], config: ZeroPPConfig, world: int, rank
         if plan.gradients.kind == "two_hop":
             rows = _qgz_rows(segments, _GradientFormat.of(plan))
             backward = 2 * W * sum(r[2] for r in rows) + 2 * K * sum(r[3] for r in rows)
-            if g.exact_vectors:  # the vectors' columns of the W chunks and their reduced piece, fp32 at most
-                backward += (W + 1) * unit.vector_shard(W) * 4
+            if g.exact_vectors:  # the vectors' columns of the W chunks, regrouped, the node's sum, fp32 at most
+                backward += (2 * W + K + 1) * unit.vector_shard(W) * 4
         elif g.quantized_rail:
             cut = _rail_pieces(tuple(unit.shards(N)), K, g.block_size, aligned)
             sent = sum(p.wire(g.inter_bits, g.block_size) for p in cut)

@@ -44,7 +44,6 @@ RING_KINDS = {
     "weight_all_gather",
     "weight_all_gather_backward",
     "gradient_reduce_scatter",
-    "gradient_reduce_scatter_vectors",
 }
 """Collectives FSDP (or qwZ) runs over all ranks as one ring (HSDP: inside the node); the rest are all-to-alls, rail
 all-reduces or collectives inside an hpZ group."""
@@ -142,7 +141,7 @@ def collective_seconds(kind: str, intra: int, inter: int, calls: int, cluster: C
     lat_inter, lat_intra = cluster.inter_latency_us * 1e-6, cluster.intra_latency_us * 1e-6
     if kind in RING_KINDS and inter:  # a ring over all W ranks: shard = inter / (W - N) bytes per peer
         shard = inter / (W - N)
-        wire = shard * (W - 1) * (2 if cluster.backend == "gloo" and kind.startswith("gradient_reduce_scatter") else 1)
+        wire = shard * (W - 1) * (2 if cluster.backend == "gloo" and kind == "gradient_reduce_scatter" else 1)
         return max(wire / inter_Bps, wire / intra_Bps) + calls * (W - 1) * lat_inter
     if kind in RING_KINDS and not inter:  # a ring inside the node (HSDP, or one node)
         return intra / intra_Bps + calls * (N - 1) * lat_intra

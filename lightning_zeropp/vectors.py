@@ -6,16 +6,20 @@ than two dimensions are a small share of a model's elements (a few per mille in 
 can travel exactly at a few bytes more per step.
 
 Every rank's chunk of FSDP's reduce-scatter input lays the parameters out the same way, so the vectors' spans
-(:meth:`~lightning_zeropp.blocks.UnitBlocks.vector_spans`) are the same columns of every chunk::
+(:meth:`~lightning_zeropp.blocks.UnitBlocks.vector_spans`) are the same columns of every chunk. As qgZ's, their
+reduction takes two hops, so that each vector element crosses nodes once per node, not once per rank::
 
     1. copy those columns of the W chunks into one (W, V) buffer, and zero them in the input
-    2. start the exact reduce-scatter of that buffer on the data-parallel group (FSDP's op, in its reduce dtype)
-    3. qgZ reduces the input: the zeroed spans are whole blocks of zeros (blocks follow the parameters), which
+    2. reduce-scatter inside the node (N ranks): local rank l receives the node's sum of the K rows of the ranks
+       with local rank l (rank k * N + l on node k), a (K, V) buffer
+    3. start the reduce-scatter on the rail (K ranks, one per node): the rank on node k receives the sum of row k,
+       its own chunk's vectors (exact, in FSDP's reduce dtype; AVG's 1 / W and PREMUL_SUM's factor applied once)
+    4. qgZ reduces the input: the zeroed spans are whole blocks of zeros (blocks follow the parameters), which
        quantize to zero, leave no error feedback residual and add no noise to the second-moment estimate
-    4. wait, and write this rank's V reduced elements over the spans of the output
+    5. wait, and write this rank's V reduced elements over the spans of the output
 
-Bytes: V elements in the reduce dtype to each of the W - 1 peers (a reduce-scatter of W x V), recorded as
-``gradient_reduce_scatter_vectors``; the zeroed blocks still cross qgZ's hops as INT4 zeros and their scales.
+Bytes (``gradient_reduce_scatter_vectors``): K x V elements in the reduce dtype to each of the N - 1 node peers,
+and V to each of the K - 1 rail peers; the zeroed blocks still cross qgZ's hops as INT4 zeros and their scales.
 
 Quantized HSDP does the same on its rail (:func:`start_on_rail`): after the exact reduce-scatter inside the node, the
 vectors' spans of the node's shard are all-reduced exactly across the K nodes (``gradient_all_reduce_vectors``),
@@ -31,7 +35,7 @@ import torch.distributed as dist
 
 from .collectives import reduce_scatter_flat
 from .ledger import CommLedger, all_reduce_chunks
-from .topology import Topology
+from .topology import ProcessGroups, Topology
 
 KIND = "gradient_reduce_scatter_vectors"
 RAIL_KIND = "gradient_all_reduce_vectors"
@@ -63,19 +67,29 @@ def start(
     spans: Spans,
     base_op,
     premul: float | None,
-    group: dist.ProcessGroup,
-    ranks: list[int],
+    groups: ProcessGroups,
     ledger: CommLedger,
 ) -> VectorReduction:
-    """Steps 1 and 2: takes the ``spans`` columns out of the W chunks of ``input`` (zeroing them there) and starts
-    their reduce-scatter with ``base_op`` (AVG or SUM; ``premul``: PREMUL_SUM's factor) on ``group``."""
-    taken = _take(input.view(-1, chunk), spans)
-    if premul is not None:
-        taken.mul_(premul)
-    reduced = taken.new_empty(taken.shape[1])
-    ledger.record_to_peers(KIND, ranks, reduced.numel() * reduced.element_size())
-    work = reduce_scatter_flat(reduced, taken.view(-1), group, base_op, async_op=True)
-    return VectorReduction(spans, work, reduced)
+    """Steps 1 to 3: takes the ``spans`` columns out of the W chunks of ``input`` (zeroing them there), reduces them
+    inside the node and starts their reduction on the rail, for FSDP's ``base_op`` (AVG or SUM; ``premul``:
+    PREMUL_SUM's factor)."""
+    topology = groups.topology
+    N, K = topology.ranks_per_node, topology.num_nodes
+    taken = _take(input.view(-1, chunk), spans)  # (W, V), row k * N + l for the rank on node k with local rank l
+    V = taken.shape[1]
+    multiplier = (premul if premul is not None else 1.0) / (topology.world_size if base_op == dist.ReduceOp.AVG else 1)
+    node = taken
+    if N > 1:  # rows regrouped by local rank: block l (K rows) goes to local peer l
+        send = taken.view(K, N, V).transpose(0, 1).contiguous()
+        node = send.new_empty(K, V)
+        ledger.record_to_peers(KIND, topology.intra_node_ranks(), K * V * taken.element_size())
+        reduce_scatter_flat(node.view(-1), send.view(-1), groups.intra_node, dist.ReduceOp.SUM)
+    if K == 1:
+        return VectorReduction(spans, None, node.view(-1), multiplier)
+    reduced = node.new_empty(V)
+    ledger.record_to_peers(KIND, topology.rail_ranks(), V * taken.element_size())
+    work = reduce_scatter_flat(reduced, node.view(-1), groups.inter_node, dist.ReduceOp.SUM, async_op=True)
+    return VectorReduction(spans, work, reduced, multiplier)
 
 
 def start_on_rail(
@@ -97,7 +111,7 @@ def start_on_rail(
 
 
 def finish(reduction: VectorReduction, output: torch.Tensor) -> None:
-    """Step 4: waits for the exact reduction and writes this rank's reduced vectors over their spans of ``output``
+    """Step 5: waits for the exact reduction and writes this rank's reduced vectors over their spans of ``output``
     (the reduce-scatter's output chunk, or the rail's shard)."""
     if reduction.work is not None:
         reduction.work.wait()

@@ -42,24 +42,34 @@ def test_no_spans_without_vectors_and_none_when_the_layout_is_unknown(monkeypatc
     assert unit.vector_spans(16) is None
 
 
-def test_the_planner_counts_the_vectors_in_the_reduce_dtype():
-    """Per unit, the vectors' elements of a rank's shard, to each of the W - 1 peers, at the reduce dtype's width; and
-    no such bytes where every gradient is quantized, or where gradients are reduced exactly."""
+@pytest.mark.parametrize(("nodes", "per_node"), [(2, 2), (3, 4), (2, 1), (1, 4)])
+def test_the_planner_counts_the_vectors_in_two_hops_in_the_reduce_dtype(nodes, per_node):
+    """Per unit, as qgZ's two hops: K x V elements of a rank's shard to each of its N - 1 node peers, then V to each of
+    its K - 1 rail peers, at the reduce dtype's width (so a vector element crosses nodes once per node, not once per
+    rank); a hop with no peer is skipped; no such bytes where every gradient is quantized, or reduced exactly."""
     model = TinyLM()
     model.configure_model()
     units = units_of(model)
-    vectors = sum(u.vector_shard(4) for u in units)
-    assert 0 < vectors < sum(sum(u.shards(4)) for u in units) // 10
-    on = ZeroPPConfig(ranks_per_node=2, gradient_quantization_scope="matrices")
+    W = nodes * per_node
+    vectors = sum(u.vector_shard(W) for u in units)
+    assert 0 < vectors < sum(sum(u.shards(W)) for u in units) // 10
+    on = ZeroPPConfig(ranks_per_node=per_node, gradient_quantization_scope="matrices")
+    hops = (per_node > 1) + (nodes > 1)
     for precision, width in (("32-true", 4), ("bf16-mixed", 2)):
-        intra, inter, calls = step_bytes(units, on, 4, 2, 0, precision)[KIND]
-        assert (intra, inter) == (vectors * width, 2 * vectors * width)  # one peer in the node, two in the other
-        assert calls == sum(1 for u in units if u.vector_shard(4))
-    off = ZeroPPConfig(ranks_per_node=2, gradient_quantization_scope="all")
-    assert KIND not in step_bytes(units, off, 4, 2, 0)
-    exact = ZeroPPConfig(ranks_per_node=2, gradient_quantization_scope="matrices", quantize_gradients=False)
-    assert KIND not in step_bytes(units, exact, 4, 2, 0)
-    assert collective_buffers(units, on, 4, 2) > collective_buffers(units, off, 4, 2)
+        planned = step_bytes(units, on, W, per_node, 0, precision)
+        if nodes == 1:  # one node: gradients are reduced exactly, no vector apart
+            assert KIND not in planned
+            continue
+        intra, inter, calls = planned[KIND]
+        assert intra == (per_node - 1) * nodes * vectors * width
+        assert inter == (nodes - 1) * vectors * width
+        assert calls == hops * sum(1 for u in units if u.vector_shard(W))
+    off = ZeroPPConfig(ranks_per_node=per_node, gradient_quantization_scope="all")
+    assert KIND not in step_bytes(units, off, W, per_node, 0)
+    exact = ZeroPPConfig(ranks_per_node=per_node, gradient_quantization_scope="matrices", quantize_gradients=False)
+    assert KIND not in step_bytes(units, exact, W, per_node, 0)
+    if nodes > 1:
+        assert collective_buffers(units, on, W, per_node) > collective_buffers(units, off, W, per_node)
 
 
 def _worker(rank, world, configs, *args):
@@ -67,14 +77,16 @@ def _worker(rank, world, configs, *args):
 
 
 @pytest.mark.multiprocess
-def test_vectors_take_the_exact_reduction_and_matrices_stay_quantized(tmp_path):
-    """TinyLM, 2 nodes x 2, weights gathered exactly (so the first step's gradients are the exact run's), one SGD
-    step: with ``"matrices"`` every norm gain's and bias's update is the exact reduction's to float rounding, and every
-    matrix's is not (qgZ still quantizes it); with ``"all"`` the vectors carry INT4's error (what makes the first
-    check able to fail). The ledger's vector bytes are the planner's, on every rank."""
-    world, batch, steps = 4, 2, 1
+@pytest.mark.parametrize(("nodes", "per_node"), [(3, 2), (2, 1)], ids=["3x2", "2x1"])
+def test_vectors_take_the_exact_reduction_and_matrices_stay_quantized(tmp_path, nodes, per_node):
+    """TinyLM, 3 nodes x 2 (both hops; K != N, so rows regrouped the wrong way round land on the wrong rank) and 2 x 1
+    (the rail alone), weights gathered exactly (so the first step's gradients are the exact run's), one SGD step: with
+    ``"matrices"`` every norm gain's and bias's update is the exact reduction's to float rounding, and every matrix's
+    is not (qgZ still quantizes it); with ``"all"`` the vectors carry INT4's error (what makes the first check able to
+    fail). The ledger's vector bytes are the planner's, on every rank."""
+    world, batch, steps = nodes * per_node, 2, 1
     init_path, data_path, *_ = save_inputs(tmp_path, world * batch * steps)
-    base = dict(ranks_per_node=2, quantize_weights=False, hpz_partition_size=1)
+    base = dict(ranks_per_node=per_node, quantize_weights=False, hpz_partition_size=1)
     configs = {
         "exact": dict(base, quantize_gradients=False),
         "matrices": dict(base, gradient_quantization_scope="matrices"),
@@ -97,7 +109,7 @@ def test_vectors_take_the_exact_reduction_and_matrices_stay_quantized(tmp_path):
     units = units_of(model)
     for rank, r in enumerate(results):
         assert not r["matrices"]["unaligned_blocks"]
-        planned = step_bytes(units, ZeroPPConfig(**configs["matrices"]), world, 2, rank, "32-true")[KIND]
+        planned = step_bytes(units, ZeroPPConfig(**configs["matrices"]), world, per_node, rank, "32-true")[KIND]
         assert tuple(r["matrices"]["ledger"][KIND]) == planned
         assert KIND not in r["all"]["ledger"] and KIND not in r["exact"]["ledger"]
 
