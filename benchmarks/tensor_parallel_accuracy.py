@@ -8,15 +8,18 @@ gloo ranks, t = 2:
 
     model_parallel  Lightning's ModelParallelStrategy(data_parallel_size=world / 2, tensor_parallel_size=2): the
                     exact 2-D run, the baseline
-    zeropp          ZeroPPStrategy(tensor_parallel_size=2, ranks_per_node=--ranks-per-node) with its defaults: on
-                    the default 4 ranks as 2 nodes x 2 (r/t = 1) qwZ INT8 weights across nodes and qgZ's one INT4
-                    hop across nodes, AdamW's second-moment correction on
+    zeropp-vectors  ZeroPPStrategy(tensor_parallel_size=2, ranks_per_node=--ranks-per-node) with its defaults
+                    (since 2026-12-07 12:08's rule): on the default 4 ranks as 2 nodes x 2 (r/t = 1) qwZ INT8
+                    weights across nodes and qgZ's one INT4 hop across nodes for the matrices, norm gains and biases
+                    reduced exactly, AdamW's second-moment correction on the matrices
 
-and, with ``--configs``, ``zeropp-exact`` (the same strategy with quantization off: bit-identical to the baseline when
-the strategy adds nothing but its quantization, a control) and ``zeropp-no-smc`` (the defaults without AdamW's
-second-moment correction: what the correction, which lengthens Adam's steps by the noise it takes out of ``v``, adds
-to the quantization's own gap) and ``zeropp-matrices`` (the correction on matrices only, norm gains and biases left
-as AdamW makes them: ``second_moment_scope="matrices"``). ``--world 8 --ranks-per-node 4`` is 2 nodes x 4 (r/t = 2:
+and, with ``--configs``, the defaults of earlier days, each pinned to the settings its runs were made with:
+``zeropp-matrices`` (every gradient quantized, the correction on matrices: ``gradient_quantization_scope="all"``) and
+``zeropp`` (every gradient quantized, the correction on every parameter: ``second_moment_scope="all"`` too); and
+``zeropp-exact`` (the strategy with quantization off: bit-identical to the baseline when the strategy adds nothing but
+its quantization, a control) and ``zeropp-no-smc`` (without AdamW's second-moment correction: what the correction,
+which lengthens Adam's steps by the noise it takes out of ``v``, adds to the quantization's own gap; its runs predate
+the exact vectors). ``--world 8 --ranks-per-node 4`` is 2 nodes x 4 (r/t = 2:
 qgZ's INT8 hop inside a node, then INT4 across); give it its own ``--json``.
 
 The model (``--size``, default ``small``): vocabulary 256 (bytes), 4 blocks of dimension 128, 8 query heads and 4
@@ -85,7 +88,7 @@ DEFAULT_JSON = BENCH / "data" / "accuracy" / "tensor_parallel.json"
 T = 2  # tensor-parallel size
 BASE = "model_parallel"
 CONFIGS = ("model_parallel", "zeropp", "zeropp-exact", "zeropp-no-smc", "zeropp-matrices", "zeropp-vectors")
-DEFAULT_CONFIGS = ["model_parallel", "zeropp-matrices"]
+DEFAULT_CONFIGS = ["model_parallel", "zeropp-vectors"]
 GOAL = 0.001  # |relative gap of the final validation loss vs the exact 2-D run| (issue 60)
 SIZES = {
     "small": dict(vocab_size=256, n_layer=4, dim=128, n_head=8, n_kv_head=4, ffn_hidden=344, max_seq_len=128),
@@ -159,14 +162,16 @@ def strategy(config: str, world: int, ranks_per_node: int):
 
     if config == "model_parallel":
         return ModelParallelStrategy(data_parallel_size=world // T, tensor_parallel_size=T)
-    if config == "zeropp":  # the defaults until 2026-12-07, as their runs were made
-        return ZeroPPStrategy(tensor_parallel_size=T, ranks_per_node=ranks_per_node, second_moment_scope="all")
+    if config == "zeropp":  # the defaults until 2026-12-07 09:55, as their runs were made
+        return ZeroPPStrategy(tensor_parallel_size=T, ranks_per_node=ranks_per_node, second_moment_scope="all",
+                              gradient_quantization_scope="all")  # fmt: skip
     if config == "zeropp-exact":
         return ZeroPPStrategy(
             tensor_parallel_size=T, ranks_per_node=ranks_per_node, quantize_weights=False, quantize_gradients=False
         )
-    if config == "zeropp-no-smc":
-        return ZeroPPStrategy(tensor_parallel_size=T, ranks_per_node=ranks_per_node, second_moment_correction=False)
+    if config == "zeropp-no-smc":  # as its runs were made
+        return ZeroPPStrategy(tensor_parallel_size=T, ranks_per_node=ranks_per_node, second_moment_correction=False,
+                              gradient_quantization_scope="all")  # fmt: skip
     if config == "zeropp-matrices":  # every gradient quantized, as its runs were made
         return ZeroPPStrategy(tensor_parallel_size=T, ranks_per_node=ranks_per_node, second_moment_scope="matrices",
                               gradient_quantization_scope="all")  # fmt: skip

@@ -413,14 +413,16 @@ class ZeroPPConfig:
         ' times the quantization\'s own gap (docs: Accuracy). "all" only to compare.',
     )
     gradient_quantization_scope: SecondMomentScope = argument(
-        "all",
-        'qgZ: the parameters whose gradients are quantized: "all", or "matrices" (parameters of two or more'
-        " dimensions); the gradients of norm gains and biases are then reduce-scattered exactly beside qgZ, in"
-        " FSDP's reduce dtype, at a few bytes more per step (their elements times the reduce dtype's width). A"
+        "matrices",
+        'qgZ and quantized HSDP: the parameters whose gradients are quantized: "all", or "matrices" (parameters of'
+        " two or more dimensions); the gradients of norm gains and biases then cross nodes exactly, in FSDP's reduce"
+        " dtype (reduce-scattered beside qgZ, all-reduced beside quantized HSDP's rail), at a few bytes more per step"
+        " (their elements times the reduce dtype's width). A"
         " norm's gain sums its gradient over every token: its blocks hold a few large coordinates and many that"
         " INT4 rounds to noise, and its steps are shortened by that noise (docs: Accuracy).",
         check=_one_of(_SECOND_MOMENT_SCOPES),
-        when='"all" only to measure qgZ on every parameter (docs: Accuracy).',
+        when='Leave "matrices": norm gains and biases are a small share of a model\'s elements, and exact their steps'
+        ' no longer carry INT4\'s noise (docs: Accuracy). "all" only to measure qgZ on every parameter.',
     )
     block_alignment: BlockAlignment = argument(
         "parameter",

@@ -31,8 +31,11 @@ DEFAULTS = "zeropp+smc"
 correction and ``zeropp+smc`` is what a user gets (``convergence.py``'s RUNS)."""
 
 MEANING = {
-    "zeropp+smc-matrices": "**the defaults** since 2026-12-07 (qwZ INT8, hpZ, qgZ INT8 then INT4, the second-moment"
-    ' correction on matrices: `second_moment_scope="matrices"`)',
+    "zeropp+smc-vectors": "**the defaults** since 2026-12-07 12:08 (qwZ INT8, hpZ, qgZ INT8 then INT4 for the"
+    ' matrices, norm gains and biases reduced exactly: `gradient_quantization_scope="matrices"`; the second-moment'
+    " correction on matrices)",
+    "zeropp+smc-matrices": "the defaults from 2026-12-07 09:55 to 12:08: every gradient quantized, the second-moment"
+    ' correction on matrices (`second_moment_scope="matrices"`)',
     "zeropp+smc": "the defaults until 2026-12-07: the second-moment correction on every parameter"
     ' (`second_moment_scope="all"`)',
     "zeropp": "the defaults without the second-moment correction",
@@ -473,8 +476,8 @@ def _candidates(s500: Runs, base: dict[int, dict]) -> str:
 
 
 HEADLINES = {
-    STUDY: [("the defaults against ZeRO-3, second half", "matrices_second_half"),
-            ("the correction on matrices against on every parameter", "matrices_vs_all")],
+    STUDY: [("the defaults against ZeRO-3, second half", "vectors_second_half"),
+            ("norm gains and biases exact against quantized", "vectors_vs_matrices")],
 }  # fmt: skip
 """Per data file, the figures ``benchmarks/RESULTS.md`` shows beside its newest run (snippet names)."""
 
@@ -494,7 +497,12 @@ def snippets(sources: dict[str, Source]) -> dict[str, str]:
     q = _runs(sources[QHSDP], 100, "32-true")
     old = _runs(sources[BF16_100], 100, "bf16-mixed")
     scope = [(s, g) for s, g in _paired_configs(s500, SCOPE_CANDIDATE, DEFAULTS) if s in SCOPE_SEEDS]
+    vectors = [(s, g) for s, g in _paired_configs(s500, VECTORS_CANDIDATE, VECTORS_AGAINST) if s in SCOPE_SEEDS]
     return {
+        "vectors_second_half": _cell(gaps(s500.get(VECTORS_CANDIDATE, {}), base500, "second_half")),
+        "vectors_final": _cell(gaps(s500.get(VECTORS_CANDIDATE, {}), base500, "final")),
+        "vectors_vs_matrices": _cell(vectors),
+        "vectors_1d": scope_rule_1d(vectors),
         "matrices_second_half": _cell(gaps(s500.get(SCOPE_CANDIDATE, {}), base500, "second_half")),
         "matrices_final": _cell(gaps(s500.get(SCOPE_CANDIDATE, {}), base500, "final")),
         "matrices_vs_all": _cell(scope),

@@ -25,16 +25,20 @@ DEFAULT_LAYOUT = "2x2"
 """The script's default layout (2 nodes x 2 ranks, r/t = 1); another one's runs are in a file of their own."""
 
 BASE = "model_parallel"
-DEFAULT = "zeropp-matrices"
-"""ZeRO++'s defaults since 2026-12-07 (the correction on matrices); ``zeropp`` were the defaults before."""
+DEFAULT = "zeropp-vectors"
+"""ZeRO++'s defaults since the decisions log's rule of 2026-12-07 12:08 (norm gains and biases reduced exactly, the
+correction on matrices); ``zeropp-matrices`` and ``zeropp`` were the defaults before."""
 MEANING = {
-    "zeropp-matrices": "**ZeRO++'s defaults** since 2026-12-07, `ZeroPPStrategy(tensor_parallel_size=2,"
-    ' ranks_per_node=...)`: the second-moment correction on matrices (`second_moment_scope="matrices"`)',
-    "zeropp": 'the defaults until 2026-12-07: the correction on every parameter (`second_moment_scope="all"`)',
+    "zeropp-vectors": "**ZeRO++'s defaults** since 2026-12-07 12:08, `ZeroPPStrategy(tensor_parallel_size=2,"
+    ' ranks_per_node=...)`: norm gains and biases reduced exactly (`gradient_quantization_scope="matrices"`), the'
+    " second-moment correction on matrices",
+    "zeropp-matrices": "the defaults from 2026-12-07 09:55 to 12:08: every gradient quantized"
+    ' (`gradient_quantization_scope="all"`), the correction on matrices (`second_moment_scope="matrices"`)',
+    "zeropp": "the defaults until 2026-12-07 09:55: every gradient quantized, the correction on every parameter"
+    ' (`second_moment_scope="all"`)',
     "zeropp-exact": "ZeRO++ with quantization off (`quantize_weights=False, quantize_gradients=False`): a control",
-    "zeropp-no-smc": "the defaults without AdamW's second-moment correction (`second_moment_correction=False`)",
-    "zeropp-vectors": "the candidate of 2026-12-07 12:08: norm gains and biases reduced exactly"
-    ' (`gradient_quantization_scope="matrices"`), the correction on matrices',
+    "zeropp-no-smc": "every gradient quantized, without AdamW's second-moment correction"
+    " (`second_moment_correction=False`)",
 }
 MEASURES = (("final", "final validation"), ("second_half", "second half (training)"))
 PART = 0.01
@@ -124,6 +128,13 @@ def _seeds_needed(pairs: list[tuple[int, float]]) -> str:
         return "never"
     sd = se * math.sqrt(len(pairs))
     return str(max(len(pairs) + 1, math.ceil((2 * sd / distance) ** 2 - 1e-9)))
+
+
+def _lower_at(mine: list[tuple[int, float]], theirs: list[tuple[int, float]]) -> str:
+    """At how many of the seeds both have ``mine`` is below ``theirs``: ``"3 of 3"``."""
+    other = dict(theirs)
+    shared = [(g, other[s]) for s, g in mine if s in other]
+    return f"{sum(a < b for a, b in shared)} of {len(shared)}"
 
 
 def _regime(runs: Runs) -> tuple[str, float, int]:
@@ -337,8 +348,9 @@ def render(sources: dict[str, Source]) -> str:
 
 HEADLINES = {
     STUDY: [("the defaults' final validation gap, 2 x 2, calm", "calm_final"),
-            ("with the correction on every parameter", "calm_all_final")],
-    EIGHT_RANKS: [("the defaults' final validation gap, 2 x 4, calm", "calm_2x4_final")],
+            ("with every gradient quantized", "calm_matrices_final")],
+    EIGHT_RANKS: [("the defaults' final validation gap, 2 x 4, calm", "calm_2x4_final"),
+                  ("with every gradient quantized", "calm_2x4_matrices_final")],
 }  # fmt: skip
 """Per data file, the figures ``benchmarks/RESULTS.md`` shows beside its newest run (snippet names)."""
 
@@ -354,6 +366,7 @@ def snippets(sources: dict[str, Source]) -> dict[str, str]:
         name += "" if layout == DEFAULT_LAYOUT else f"_{layout}"
         base, zeropp = runs.get(BASE, {}), runs.get(DEFAULT, {})
         every = gaps(runs.get("zeropp", {}), base, "final")
+        before = gaps(runs.get(VECTORS_AGAINST, {}), base, "final")
         final, second = gaps(zeropp, base, "final"), gaps(zeropp, base, "second_half")
         plain = gaps(runs.get("zeropp-no-smc", {}), base, "final")
         out.update({
@@ -367,5 +380,7 @@ def snippets(sources: dict[str, Source]) -> dict[str, str]:
             f"{name}_no_correction_final": interval([g for _, g in plain]) if plain else "-",
             f"{name}_no_correction_final_verdict": verdict(plain),
             f"{name}_all_final": interval([g for _, g in every]) if every else "-",
+            f"{name}_matrices_final": interval([g for _, g in before]) if before else "-",
+            f"{name}_vectors_lower": _lower_at(final, before),
         })  # fmt: skip
     return out
