@@ -56,7 +56,9 @@ MEANING = {
     "hpz": "hpZ alone (a secondary partition inside the node)",
     "qgz": "qgZ alone (2-hop INT4 gradient all-to-all)",
     "zeropp": "ZeRO++'s defaults when the run was made: qwZ + hpZ + qgZ, with the second-moment correction in "
-              "`cluster_smc_default.json`, `cluster_ef_smc.json` and `cluster_ef_smc_rows.json`, without it before",
+              "`cluster_smc_default.json`, `cluster_ef_smc.json`, `cluster_ef_smc_rows.json` and `cluster_2d.json`, "
+              "without it before; every gradient quantized in every run before 2026-12-07 12:08 (since then norm "
+              "gains and biases cross nodes exactly)",
     "zeropp_nosmc": "the defaults without the second-moment correction",
     "zeropp_smc": "the defaults (of that day) with `second_moment_correction=True`",
     "zeropp_deltas": "the defaults with `weight_deltas=True` (INT4 deltas)",
