@@ -312,8 +312,17 @@ def two_hop(config: ZeroPPConfig, precision: str | None = None) -> GradientReduc
         "two_hop", "world", c.intra_node_gradient_bits, c.gradient_bits, c.gradient_block_size, c.gradient_pieces,
         c.gradient_rounding, feedback, c.gradient_rotation, c.quantize_gradients_steps, None,
         c.second_moment_correction is True or (c.second_moment_correction == "auto" and precision != "16-true"),
-        c.second_moment_correction is True, c.second_moment_scope, c.gradient_quantization_scope == "matrices",
+        c.second_moment_correction is True, c.second_moment_scope, exact_vectors(c),
     )  # fmt: skip
+
+
+def exact_vectors(config: ZeroPPConfig) -> bool:
+    """Whether norm gains and biases cross nodes exactly (:mod:`~lightning_zeropp.vectors`):
+    ``gradient_quantization_scope="matrices"`` with parameter-aligned blocks. Flat blocks can hold a vector's and a
+    matrix's elements together, so the vectors' spans are not whole blocks there: zeroing them would leave a rotated
+    block's residual or a shared block's noise estimate on coordinates reduced exactly; the ablation quantizes every
+    gradient, as it did."""
+    return config.gradient_quantization_scope == "matrices" and config.block_alignment == "parameter"
 
 
 def quantized_rail(config: ZeroPPConfig) -> GradientReduction:

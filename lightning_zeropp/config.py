@@ -417,7 +417,8 @@ class ZeroPPConfig:
         'qgZ and quantized HSDP: the parameters whose gradients are quantized: "all", or "matrices" (parameters of'
         " two or more dimensions); the gradients of norm gains and biases then cross nodes exactly, in FSDP's reduce"
         " dtype (reduce-scattered beside qgZ, all-reduced beside quantized HSDP's rail), at a few bytes more per step"
-        " (their elements times the reduce dtype's width). A"
+        ' (their elements times the reduce dtype\'s width); with block_alignment="flat" every gradient is quantized.'
+        " A"
         " norm's gain sums its gradient over every token: its blocks hold a few large coordinates and many that"
         " INT4 rounds to noise, and its steps are shortened by that noise (docs: Accuracy).",
         check=_one_of(_SECOND_MOMENT_SCOPES),

@@ -404,9 +404,17 @@ def _fabric_worker(rank, world, init_path, steps, clip_at, lowering="per paramet
         correction_module.PER_PARAMETER.clear()
 
     torch.manual_seed(0)
-    fabric = Fabric(accelerator="cpu", devices=world, precision=precision,
-                    strategy=FabricZeroPP(ranks_per_node=N, second_moment_correction=True,
-                                          second_moment_scope="all"))  # fmt: skip
+    fabric = Fabric(
+        accelerator="cpu",
+        devices=world,
+        precision=precision,
+        strategy=FabricZeroPP(
+            ranks_per_node=N,
+            second_moment_correction=True,
+            second_moment_scope="all",
+            gradient_quantization_scope="all",
+        ),
+    )  # every gradient quantized: noise on all
     fabric.launch()
     net = TinyTransformer(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_embd=32, mlp_hidden=64, dropout=0.0)
     net.load_state_dict(torch.load(init_path, weights_only=True))

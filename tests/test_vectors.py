@@ -72,6 +72,21 @@ def test_the_planner_counts_the_vectors_in_two_hops_in_the_reduce_dtype(nodes, p
         assert collective_buffers(units, on, W, per_node) > collective_buffers(units, off, W, per_node)
 
 
+def test_the_plan_reduces_vectors_exactly_only_with_parameter_aligned_blocks():
+    """Flat blocks can hold a vector's and a matrix's elements together (their spans are not whole blocks), so the
+    ablation quantizes every gradient, and the startup line says which runs."""
+    from lightning_zeropp.commplan import resolve
+    from lightning_zeropp.topology import Topology
+
+    topology = Topology(8, 2, 0, 2)
+    for alignment, exact in (("parameter", True), ("flat", False)):
+        for kwargs in ({}, {"sharding_strategy": "HYBRID_SHARD"}):
+            plan = resolve(ZeroPPConfig(ranks_per_node=2, block_alignment=alignment, **kwargs), topology)
+            assert plan.gradients.exact_vectors is exact, (alignment, kwargs)
+            assert ("norm gains and biases exact" in plan.describe()) is exact, plan.describe()
+    assert not resolve(ZeroPPConfig(gradient_quantization_scope="all"), topology).gradients.exact_vectors
+
+
 def _worker(rank, world, configs, *args):
     return {name: train_worker(rank, world, kwargs, *args) for name, kwargs in configs.items()}
 
@@ -147,3 +162,25 @@ def test_quantized_hsdp_takes_the_vectors_off_its_rail_too(tmp_path, per_node):
         planned = step_bytes(units, ZeroPPConfig(**configs["matrices"]), world, per_node, rank, "32-true")
         assert tuple(r["matrices"]["ledger"][RAIL_KIND]) == planned[RAIL_KIND]
         assert RAIL_KIND not in r["all"]["ledger"]
+
+
+@pytest.mark.multiprocess
+def test_vectors_beside_error_feedback_and_rotation_in_bf16(tmp_path):
+    """The defaults with error feedback, rotated blocks and stochastic rounding, bf16-mixed (the vectors reduced in
+    bf16, FSDP's reduce dtype), 3 nodes x 2, three steps: every rank's ledger is the planner's, step by step (the
+    vectors' two hops included), no unit fell back to flat blocks, and the losses stay finite."""
+    world, batch, steps = 6, 2, 3
+    init_path, data_path, *_ = save_inputs(tmp_path, world * batch * steps)
+    kwargs = dict(ranks_per_node=2, gradient_error_feedback=True, gradient_rotation="hadamard",
+                  gradient_rounding="stochastic")  # fmt: skip
+    results = spawn(train_worker, world, kwargs, init_path, data_path, batch, steps, "bf16-mixed")
+    model = TinyLM()
+    model.configure_model()
+    units = units_of(model)
+    for rank, r in enumerate(results):
+        assert not r["unaligned_blocks"] and all(torch.isfinite(torch.tensor(r["losses"])))
+        planned = step_bytes(units, ZeroPPConfig(**kwargs), world, 2, rank, "bf16-mixed")
+        assert planned[KIND][0] > 0 and planned[KIND][1] > 0
+        for kind, per_step in planned.items():
+            assert tuple(r["ledger"][kind]) == tuple(steps * v for v in per_step), (rank, kind)
+        assert set(r["ledger"]) == set(planned)
