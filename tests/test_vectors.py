@@ -16,6 +16,8 @@ from lightning_zeropp.testing.models import TinyLM
 from lightning_zeropp.testing.workers import relative_error, save_inputs, train_worker
 from lightning_zeropp.vectors import KIND, RAIL_KIND
 
+pytestmark = pytest.mark.version_sensitive  # FSDP2's parameter layout (compat) and its reduce-scatter hook
+
 
 def _unit(monkeypatch, params) -> UnitBlocks:
     """A unit whose FSDP parameters are ``params``: ``(sharded parameter, padded shard elements)`` pairs."""
