@@ -40,9 +40,11 @@ SOURCES_1D = [
 PATH_2D = "slow_link/cluster_2d.json"
 """The tensor-parallel rows: the Llama on 2 nodes x 4 ranks, ZeRO++'s defaults against ModelParallelStrategy."""
 PATH_2D_LOADED = "archive/cluster_2d_2026-12-07a.json"
+PATH_2D_ALL = "archive/cluster_2d_2026-12-07b.json"
+"""The quiet run of the 2-D study with every gradient quantized (the defaults until 2026-12-07 12:08)."""
 """The same command's earlier run, on the machine while a study ran beside it: what a loaded machine does to the
 goal (the CPU-bound part of each step grows, the link's part does not)."""
-SOURCES = [*SOURCES_1D, PATH_2D, PATH_2D_LOADED]
+SOURCES = [*SOURCES_1D, PATH_2D, PATH_2D_LOADED, PATH_2D_ALL]
 
 FIGURES = "../../benchmarks/data/slow_link"
 """The PNGs beside the data, relative to ``docs/results/``."""
@@ -568,7 +570,36 @@ as their pure-torch twins), and whatever the link loses below its nominal rate. 
 
 {chr(10).join(_goals_2d(sources, path))}
 
+{_tp_all_quantized(sources, path)}
+
 {_tp_loaded(sources, path)}"""
+
+
+def _tp_all_quantized(sources: dict[str, Source], path: str = PATH_2D, before: str = PATH_2D_ALL) -> str:
+    """The same command's quiet run with every gradient quantized: each configuration's step then and now, and the
+    goal as that run judged it."""
+    if before not in sources or path == before:
+        return ""
+    now = _rows(sources, path)
+    lines = []
+    for r in sorted(_rows(sources, before), key=lambda r: (r["tensor_parallel_size"], r["config"])):
+        q = next((x for x in now if (x["topology"], x["config"], x["rate"]) == (r["topology"], r["config"], r["rate"])),
+                 None)  # fmt: skip
+        if q is None or r["rate"] is None:
+            continue
+        lines.append(f"- `{r['topology']}` `{r['config']}`: {r['step_s']:.3f} s a step then, {q['step_s']:.3f} s in"
+                     f" the run above ({q['step_s'] / r['step_s'] - 1:+.1%})")  # fmt: skip
+    return (
+        "### Before norm gains and biases were exact\n\n"
+        f"The same command on the quiet machine ({_date(sources[before])}, `benchmarks/data/{before}`), with every"
+        " gradient quantized, the defaults until 2026-12-07 12:08. Not paired with the run above (hours apart):\n\n"
+        + "\n".join(lines)
+        + "\n\nThat run judged the goal so:\n\n"
+        + "\n".join(_goals_2d(sources, before))
+        + "\n\nThe vectors' exact reduction adds under 1% of cross-node bytes but two small collectives per unit"
+        " (one where t fills the node); on these 8 ranks sharing 2 cores each collective waits for its ranks to be"
+        " scheduled."
+    )
 
 
 def _tp_loaded(sources: dict[str, Source], path: str = PATH_2D, loaded: str = PATH_2D_LOADED) -> str:
