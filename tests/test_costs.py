@@ -303,9 +303,12 @@ def test_collective_buffers_are_the_largest_units_quantized_rows():
     assert qgz == pytest.approx(block * (2 * (1 + 4 / 128) + 2 * 4 / 8 * (0.5 + 4 / 128)), rel=0.02)
     # quantized HSDP: a node shard (block / N) in INT4 pieces sent and K copies of one piece received, then that piece
     # to each of K ranks and K pieces received, INT8 or bf16
-    # (and the defaults' norm gains and biases of the node shard, taken out and all-reduced exactly: fp32 at most)
-    int4, int8, vectors = 0.5 + 4 / 128, 1 + 4 / 128, 4 * units[0].vector_shard(2)
+    int4, int8 = 0.5 + 4 / 128, 1 + 4 / 128
     qhsdp = collective_buffers(units, ZeroPPConfig(**CONFIGS["qhsdp"], ranks_per_node=2), 8, 2)
-    assert qhsdp == pytest.approx(block / 2 * (2 * int4 + 2 * int8) + vectors, rel=0.002)
+    assert qhsdp == pytest.approx(block / 2 * (2 * int4 + 2 * int8), rel=0.002)
     qhsdp_bf16 = collective_buffers(units, ZeroPPConfig(**CONFIGS["qhsdp_bf16"], ranks_per_node=2), 8, 2)
-    assert qhsdp_bf16 == pytest.approx(block / 2 * (2 * int4 + 2 * 2) + vectors, rel=0.002)
+    assert qhsdp_bf16 == pytest.approx(block / 2 * (2 * int4 + 2 * 2), rel=0.002)
+    # with norm gains and biases all-reduced exactly beside the rail: their part of the node shard, fp32 at most
+    vectors = collective_buffers(units, ZeroPPConfig(**CONFIGS["qhsdp"], ranks_per_node=2,
+                                                     gradient_quantization_scope="matrices"), 8, 2)  # fmt: skip
+    assert vectors == qhsdp + 4 * units[0].vector_shard(2)

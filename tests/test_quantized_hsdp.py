@@ -42,7 +42,6 @@ ZERO3 = dict(quantize_weights=False, hpz_partition_size=1, quantize_gradients=Fa
 # every rail technique on: residuals in INT8, rotated blocks, stochastic rounding (its seeds count reductions)
 FEEDBACK = dict(gradient_error_feedback=True, gradient_rotation="hadamard", gradient_rounding="stochastic")
 RAIL_KINDS = ("gradient_rail_reduce_scatter", "gradient_rail_all_gather")
-VECTORS = "gradient_all_reduce_vectors"  # the defaults: norm gains and biases all-reduced exactly beside the rail
 INTRA_KINDS = ("weight_all_gather", "weight_all_gather_backward", "gradient_reduce_scatter")
 
 
@@ -57,18 +56,6 @@ def unit_segments(per_node: int) -> list[list[int]]:
     units = [list(b.parameters()) for b in blocks]
     units.append([p for p in model.parameters() if id(p) not in in_blocks])  # the tied head counted once
     return [[padded_shard_numel(p.shape, per_node) for p in unit] for unit in units]
-
-
-def unit_vectors(per_node: int) -> list[int]:
-    """Per FSDP unit of TinyLM, the elements of a rank's node shard that belong to parameters of fewer than two
-    dimensions (what the defaults all-reduce exactly on the rail)."""
-    model = TinyLM()
-    model.configure_model()
-    blocks = list(model.net.blocks)
-    in_blocks = {id(p) for b in blocks for p in b.parameters()}
-    units = [list(b.parameters()) for b in blocks]
-    units.append([p for p in model.parameters() if id(p) not in in_blocks])
-    return [sum(padded_shard_numel(p.shape, per_node) for p in unit if p.dim() < 2) for unit in units]
 
 
 def rail_pieces(segments: list[int], nodes: int, block: int = 128) -> list[tuple[int, int, tk.Blocks | None]]:
@@ -89,9 +76,8 @@ def piece_wire(piece: tuple[int, int, tk.Blocks | None], bits: int) -> int:
 
 def expected_ledger(nodes: int, per_node: int, steps: int, gather_bits: int) -> list[dict[str, tuple[int, int, int]]]:
     """Per rank, the ledger of ``steps`` quantized HSDP steps: the exact gathers and reduce-scatter inside the node
-    (fp32), and per unit on the rail: the INT4 pieces this rank sends to the other nodes' owners, its own reduced
-    piece (INT8 or bf16) to each of the other ``nodes - 1`` rail ranks, and the exact all-reduce of its norm gains'
-    and biases' elements (fp32)."""
+    (fp32), and per unit on the rail: the INT4 pieces this rank sends to the other nodes' owners, and its own reduced
+    piece (INT8 or bf16) to each of the other ``nodes - 1`` rail ranks."""
     units = unit_segments(per_node)
     own = sum(4 * sum(u) for u in units)
     out = []
@@ -106,24 +92,19 @@ def expected_ledger(nodes: int, per_node: int, steps: int, gather_bits: int) -> 
         row = dict.fromkeys(INTRA_KINDS, intra)
         row["gradient_rail_reduce_scatter"] = (0, steps * reduce_bytes, steps * len(units))
         row["gradient_rail_all_gather"] = (0, steps * gather_bytes, steps * len(units))
-        vectors = [v for v in unit_vectors(per_node) if v]
-        row[VECTORS] = (0, steps * sum(_all_reduce_bytes(4 * v, nodes, node) for v in vectors), steps * len(vectors))
         out.append(row)
     return out
 
 
 def exact_all_reduce_bytes(nodes: int, per_node: int, rank: int) -> int:
-    """Cross-node bytes of one step of exact HSDP's all-reduce on ``rank``'s rail (fp32), as test_hsdp counts them."""
-    return sum(_all_reduce_bytes(4 * sum(segments), nodes, rank // per_node) for segments in unit_segments(per_node))
-
-
-def _all_reduce_bytes(size: int, nodes: int, node: int) -> int:
-    """Bytes node ``node``'s rank sends in an exact all-reduce of ``size`` bytes (whole fp32 elements) on a rail of
-    ``nodes``: a reduce-scatter in one piece per node, as even as whole elements allow, then an all-gather of its
-    own piece."""
-    s = size // 4
-    pieces = [4 * (s * (i + 1) // nodes - s * i // nodes) for i in range(nodes)]
-    return sum(p + pieces[node] for i, p in enumerate(pieces) if i != node)
+    """Cross-node bytes of one step of exact HSDP's all-reduce on ``rank``'s rail (fp32; a reduce-scatter in one piece
+    per node, as even as whole elements allow, then an all-gather of this rank's piece), as test_hsdp counts them."""
+    node, total = rank // per_node, 0
+    for segments in unit_segments(per_node):
+        s = sum(segments)
+        pieces = [4 * (s * (i + 1) // nodes - s * i // nodes) for i in range(nodes)]
+        total += sum(p + pieces[node] for i, p in enumerate(pieces) if i != node)
+    return total
 
 
 def feedback_bytes(nodes: int, per_node: int) -> int:
@@ -396,7 +377,7 @@ def test_ledger_by_hand_int8_2x2(two_nodes):
     for rank, (r, want) in enumerate(zip(results, expected_ledger(2, 2, STEPS, 8), strict=True)):
         assert r["qhsdp"]["ledger"] == want, f"rank {rank}: {r['qhsdp']['ledger']} != by hand {want}"
         assert r["fabric"]["ledger"] == want, f"rank {rank} (Fabric): {r['fabric']['ledger']} != by hand {want}"
-        rail = sum(want[k][1] for k in RAIL_KINDS)  # the quantized part (the vectors travel exactly, by hand above)
+        rail = sum(want[k][1] for k in RAIL_KINDS)
         exact = STEPS * exact_all_reduce_bytes(2, 2, rank)
         assert rail <= 0.3 * exact, f"rank {rank}: {rail} bytes across nodes, exact HSDP's all-reduce {exact}"
 
@@ -463,7 +444,7 @@ def test_ledger_and_residuals_by_hand_bf16_3x2(three_nodes):
     for rank, (r, want) in enumerate(zip(results, expected_ledger(3, 2, STEPS, 16), strict=True)):
         run = r["clean"]
         assert run["ledger"] == want, f"rank {rank}: {run['ledger']} != by hand {want}"
-        rail = sum(want[k][1] for k in RAIL_KINDS)  # the quantized part (the vectors travel exactly, by hand above)
+        rail = sum(want[k][1] for k in RAIL_KINDS)
         exact = STEPS * exact_all_reduce_bytes(3, 2, rank)
         # bf16 on the all-gather: (0.5 + 2) / (2 x 4) of the exact all-reduce's bytes, plus scales and padding
         assert rail <= 0.34 * exact, f"rank {rank}: {rail} bytes across nodes, exact HSDP's all-reduce {exact}"
@@ -598,7 +579,7 @@ def test_exact_rail_after_quantize_gradients_steps(until_and_one_node):
     for rank, r in enumerate(results):
         intra = hand[rank]["gradient_reduce_scatter"]
         for step, kinds in enumerate(r["first"]["steps"]):
-            want = {k: hand[rank][k] for k in ("gradient_reduce_scatter", *RAIL_KINDS, VECTORS)}
+            want = {k: hand[rank][k] for k in ("gradient_reduce_scatter", *RAIL_KINDS)}
             assert kinds == want, f"rank {rank}, step {step + 1} (quantized): {kinds} != {want}"
         # the third step (after the resume: the step count came back with the file): FSDP's exact all-reduce's bytes
         exact = (0, exact_all_reduce_bytes(2, 2, rank), units)
@@ -654,7 +635,7 @@ def test_one_rank_per_node_reduces_on_the_rail_int4_gather(one_rank_per_node, ca
     config = ZeroPPConfig(ranks_per_node=1, **QHSDP, hsdp_gather_bits=4, gradient_error_feedback=True)
     for rank, r in enumerate(results):
         ledger = r["int4"]["ledger"]
-        assert set(ledger) == {*RAIL_KINDS, VECTORS}, ledger  # one rank per node: nothing inside the node
+        assert set(ledger) == set(RAIL_KINDS), ledger  # one rank per node: nothing inside the node
         # the INT4 gather sends about what the INT4 reduce-scatter does (same pieces, same width)
         reduce, gather = (ledger[k][1] for k in RAIL_KINDS)
         assert 0.9 * reduce <= gather <= 1.1 * reduce, ledger

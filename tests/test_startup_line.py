@@ -26,23 +26,19 @@ def _line(world: int, per_node: int, **kwargs) -> tuple[str, ZeroPPComms]:
         (8, 8, {}, ["1 node x 8 ranks", "weights gathered exactly (qwZ off: one node", "qgZ off: one node"], 0, 0),
         (8, 2, {}, ["4 nodes x 2 ranks", "qwZ INT8 weights across 4 nodes", "hpZ backward gather inside 2 ranks",
                     "qgZ INT8 -> INT4 gradients (2 pieces, nearest rounding, Adam second-moment correction on"
-                    " matrices, norm gains and biases exact)"], 1, 1),
+                    " matrices)"], 1, 1),
         (4, 4, dict(quantize_weights=True), ["qwZ INT8 weights (quantize_weights=True on one node: lossy"], 1, 0),
         (8, 4, dict(quantize_weights=False), ["weights gathered exactly (quantize_weights=False)"], 0, 1),
         (8, 4, dict(gradient_error_feedback=True, quantize_gradients_steps=50, gradient_bits=8),
          ["qgZ INT8 -> INT8 gradients for the first 50 steps", "error feedback"], 1, 1),
-        (8, 4, dict(second_moment_correction=False, gradient_quantization_scope="all"),
-         ["(2 pieces, nearest rounding)."], 1, 1),
+        (8, 4, dict(second_moment_correction=False), ["(2 pieces, nearest rounding)."], 1, 1),
         (8, 4, dict(weight_deltas=True), ["weight deltas INT4", "hpZ backward gather inside 4 ranks"], 0, 1),
         (4, 4, dict(weight_deltas=True), ["weight_deltas off (one hpZ group of 4 ranks"], 0, 0),
         (8, 4, dict(sharding_strategy="HYBRID_SHARD", quantize_gradients=False),
          ["2 nodes x 4 ranks", "HSDP", "all-reduced exactly across nodes"], 0, 0),
-        (8, 4, dict(sharding_strategy="HYBRID_SHARD"),
-         ["quantized HSDP across nodes: INT4 reduce-scatter, INT8 all-gather (nearest rounding, norm gains and biases"
-          " exact)"], 0, 0),
     ],
     ids=["one-node", "four-nodes", "forced-qwz", "exact-weights", "feedback", "no-correction", "deltas",
-         "deltas-one-group", "hsdp", "quantized-hsdp"],
+         "deltas-one-group", "hsdp"],
 )  # fmt: skip
 def test_startup_line_names_what_runs_and_why(world, per_node, kwargs, says, qwz, qgz):
     line, comms = _line(world, per_node, **kwargs)

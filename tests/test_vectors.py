@@ -83,10 +83,12 @@ def test_the_plan_reduces_vectors_exactly_only_with_parameter_aligned_blocks():
     topology = Topology(8, 2, 0, 2)
     for alignment, exact in (("parameter", True), ("flat", False)):
         for kwargs in ({}, {"sharding_strategy": "HYBRID_SHARD"}):
-            plan = resolve(ZeroPPConfig(ranks_per_node=2, block_alignment=alignment, **kwargs), topology)
+            config = ZeroPPConfig(ranks_per_node=2, block_alignment=alignment, gradient_quantization_scope="matrices",
+                                  **kwargs)  # fmt: skip
+            plan = resolve(config, topology)
             assert plan.gradients.exact_vectors is exact, (alignment, kwargs)
             assert ("norm gains and biases exact" in plan.describe()) is exact, plan.describe()
-    assert not resolve(ZeroPPConfig(gradient_quantization_scope="all"), topology).gradients.exact_vectors
+    assert not resolve(ZeroPPConfig(), topology).gradients.exact_vectors  # the default: every gradient quantized
 
 
 def _worker(rank, world, configs, *args):
@@ -168,13 +170,13 @@ def test_quantized_hsdp_takes_the_vectors_off_its_rail_too(tmp_path, per_node):
 
 @pytest.mark.multiprocess
 def test_vectors_beside_error_feedback_and_rotation_in_bf16(tmp_path):
-    """The defaults with error feedback, rotated blocks and stochastic rounding, bf16-mixed (the vectors reduced in
-    bf16, FSDP's reduce dtype), 3 nodes x 2, three steps: every rank's ledger is the planner's, step by step (the
-    vectors' two hops included), no unit fell back to flat blocks, and the losses stay finite."""
+    """Norm gains and biases exact beside error feedback, rotated blocks and stochastic rounding, bf16-mixed (the
+    vectors reduced in bf16, FSDP's reduce dtype), 3 nodes x 2, three steps: every rank's ledger is the planner's,
+    step by step (the vectors' two hops included), no unit fell back to flat blocks, and the losses stay finite."""
     world, batch, steps = 6, 2, 3
     init_path, data_path, *_ = save_inputs(tmp_path, world * batch * steps)
     kwargs = dict(ranks_per_node=2, gradient_error_feedback=True, gradient_rotation="hadamard",
-                  gradient_rounding="stochastic")  # fmt: skip
+                  gradient_rounding="stochastic", gradient_quantization_scope="matrices")  # fmt: skip
     results = spawn(train_worker, world, kwargs, init_path, data_path, batch, steps, "bf16-mixed")
     model = TinyLM()
     model.configure_model()

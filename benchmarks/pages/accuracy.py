@@ -31,11 +31,11 @@ DEFAULTS = "zeropp+smc"
 correction and ``zeropp+smc`` is what a user gets (``convergence.py``'s RUNS)."""
 
 MEANING = {
-    "zeropp+smc-vectors": "**the defaults** since 2026-12-07 12:08 (qwZ INT8, hpZ, qgZ INT8 then INT4 for the"
-    ' matrices, norm gains and biases reduced exactly: `gradient_quantization_scope="matrices"`; the second-moment'
-    " correction on matrices)",
-    "zeropp+smc-matrices": "the defaults from 2026-12-07 09:55 to 12:08: every gradient quantized, the second-moment"
-    ' correction on matrices (`second_moment_scope="matrices"`)',
+    "zeropp+smc-matrices": "**the defaults** since 2026-12-07 09:55 (qwZ INT8, hpZ, qgZ INT8 then INT4, the"
+    ' second-moment correction on matrices: `second_moment_scope="matrices"`)',
+    "zeropp+smc-vectors": "the defaults with norm gains and biases reduced exactly"
+    ' (`gradient_quantization_scope="matrices"`; the default from 2026-12-07 12:08 until the cluster measured its'
+    " step)",
     "zeropp+smc": "the defaults until 2026-12-07: the second-moment correction on every parameter"
     ' (`second_moment_scope="all"`)',
     "zeropp": "the defaults without the second-moment correction",
@@ -476,7 +476,7 @@ def _candidates(s500: Runs, base: dict[int, dict]) -> str:
 
 
 HEADLINES = {
-    STUDY: [("the defaults against ZeRO-3, second half", "vectors_second_half"),
+    STUDY: [("the defaults against ZeRO-3, second half", "matrices_second_half"),
             ("norm gains and biases exact against quantized", "vectors_vs_matrices")],
 }  # fmt: skip
 """Per data file, the figures ``benchmarks/RESULTS.md`` shows beside its newest run (snippet names)."""

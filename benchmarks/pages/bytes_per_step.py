@@ -11,7 +11,15 @@ Two optimizer steps of the example GPT in bf16-mixed on gloo ranks emulating `no
 are the second step's (the steady state), by the ledger: logical payload bytes per peer, of the busiest rank. The
 ledger is exact and repeatable; what a real link carries is on [Step time on a slow link](slow_link.md)."""
 
-SOURCES = ["bytes_per_step/comm_volume.json", "bytes_per_step/comm_volume_2d.json"]
+SOURCES = [
+    "bytes_per_step/comm_volume.json",
+    "bytes_per_step/comm_volume_2d.json",
+    "archive/comm_volume_2026-12-07_vectors.json",
+    "archive/comm_volume_2d_2026-12-07_vectors.json",
+]
+VECTORS_SOURCES = SOURCES[2:]
+"""The runs made while norm gains and biases exact were the default (2026-12-07 12:08 until the rule was withdrawn):
+their ``zeropp`` rows are that configuration, the rule's bytes half reads them."""
 
 ORDER = ["zero3", "hsdp", "qhsdp", "qhsdp_bf16", "qhsdp_int4", "qhsdp_ef", "qwz", "hpz", "qgz", "zeropp",
          "zeropp_quantized_vectors", "zeropp_ef", "zeropp_deltas", "zeropp_deltas8"]  # fmt: skip
@@ -27,8 +35,8 @@ MEANING = {
     "hpz": "hpZ alone (a secondary partition inside the node)",
     "qgz": "qgZ alone (2-hop INT4 gradient all-to-all)",
     "zeropp": "the defaults: qwZ + hpZ + qgZ",
-    "zeropp_quantized_vectors": 'the defaults with every gradient quantized (`gradient_quantization_scope="all"`;'
-    " the defaults until 2026-12-07)",
+    "zeropp_quantized_vectors": '`gradient_quantization_scope="all"` set outright: the defaults (every gradient'
+    " quantized), measured beside them as the rule of 2026-12-07 12:08 needed",
     "zeropp_ef": "the defaults with `gradient_error_feedback=True`",
     "zeropp_deltas": "the defaults with `weight_deltas=True` (INT4 deltas)",
     "zeropp_deltas8": "the defaults with `weight_deltas=True, weight_delta_bits=8`",
@@ -169,7 +177,9 @@ def _vectors_section(sources: dict[str, Source]) -> str:
 
 The [decisions log](../decisions.md) (2026-12-07 12:08): with `gradient_quantization_scope="matrices"` the defaults'
 cross-node bytes per step at most {VECTORS_BOUND:g}x those with every gradient quantized, and with t = 2 at most
-{TWO_D_GOAL[2]} of the exact 2-D run's:
+{TWO_D_GOAL[2]} of the exact 2-D run's; read from the runs made while it was the default
+(`benchmarks/data/archive/comm_volume*_2026-12-07_vectors.json`, where `zeropp` is that configuration). The rule was
+withdrawn for its step time ([decisions log](../decisions.md)); the tables above are today's defaults:
 
 {chr(10).join(lines) or "- no layout measured with both configurations"}
 
@@ -188,7 +198,7 @@ def vectors_rule(sources: dict[str, Source]) -> tuple[str, list[str]]:
     defaults' (``zeropp``, norm gains and biases exact) cross-node bytes over ``zeropp_quantized_vectors``' at most
     :data:`VECTORS_BOUND`, and with t = 2 the defaults at most the 2-D goal's share of the exact 2-D run's."""
     lines, held = [], []
-    for path in SOURCES:
+    for path in VECTORS_SOURCES:
         rows = sources[path].data
         layouts = sorted({(r["nodes"], r["ranks_per_node"], r.get("tensor_parallel_size", 1)) for r in rows})
         for nodes, per_node, t in layouts:

@@ -35,16 +35,18 @@ SOURCES_1D = [
     "slow_link/cluster_ef_smc.json",
     "slow_link/cluster_ef_smc_rows.json",
     "slow_link/cluster_plan.json",
+    "slow_link/cluster_vectors.json",
 ]
 """The example GPT's runs on 2 nodes x 2 ranks, each against ZeRO-3."""
 PATH_2D = "slow_link/cluster_2d.json"
 """The tensor-parallel rows: the Llama on 2 nodes x 4 ranks, ZeRO++'s defaults against ModelParallelStrategy."""
 PATH_2D_LOADED = "archive/cluster_2d_2026-12-07a.json"
-PATH_2D_ALL = "archive/cluster_2d_2026-12-07b.json"
-"""The quiet run of the 2-D study with every gradient quantized (the defaults until 2026-12-07 12:08)."""
 """The same command's earlier run, on the machine while a study ran beside it: what a loaded machine does to the
 goal (the CPU-bound part of each step grows, the link's part does not)."""
-SOURCES = [*SOURCES_1D, PATH_2D, PATH_2D_LOADED, PATH_2D_ALL]
+PATH_2D_VECTORS = "archive/cluster_2d_2026-12-07c.json"
+"""The same command's quiet run with norm gains and biases reduced exactly (the default from 2026-12-07 12:08 until
+this run and ``cluster_vectors.json`` measured its step)."""
+SOURCES = [*SOURCES_1D, PATH_2D, PATH_2D_LOADED, PATH_2D_VECTORS]
 
 FIGURES = "../../benchmarks/data/slow_link"
 """The PNGs beside the data, relative to ``docs/results/``."""
@@ -60,7 +62,8 @@ MEANING = {
     "zeropp": "ZeRO++'s defaults when the run was made: qwZ + hpZ + qgZ, with the second-moment correction in "
               "`cluster_smc_default.json`, `cluster_ef_smc.json`, `cluster_ef_smc_rows.json` and `cluster_2d.json`, "
               "without it before; every gradient quantized in every run before 2026-12-07 12:08 (since then norm "
-              "gains and biases cross nodes exactly)",
+              "gains and biases cross nodes exactly, in `cluster_vectors.json` and "
+              "`archive/cluster_2d_2026-12-07c.json`)",
     "zeropp_nosmc": "the defaults without the second-moment correction",
     "zeropp_smc": "the defaults (of that day) with `second_moment_correction=True`",
     "zeropp_deltas": "the defaults with `weight_deltas=True` (INT4 deltas)",
@@ -87,6 +90,7 @@ CANDIDATES = [
     ("slow_link/cluster_feedback.json", "zeropp_ef", "zeropp"),
     ("slow_link/cluster_ef_smc.json", "zeropp_ef", "zeropp"),
     ("slow_link/cluster_ef_smc_rows.json", "zeropp_ef", "zeropp"),
+    ("slow_link/cluster_vectors.json", "zeropp", "zeropp_quantized_vectors"),  # `zeropp` there: vectors exact
 ]
 """The rule's applications: (file, candidate, the defaults it is paired with)."""
 
@@ -570,32 +574,34 @@ as their pure-torch twins), and whatever the link loses below its nominal rate. 
 
 {chr(10).join(_goals_2d(sources, path))}
 
-{_tp_all_quantized(sources, path)}
+{_tp_vectors(sources, path)}
 
 {_tp_loaded(sources, path)}"""
 
 
-def _tp_all_quantized(sources: dict[str, Source], path: str = PATH_2D, before: str = PATH_2D_ALL) -> str:
-    """The same command's quiet run with every gradient quantized: each configuration's step then and now, and the
-    goal as that run judged it."""
-    if before not in sources or path == before:
+def _tp_vectors(sources: dict[str, Source], path: str = PATH_2D, other: str = PATH_2D_VECTORS) -> str:
+    """The same command's quiet run with norm gains and biases reduced exactly: each configuration's step there and
+    here, and the goal as that run judged it."""
+    if other not in sources or path == other:
         return ""
-    now = _rows(sources, path)
+    here = _rows(sources, path)
     lines = []
-    for r in sorted(_rows(sources, before), key=lambda r: (r["tensor_parallel_size"], r["config"])):
-        q = next((x for x in now if (x["topology"], x["config"], x["rate"]) == (r["topology"], r["config"], r["rate"])),
-                 None)  # fmt: skip
+    for r in sorted(_rows(sources, other), key=lambda r: (r["tensor_parallel_size"], r["config"])):
+        key = (r["topology"], r["config"], r["rate"])
+        q = next((x for x in here if (x["topology"], x["config"], x["rate"]) == key), None)
         if q is None or r["rate"] is None:
             continue
-        lines.append(f"- `{r['topology']}` `{r['config']}`: {r['step_s']:.3f} s a step then, {q['step_s']:.3f} s in"
-                     f" the run above ({q['step_s'] / r['step_s'] - 1:+.1%})")  # fmt: skip
+        lines.append(f"- `{r['topology']}` `{r['config']}`: {r['step_s']:.3f} s a step there, {q['step_s']:.3f} s in"
+                     f" the run above ({r['step_s'] / q['step_s'] - 1:+.1%})")  # fmt: skip
     return (
-        "### Before norm gains and biases were exact\n\n"
-        f"The same command on the quiet machine ({_date(sources[before])}, `benchmarks/data/{before}`), with every"
-        " gradient quantized, the defaults until 2026-12-07 12:08. Not paired with the run above (hours apart):\n\n"
+        "### With norm gains and biases reduced exactly\n\n"
+        f"The same command on the quiet machine ({_date(sources[other])}, `benchmarks/data/{other}`), with"
+        ' `gradient_quantization_scope="matrices"`, the default from 2026-12-07 12:08 until this run and the paired'
+        " 1-D run (`cluster_vectors.json`, in the rule's table) measured its step. Not paired with the run above"
+        " (hours apart):\n\n"
         + "\n".join(lines)
         + "\n\nThat run judged the goal so:\n\n"
-        + "\n".join(_goals_2d(sources, before))
+        + "\n".join(_goals_2d(sources, other))
         + "\n\nThe vectors' exact reduction adds under 1% of cross-node bytes but two small collectives per unit"
         " (one where t fills the node); on these 8 ranks sharing 2 cores each collective waits for its ranks to be"
         " scheduled."
@@ -807,6 +813,7 @@ def snippets(sources: dict[str, Source]) -> dict[str, str]:
         # a candidate's step against the defaults it was paired with: the paired median of the rule's table
         "smc_step_ratio": _x(rule[("slow_link/cluster_smc_default.json", "zeropp")], digits=3),
         "feedback_step_ratio": _x(rule[("slow_link/cluster_ef_smc_rows.json", "zeropp_ef")]),
+        "vectors_step_ratio": _x(rule[("slow_link/cluster_vectors.json", "zeropp")], digits=2),
         "qgz8_step_ratio": _x(rule[("slow_link/cluster_candidates.json", "zeropp_qgz8")]),
         "qgz8_bytes_ratio": _x(
             _row(sources, cand, "zeropp_qgz8")["ledger_inter_bytes_per_step"]

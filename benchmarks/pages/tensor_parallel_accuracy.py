@@ -25,15 +25,14 @@ DEFAULT_LAYOUT = "2x2"
 """The script's default layout (2 nodes x 2 ranks, r/t = 1); another one's runs are in a file of their own."""
 
 BASE = "model_parallel"
-DEFAULT = "zeropp-vectors"
-"""ZeRO++'s defaults since the decisions log's rule of 2026-12-07 12:08 (norm gains and biases reduced exactly, the
-correction on matrices); ``zeropp-matrices`` and ``zeropp`` were the defaults before."""
+DEFAULT = "zeropp-matrices"
+"""ZeRO++'s defaults (the correction on matrices, every gradient quantized); ``zeropp`` were the defaults before
+2026-12-07 09:55, and ``zeropp-vectors`` was from 12:08 until the cluster measured its step."""
 MEANING = {
-    "zeropp-vectors": "**ZeRO++'s defaults** since 2026-12-07 12:08, `ZeroPPStrategy(tensor_parallel_size=2,"
-    ' ranks_per_node=...)`: norm gains and biases reduced exactly (`gradient_quantization_scope="matrices"`), the'
-    " second-moment correction on matrices",
-    "zeropp-matrices": "the defaults from 2026-12-07 09:55 to 12:08: every gradient quantized"
-    ' (`gradient_quantization_scope="all"`), the correction on matrices (`second_moment_scope="matrices"`)',
+    "zeropp-matrices": "**ZeRO++'s defaults**, `ZeroPPStrategy(tensor_parallel_size=2, ranks_per_node=...)`: every"
+    ' gradient quantized, the second-moment correction on matrices (`second_moment_scope="matrices"`)',
+    "zeropp-vectors": 'norm gains and biases reduced exactly (`gradient_quantization_scope="matrices"`), the'
+    " correction on matrices: the default from 2026-12-07 12:08 until the cluster measured its step",
     "zeropp": "the defaults until 2026-12-07 09:55: every gradient quantized, the correction on every parameter"
     ' (`second_moment_scope="all"`)',
     "zeropp-exact": "ZeRO++ with quantization off (`quantize_weights=False, quantize_gradients=False`): a control",
@@ -348,9 +347,9 @@ def render(sources: dict[str, Source]) -> str:
 
 HEADLINES = {
     STUDY: [("the defaults' final validation gap, 2 x 2, calm", "calm_final"),
-            ("with every gradient quantized", "calm_matrices_final")],
+            ("with norm gains and biases exact", "calm_vectors_final")],
     EIGHT_RANKS: [("the defaults' final validation gap, 2 x 4, calm", "calm_2x4_final"),
-                  ("with every gradient quantized", "calm_2x4_matrices_final")],
+                  ("with norm gains and biases exact", "calm_2x4_vectors_final")],
 }  # fmt: skip
 """Per data file, the figures ``benchmarks/RESULTS.md`` shows beside its newest run (snippet names)."""
 
@@ -366,7 +365,7 @@ def snippets(sources: dict[str, Source]) -> dict[str, str]:
         name += "" if layout == DEFAULT_LAYOUT else f"_{layout}"
         base, zeropp = runs.get(BASE, {}), runs.get(DEFAULT, {})
         every = gaps(runs.get("zeropp", {}), base, "final")
-        before = gaps(runs.get(VECTORS_AGAINST, {}), base, "final")
+        exact = gaps(runs.get(VECTORS_CANDIDATE, {}), base, "final")
         final, second = gaps(zeropp, base, "final"), gaps(zeropp, base, "second_half")
         plain = gaps(runs.get("zeropp-no-smc", {}), base, "final")
         out.update({
@@ -380,7 +379,8 @@ def snippets(sources: dict[str, Source]) -> dict[str, str]:
             f"{name}_no_correction_final": interval([g for _, g in plain]) if plain else "-",
             f"{name}_no_correction_final_verdict": verdict(plain),
             f"{name}_all_final": interval([g for _, g in every]) if every else "-",
-            f"{name}_matrices_final": interval([g for _, g in before]) if before else "-",
-            f"{name}_vectors_lower": _lower_at(final, before),
+            f"{name}_vectors_final": interval([g for _, g in exact]) if exact else "-",
+            f"{name}_vectors_final_verdict": verdict(exact),
+            f"{name}_vectors_lower": _lower_at(exact, final),
         })  # fmt: skip
     return out
