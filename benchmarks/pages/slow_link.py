@@ -796,7 +796,9 @@ def _tp_speedup(sources: dict[str, Source], t: int, path: str = PATH_2D) -> str:
 
 
 HEADLINES = {PATH_2D: [("t = 2, speedup vs ModelParallelStrategy", "tp_speedup_t2"),
-                       ("t = 4", "tp_speedup_t4")]}  # fmt: skip
+                       ("t = 4", "tp_speedup_t4")],
+             "slow_link/cluster_vectors.json": [("norm gains and biases exact, step vs the defaults (paired)",
+                                                 "vectors_step_ratio")]}  # fmt: skip
 """Per data file, the figures ``benchmarks/RESULTS.md`` shows beside its newest run (snippet names)."""
 
 
