@@ -95,6 +95,32 @@ def _worker(rank, world, configs, *args):
     return {name: train_worker(rank, world, kwargs, *args) for name, kwargs in configs.items()}
 
 
+def _one_step_each(tmp_path, world: int, base: dict) -> tuple[list[dict], dict[str, dict]]:
+    """One SGD step of TinyLM from the same start under ``base`` three ways (gradients exact, norm gains and biases
+    exact, every gradient quantized), checked per parameter against the exact run's update: every vector's the exact
+    one's to float rounding with ``"matrices"``, no matrix's, and with ``"all"`` the vectors carry the rounding (what
+    makes the first check able to fail). Returns every rank's runs and the configurations."""
+    init_path, data_path, *_ = save_inputs(tmp_path, world * 2)
+    configs = {
+        "exact": dict(base, quantize_gradients=False),
+        "matrices": dict(base, gradient_quantization_scope="matrices"),
+        "all": dict(base, gradient_quantization_scope="all"),
+    }
+    results = spawn(_worker, world, configs, init_path, data_path, 2, 1)
+    init = {f"net.{k}": v for k, v in torch.load(init_path).items()}
+    states = {name: results[0][name]["state"] for name in configs}
+    exact = states["exact"]
+
+    def errors(name: str, vectors: bool) -> list[float]:
+        return [relative_error(states[name][n] - init[n], exact[n] - init[n])
+                for n in exact if (exact[n].dim() < 2) == vectors and not torch.equal(exact[n], init[n])]  # fmt: skip
+
+    assert errors("matrices", vectors=True) and max(errors("matrices", vectors=True)) < 1e-6
+    assert min(errors("matrices", vectors=False)) > 1e-4
+    assert max(errors("all", vectors=True)) > 1e-3
+    return results, configs
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(("nodes", "per_node"), [(3, 2), (2, 1)], ids=["3x2", "2x1"])
 def test_vectors_take_the_exact_reduction_and_matrices_stay_quantized(tmp_path, nodes, per_node):
@@ -103,26 +129,9 @@ def test_vectors_take_the_exact_reduction_and_matrices_stay_quantized(tmp_path, 
     ``"matrices"`` every norm gain's and bias's update is the exact reduction's to float rounding, and every matrix's
     is not (qgZ still quantizes it); with ``"all"`` the vectors carry INT4's error (what makes the first check able to
     fail). The ledger's vector bytes are the planner's, on every rank."""
-    world, batch, steps = nodes * per_node, 2, 1
-    init_path, data_path, *_ = save_inputs(tmp_path, world * batch * steps)
+    world = nodes * per_node
     base = dict(ranks_per_node=per_node, quantize_weights=False, hpz_partition_size=1)
-    configs = {
-        "exact": dict(base, quantize_gradients=False),
-        "matrices": dict(base, gradient_quantization_scope="matrices"),
-        "all": dict(base, gradient_quantization_scope="all"),
-    }
-    results = spawn(_worker, world, configs, init_path, data_path, batch, steps)
-    init = {f"net.{k}": v for k, v in torch.load(init_path).items()}
-    states = {name: results[0][name]["state"] for name in configs}
-    exact = states["exact"]
-
-    def errors(name: str, vectors: bool) -> dict[str, float]:
-        return {n: relative_error(states[name][n] - init[n], exact[n] - init[n])
-                for n in exact if (exact[n].dim() < 2) == vectors and not torch.equal(exact[n], init[n])}  # fmt: skip
-
-    assert errors("matrices", vectors=True) and max(errors("matrices", vectors=True).values()) < 1e-6
-    assert min(errors("matrices", vectors=False).values()) > 1e-4
-    assert max(errors("all", vectors=True).values()) > 1e-3
+    results, configs = _one_step_each(tmp_path, world, base)
     model = TinyLM()
     model.configure_model()
     units = units_of(model)
@@ -139,26 +148,9 @@ def test_quantized_hsdp_takes_the_vectors_off_its_rail_too(tmp_path, per_node):
     """Quantized HSDP, 2 nodes of ``per_node`` ranks (one rank per node: the path FSDP's all-reduce hook takes), one
     SGD step: with ``"matrices"`` the vectors' updates are exact HSDP's to float rounding and the matrices' are not;
     with ``"all"`` the vectors carry the rail's rounding. The vectors' all-reduce bytes are the planner's."""
-    world, batch, steps = 2 * per_node, 2, 1
-    init_path, data_path, *_ = save_inputs(tmp_path, world * batch * steps)
+    world = 2 * per_node
     base = dict(ranks_per_node=per_node, sharding_strategy="HYBRID_SHARD", quantize_weights=False)
-    configs = {
-        "exact": dict(base, quantize_gradients=False),
-        "matrices": dict(base, gradient_quantization_scope="matrices"),
-        "all": dict(base, gradient_quantization_scope="all"),
-    }
-    results = spawn(_worker, world, configs, init_path, data_path, batch, steps)
-    init = {f"net.{k}": v for k, v in torch.load(init_path).items()}
-    states = {name: results[0][name]["state"] for name in configs}
-
-    def errors(name: str, vectors: bool) -> list[float]:
-        exact = states["exact"]
-        return [relative_error(states[name][n] - init[n], exact[n] - init[n])
-                for n in exact if (exact[n].dim() < 2) == vectors and not torch.equal(exact[n], init[n])]  # fmt: skip
-
-    assert errors("matrices", vectors=True) and max(errors("matrices", vectors=True)) < 1e-6
-    assert min(errors("matrices", vectors=False)) > 1e-4
-    assert max(errors("all", vectors=True)) > 1e-3
+    results, configs = _one_step_each(tmp_path, world, base)
     model = TinyLM()
     model.configure_model()
     units = units_of(model)

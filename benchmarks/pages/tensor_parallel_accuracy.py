@@ -218,6 +218,26 @@ SCOPE_RATIO = 0.5
 defaults' (``zeropp``, the correction on every parameter), on every calm layout."""
 
 
+def _calm_rule(sources: dict[str, Source], judge) -> tuple[str, list[str]]:
+    """A rule's 2-D half over the calm layouts: ``judge(runs, base)`` gives ``(holds, text)`` for a layout, or None
+    where the two configurations have not both run at seeds 1-3; the half is "not run" until every layout has."""
+    lines, held, ready = [], [], True
+    for (layout, _, steps), runs in _groups(sources).items():
+        if _regime(runs)[0] != "calm":
+            continue
+        judged = judge(runs, runs.get(BASE, {}))
+        if judged is None:
+            ready = False
+            lines.append(f"- {layout}, {steps} steps: not run at seeds {', '.join(map(str, SCOPE_SEEDS))} by both")
+            continue
+        ok, text = judged
+        held.append(ok)
+        lines.append(f"- {layout}, {steps} steps: {text}")
+    if not ready or not held:
+        return "not run", lines
+    return ("holds" if all(held) else "fails"), lines
+
+
 def scope_rule(sources: dict[str, Source]) -> tuple[str, list[str]]:
     """The 2-D half of the decisions log's rule for ``second_moment_scope``: per calm layout, the standard deviation
     over seeds 1-3 of the paired final validation gap, the defaults' (``zeropp``) and the candidate's; the half
@@ -225,31 +245,22 @@ def scope_rule(sources: dict[str, Source]) -> tuple[str, list[str]]:
     ...)`` until both have the three seeds on a layout."""
     import statistics
 
-    lines, held, ready = [], [], True
-    for (layout, _, steps), runs in _groups(sources).items():
-        if _regime(runs)[0] != "calm":
-            continue
-        base = runs.get(BASE, {})
+    def judge(runs: Runs, base: dict[int, dict]) -> tuple[bool, str] | None:
         spread = {}
         for config in ("zeropp", SCOPE_CANDIDATE):
             pairs = [g for s, g in gaps(runs.get(config, {}), base, "final") if s in SCOPE_SEEDS]
-            spread[config] = statistics.stdev(pairs) if len(pairs) == len(SCOPE_SEEDS) else None
-        if None in spread.values():
-            ready = False
-            lines.append(f"- {layout}, {steps} steps: not run at seeds {', '.join(map(str, SCOPE_SEEDS))} by both")
-            continue
+            if len(pairs) != len(SCOPE_SEEDS):
+                return None
+            spread[config] = statistics.stdev(pairs)
         ratio = spread[SCOPE_CANDIDATE] / spread["zeropp"]
         ok = ratio <= SCOPE_RATIO
-        held.append(ok)
-        lines.append(
-            f"- {layout}, {steps} steps: spread (std over seeds) of the final validation gap"
-            f" {pct(spread[SCOPE_CANDIDATE], 3, sign=False)} for `{SCOPE_CANDIDATE}` against"
-            f" {pct(spread['zeropp'], 3, sign=False)} for `zeropp`: ratio {ratio:.2f}"
+        return ok, (
+            f"spread (std over seeds) of the final validation gap {pct(spread[SCOPE_CANDIDATE], 3, sign=False)} for"
+            f" `{SCOPE_CANDIDATE}` against {pct(spread['zeropp'], 3, sign=False)} for `zeropp`: ratio {ratio:.2f}"
             f" ({'holds' if ok else 'fails'}: at most {SCOPE_RATIO:g})"
         )
-    if not ready or not held:
-        return "not run", lines
-    return ("holds" if all(held) else "fails"), lines
+
+    return _calm_rule(sources, judge)
 
 
 def _scope_section(sources: dict[str, Source]) -> str:
@@ -275,31 +286,24 @@ def vectors_rule(sources: dict[str, Source]) -> tuple[str, list[str]]:
     """The 2-D half of the decisions log's rule for ``gradient_quantization_scope``: per calm layout, at seeds 1-3,
     the candidate's mean final validation gap below the defaults', and the paired difference (candidate - defaults)
     not resolved above zero (mean - 2 SE <= 0); ``("not run", ...)`` until both have the three seeds on a layout."""
-    lines, held, ready = [], [], True
-    for (layout, _, steps), runs in _groups(sources).items():
-        if _regime(runs)[0] != "calm":
-            continue
-        base = runs.get(BASE, {})
+
+    def judge(runs: Runs, base: dict[int, dict]) -> tuple[bool, str] | None:
         mine = dict(gaps(runs.get(VECTORS_CANDIDATE, {}), base, "final"))
         theirs = dict(gaps(runs.get(VECTORS_AGAINST, {}), base, "final"))
         if not all(s in mine and s in theirs for s in SCOPE_SEEDS):
-            ready = False
-            lines.append(f"- {layout}, {steps} steps: not run at seeds {', '.join(map(str, SCOPE_SEEDS))} by both")
-            continue
+            return None
         differences = [mine[s] - theirs[s] for s in SCOPE_SEEDS]
         m, se = mean_se(differences)
         lower = mean_se([mine[s] for s in SCOPE_SEEDS])[0] < mean_se([theirs[s] for s in SCOPE_SEEDS])[0]
         ok = lower and m - 2 * se <= 0
-        held.append(ok)
-        lines.append(
-            f"- {layout}, {steps} steps: final validation gap {interval([mine[s] for s in SCOPE_SEEDS])} for"
-            f" `{VECTORS_CANDIDATE}` against {interval([theirs[s] for s in SCOPE_SEEDS])} for `{VECTORS_AGAINST}`;"
-            f" paired difference {interval(differences)}, lower at {sum(d < 0 for d in differences)} of"
-            f" {len(differences)} seeds ({'holds' if ok else 'fails'})"
+        return ok, (
+            f"final validation gap {interval([mine[s] for s in SCOPE_SEEDS])} for `{VECTORS_CANDIDATE}` against"
+            f" {interval([theirs[s] for s in SCOPE_SEEDS])} for `{VECTORS_AGAINST}`; paired difference"
+            f" {interval(differences)}, lower at {sum(d < 0 for d in differences)} of {len(differences)} seeds"
+            f" ({'holds' if ok else 'fails'})"
         )
-    if not ready or not held:
-        return "not run", lines
-    return ("holds" if all(held) else "fails"), lines
+
+    return _calm_rule(sources, judge)
 
 
 def _vectors_section(sources: dict[str, Source]) -> str:
