@@ -40,11 +40,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 """The configurations the planner compares, by the names the README and the benchmarks use."""
 
-RING_KINDS = {
-    "weight_all_gather",
-    "weight_all_gather_backward",
-    "gradient_reduce_scatter",
-}
+RING_KINDS = {"weight_all_gather", "weight_all_gather_backward", "gradient_reduce_scatter"}
 """Collectives FSDP (or qwZ) runs over all ranks as one ring (HSDP: inside the node); the rest are all-to-alls, rail
 all-reduces or collectives inside an hpZ group."""
 

@@ -121,8 +121,3 @@ def finish(reduction: VectorReduction, output: torch.Tensor) -> None:
     for a, b in reduction.spans:
         out[a:b].copy_(reduction.reduced[offset : offset + b - a])
         offset += b - a
-
-
-def elements(spans: Spans | None) -> int:
-    """The elements of a chunk the spans cover (0 for None: a chunk whose layout is not known is quantized whole)."""
-    return sum(b - a for a, b in spans) if spans else 0

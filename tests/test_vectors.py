@@ -180,3 +180,8 @@ def test_vectors_beside_error_feedback_and_rotation_in_bf16(tmp_path):
         for kind, per_step in planned.items():
             assert tuple(r["ledger"][kind]) == tuple(steps * v for v in per_step), (rank, kind)
         assert set(r["ledger"]) == set(planned)
+
+
+def test_a_bad_scope_is_refused_in_one_line_naming_the_choices():
+    with pytest.raises(ValueError, match=r"`gradient_quantization_scope='vectors'` is not allowed; choose one of"):
+        ZeroPPConfig(gradient_quantization_scope="vectors")
