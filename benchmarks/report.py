@@ -148,7 +148,7 @@ def build(name: str) -> Page:
     return Page(name, module.TITLE, text, {k: v.strip() for k, v in snippets.items()})
 
 
-NEWEST = 8
+NEWEST = 12
 """How many runs ``benchmarks/RESULTS.md`` lists as the newest."""
 
 
