@@ -35,7 +35,16 @@ def _python_files() -> list[Path]:
     return sorted(
         p
         for p in ROOT.rglob("*.py")
-        if not skip & set(p.relative_to(ROOT).parts) and not any(part.endswith(".egg-info") for part in p.parts)
+        if not skip & set(p.relative_to(ROOT).parts)
+        and not any(part.endswith(".egg-info") for part in p.parts)
+        and not _in_environment(p.relative_to(ROOT))
+    )
+
+
+def _in_environment(relative: Path) -> bool:
+    """A virtual environment inside the clone (``python -m venv .venv`` there): other projects' files, not ours."""
+    return any(
+        (ROOT.joinpath(*relative.parts[: i + 1]) / "pyvenv.cfg").exists() for i in range(len(relative.parts) - 1)
     )
 
 
