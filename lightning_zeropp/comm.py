@@ -17,7 +17,7 @@ FSDP reshards fully                                       output kept; backward:
 backward all-gather (no hpZ)   whole group                 same as forward (identical weights)
 gradient reduce-scatter        whole group                 qgZ 2-hop all-to-all, or exact (also after
                                                           the first quantize_gradients_steps steps); norm
-                                                          gains and biases exact beside it with
+                                                          gains and biases exact inside its hops with
                                                           gradient_quantization_scope="matrices" (vectors.py)
 HSDP (HYBRID_SHARD): every     the node's ranks            exact, on our node group; FSDP then
 all-gather and reduce-scatter                             all-reduces the gradients across nodes on
@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from . import hpz, qgz, qwz, rail, vectors
+from . import hpz, qgz, qwz, rail
 from .blocks import UnitBlocks
 from .collectives import all_gather_flat, reduce_scatter_flat, split_reduce_op
 from .commplan import CommPlan, resolve
@@ -231,12 +231,9 @@ class ZeroPPComms:
                 starts = blocks.starts if blocks is not None else _flat_starts(chunk, gradients.block_size)
                 noise = self.moments.buffer(unit, chunk, starts, output.device)
             factor = self.moments.factor if self.moments is not None else 0.0
-            exact = None
-            if gradients.exact_vectors and unit is not None and (spans := unit.vector_spans(chunk)):
-                exact = vectors.start(input, chunk, spans, base_op, premul, groups, self.ledger)
-            qgz.quantized_reduce_scatter(output, input, reduction, groups, self.ledger, residuals, noise, factor)
-            if exact is not None:
-                vectors.finish(exact, output)
+            spans = (unit.vector_spans(chunk) or ()) if gradients.exact_vectors and unit is not None else ()
+            qgz.quantized_reduce_scatter(output, input, reduction, groups, self.ledger, residuals, noise, factor,
+                                         vectors=spans)  # fmt: skip
             return
         exact_reduce_scatter(output, input, base_op, premul, groups, self.ledger, role)
 
@@ -260,12 +257,8 @@ class ZeroPPComms:
             if shape := reduction.gather_feedback_shape():
                 (row,) = self.feedback.pieces(f"{name}{rail.GATHER_RESIDUAL}", 1, shape, output.device, self.steps)
                 gather = row.arguments(self.feedback.decay)
-        exact = None
-        if self.plan.gradients.exact_vectors and unit is not None and (spans := unit.vector_spans(shard)):
-            exact = vectors.start_on_rail(output, spans, multiplier, groups.inter_node, self.topology, self.ledger)
-        rail.all_reduce(output, reduction, groups.inter_node, self.ledger, residuals, gather)
-        if exact is not None:
-            vectors.finish(exact, output)
+        spans = (unit.vector_spans(shard) or ()) if self.plan.gradients.exact_vectors and unit is not None else ()
+        rail.all_reduce(output, reduction, groups.inter_node, self.ledger, residuals, gather, vectors=spans)
 
     def reduce_alone_on_rail(self, unit: UnitBlocks, reduced: torch.Tensor) -> None:
         """Quantized HSDP with one rank per node, from FSDP's all-reduce hook: FSDP calls no reduce-scatter on a

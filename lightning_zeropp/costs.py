@@ -265,11 +265,10 @@ def step_bytes(
                 if N > 1:
                     ledger.record_to_peers("gradient_all_to_all_intra", topo.intra_node_ranks(), K * row_in)
                 ledger.record_to_peers("gradient_all_to_all_inter", topo.rail_ranks(), row_out)
-            if gradients.exact_vectors and (V := unit.vector_shard(S)):  # two hops, as qgZ's
+            if gradients.exact_vectors and (V := unit.vector_shard(S)):  # carried by qgZ's two hops
                 if N > 1:
-                    ledger.record_to_peers(VECTORS_KIND, topo.intra_node_ranks(), K * V * er)
-                if K > 1:
-                    ledger.record_to_peers(VECTORS_KIND, topo.rail_ranks(), V * er)
+                    ledger.record_carried(VECTORS_KIND, topo.intra_node_ranks(), K * V * er)
+                ledger.record_carried(VECTORS_KIND, topo.rail_ranks(), V * er)
         else:
             ledger.record_to_peers("gradient_reduce_scatter", shard_group, C * er)
             if hybrid and gradients.quantized_rail:  # each piece (INT4) to its owner; the owner's (INT8, bf16) to all
@@ -278,7 +277,7 @@ def step_bytes(
                 ledger.record_to_peers(REDUCE_KIND, rail, [p.wire(gradients.inter_bits, bs) for p in cut])
                 ledger.record_to_peers(GATHER_KIND, rail, cut[topo.node].wire(gradients.gather_bits, bs))
                 if gradients.exact_vectors and (V := unit.vector_shard(S)):
-                    ledger.record_to_peers(RAIL_VECTORS_KIND, rail, all_reduce_chunks(V, er, K, rail.index(rank)))
+                    ledger.record_carried(RAIL_VECTORS_KIND, rail, all_reduce_chunks(V, er, K, rail.index(rank)))
             elif hybrid:
                 rail = topo.rail_ranks()
                 ledger.record_to_peers("gradient_all_reduce", rail, all_reduce_chunks(C, er, K, rail.index(rank)))
@@ -366,8 +365,8 @@ def _rail_kernel_bytes(plan: CommPlan, segments: tuple[int, ...], er: int) -> in
 def collective_buffers(units: list[Unit], config: ZeroPPConfig, world: int, ranks_per_node: int) -> int:
     """Bytes the quantized collectives hold at their peak, for the unit that needs most: qwZ's packed shard and the
     gathered rows (forward); weight deltas' packed delta, sent and received rows; qgZ's intra-node rows sent and
-    received and its rail rows, with the vectors' columns and their reduced piece where norm gains and biases are
-    reduced exactly (``gradient_quantization_scope="matrices"``; counted in fp32, a bound) (backward: the two never
+    received and its rail rows, with the copies that carry norm gains and biases where those are reduced exactly
+    (``gradient_quantization_scope="matrices"``; counted in fp32, a bound) (backward: the two never
     overlap for one unit); quantized HSDP's INT4 pieces sent and its K copies of one piece received, then that piece
     sent to every rail rank and every piece received (for the rank whose piece is largest). Exact collectives use
     FSDP's own buffers (the unsharded units): 0."""
@@ -387,16 +386,18 @@ def collective_buffers(units: list[Unit], config: ZeroPPConfig, world: int, rank
         if plan.gradients.kind == "two_hop":
             rows = _qgz_rows(segments, _GradientFormat.of(plan))
             backward = 2 * W * sum(r[2] for r in rows) + 2 * K * sum(r[3] for r in rows)
-            if g.exact_vectors:  # the vectors' columns of the W chunks, regrouped, the node's sum, fp32 at most
-                backward += (2 * W + K + 1) * unit.vector_shard(W) * 4
+            if g.exact_vectors:  # the last stage's rows copied once more on each side of both hops to carry the
+                # vectors; their columns of the W chunks, regrouped, sent and received, the node's sums, fp32 at most
+                *_, (_, _, row_in, row_out) = [r for r in rows if r[0]] or [(0, 0, 0, 0)]
+                backward += 2 * W * row_in + 2 * K * row_out + (4 * W + 3 * K + 1) * unit.vector_shard(W) * 4
         elif g.quantized_rail:
             cut = _rail_pieces(tuple(unit.shards(N)), K, g.block_size, aligned)
             sent = sum(p.wire(g.inter_bits, g.block_size) for p in cut)
             gathered = sum(p.wire(g.gather_bits, g.block_size) for p in cut)
             largest = max(K * (p.wire(g.inter_bits, g.block_size) + p.wire(g.gather_bits, g.block_size)) for p in cut)
             backward = sent + largest + gathered
-            if g.exact_vectors:  # the vectors of the node's shard, taken out and all-reduced, fp32 at most
-                backward += unit.vector_shard(N) * 4
+            if g.exact_vectors:  # every row copied once more to carry the vectors' parts; the parts, fp32 at most
+                backward = 2 * backward + 6 * unit.vector_shard(N) * 4
         peak = max(peak, forward, backward)
     return peak
 

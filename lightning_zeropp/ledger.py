@@ -117,6 +117,17 @@ class CommLedger:
             chunk_bytes = [chunk_bytes] * len(group_ranks)
         self._record(kind, _to_peers(group_ranks, chunk_bytes, self.topology.rank, self.topology.node_of))
 
+    def record_carried(self, kind: str, group_ranks: list[int], chunk_bytes: list[int] | int) -> None:
+        """Bytes of ``kind`` that ride another kind's all-to-all (appended to its rows), as :meth:`record_to_peers`
+        counts them but with no call of their own: they add bytes, not a collective's latency."""
+        if len(group_ranks) <= 1:
+            return
+        if isinstance(chunk_bytes, int):
+            chunk_bytes = [chunk_bytes] * len(group_ranks)
+        traffic = _to_peers(group_ranks, chunk_bytes, self.topology.rank, self.topology.node_of)
+        traffic.calls = 0
+        self._record(kind, traffic)
+
     def record_tensor_parallel(self, kind: str, group_ranks: list[int], chunk_bytes: list[int]) -> None:
         """A collective of the model's tensor-parallel plan: ``chunk_bytes[i]`` sent to ``group_ranks[i]``, ranks as
         the job numbers them (global: the tensor-parallel group is not in the data-parallel index space the other
@@ -214,7 +225,9 @@ def _to_peers(group_ranks: list[int], chunk_bytes: list[int], me: int, node_of: 
 
 def _table(table: dict[str, Traffic], kinds: tuple[str, ...]) -> dict[str, Traffic]:
     return {
-        k: Traffic(t.intra_node_bytes, t.inter_node_bytes, t.calls) for k, t in table.items() if t.calls and k in kinds
+        k: Traffic(t.intra_node_bytes, t.inter_node_bytes, t.calls)
+        for k, t in table.items()
+        if (t.calls or t.total_bytes) and k in kinds  # carried bytes: no call of their own
     }
 
 

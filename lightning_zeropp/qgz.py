@@ -27,6 +27,10 @@ Second-moment correction (``noise``, one fp32 per block of the chunk): step 5 ad
 variance its K pieces' rounding left in the reduced sum, ``multiplier^2 * noise_factor * sum_k scale_k^2``, read from
 the received scales (no byte more on the wire; see :mod:`~lightning_zeropp.moments`).
 
+Norm gains and biases (``vectors``, ``gradient_quantization_scope="matrices"``): their spans are taken out of the
+input before step 1 and ride the last stage's two all-to-alls as raw bytes after its quantized rows, summed exactly
+(see :mod:`~lightning_zeropp.vectors`).
+
 Stage s + 1's intra-node hop is started before stage s's inter-node hop is waited on, so the two links work at once.
 Nothing is divided before the last step: AVG divides the fp32 sum by W exactly once. The sizes are free: any chunk
 length (tails are partial blocks), 1-D or not, any N and K. With N = 1 the intra hop is skipped (nothing to send);
@@ -43,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from . import kernels as tk
+from . import vectors as vec
 from .commplan import GradientReduction
 from .ledger import CommLedger
 from .topology import ProcessGroups, Topology
@@ -63,10 +68,12 @@ class Stage(NamedTuple):
 
 
 class _Hop(NamedTuple):
-    """An all-to-all in flight: its work handle (None where nothing was sent) and the buffer it receives into."""
+    """An all-to-all in flight: its work handle (None where nothing was sent), the buffer it receives into, and the
+    bytes of a row's quantized piece (the rest of a row, if any, is the vectors' carried values)."""
 
     work: dist.Work | None
     recv: torch.Tensor | None
+    wire: int = 0
 
 
 @dataclass(frozen=True)
@@ -154,13 +161,15 @@ def quantized_reduce_scatter(
     residuals: list[dict[str, Any]] | None = None,
     noise: torch.Tensor | None = None,
     noise_factor: float = 1 / 12,
+    vectors: vec.Spans = (),
 ) -> None:
     """Reduces ``input`` (W chunks) into ``output`` (this rank's chunk) as ``reduction`` says. With stochastic rounding,
     the noise of call ``c`` on rank ``r`` is fixed by ``(c, r)`` (``reduction.call``), so a run is reproducible and no
     two calls or ranks share noise. ``residuals``: error feedback state, per stage of ``reduction.stages`` the kernels'
     keywords ``residual`` (``(K, size)``), ``residual_scales`` (INT8 codes only) and ``decay``; updated in place.
     ``noise``: the second-moment correction's accumulator, one fp32 per block of the chunk, into which each block's
-    noise variance (``noise_factor`` times its K pieces' squared scales, times the multiplier squared) is added."""
+    noise variance (``noise_factor`` times its K pieces' squared scales, times the multiplier squared) is added.
+    ``vectors``: spans of a chunk reduced exactly (zeroed in ``input``), carried by the first stage's hops."""
     W, chunk = reduction.topology.world_size, output.numel()
     if chunk != reduction.chunk:
         raise RuntimeError(
@@ -175,25 +184,31 @@ def quantized_reduce_scatter(
     # read on it (``work.wait()`` makes the current stream wait for the collective); the output is complete in stream
     # order when this returns, which is what FSDP's reduce-scatter event records.
     busy = reduction.busy
-    intra = _start_intra(reduction, busy[0], input, groups, ledger)
-    in_flight: tuple[Stage, _Hop] | None = None
+    carried = vec.take(input.view(W, chunk), vectors) if vectors else None
+
+    def riding(i: int) -> vec.Carried | None:
+        """The last stage's hops carry the vectors: its output is written last, so no stage's zeros overwrite them."""
+        return carried if i == len(busy) - 1 else None
+
+    intra = _start_intra(reduction, busy[0], input, groups, ledger, riding(0))
+    in_flight: tuple[Stage, _Hop, vec.Carried | None] | None = None
     for i, stage in enumerate(busy):
         feedback = residuals[stage.index] if residuals is not None else None
-        to_rail = _reduce_in_node(reduction, stage, input, intra, feedback, out)
-        inter = _start_inter(to_rail, groups, ledger) if to_rail is not None else None
+        to_rail = _reduce_in_node(reduction, stage, input, intra, feedback, out, riding(i))
+        inter = _start_inter(*to_rail, groups, ledger) if to_rail is not None else None
         if i + 1 < len(busy):  # the next stage's intra-node hop overlaps this stage's inter-node hop
-            intra = _start_intra(reduction, busy[i + 1], input, groups, ledger)
+            intra = _start_intra(reduction, busy[i + 1], input, groups, ledger, riding(i + 1))
         if in_flight is not None:
             _finish(reduction, *in_flight, out, noise, noise_factor)
-        in_flight = (stage, inter) if inter is not None else None
+        in_flight = (stage, inter, riding(i)) if inter is not None else None
     if in_flight is not None:
         _finish(reduction, *in_flight, out, noise, noise_factor)
 
 
-def _start_intra(
-    reduction: Reduction, stage: Stage, input: torch.Tensor, groups: ProcessGroups, ledger: CommLedger
-) -> _Hop:
-    """Steps 1 and 2: swizzle and quantize the stage's pieces, start the all-to-all inside the node."""
+def _start_intra(reduction: Reduction, stage: Stage, input: torch.Tensor, groups: ProcessGroups, ledger: CommLedger,
+                 carried: vec.Carried | None = None) -> _Hop:  # fmt: skip
+    """Steps 1 and 2: swizzle and quantize the stage's pieces (each slot's row followed by its chunk's ``carried``
+    values), start the all-to-all inside the node."""
     topo, g = reduction.topology, reduction.gradients
     N, K = topo.ranks_per_node, topo.num_nodes
     if N == 1:
@@ -203,65 +218,94 @@ def _start_intra(
         blocks=reduction.blocks, backend=reduction.backend, stochastic=reduction.stochastic,
         seed=reduction.seed(0, stage),
     )  # fmt: skip
+    wire = send.shape[1]
+    ledger.record_to_peers("gradient_all_to_all_intra", topo.intra_node_ranks(), K * wire)
+    if carried is not None:  # chunk k*N + l's values to slot l*K + k, as the swizzle does
+        values = carried.values.view(K, N, -1).transpose(0, 1).reshape(N * K, -1)
+        ledger.record_carried(vec.KIND, topo.intra_node_ranks(), K * values[0].numel() * values.element_size())
+        send = vec.attach(send, values)
     recv = torch.empty_like(send)
-    ledger.record_to_peers("gradient_all_to_all_intra", topo.intra_node_ranks(), K * send.shape[1])
-    return _Hop(dist.all_to_all_single(recv, send, group=groups.intra_node, async_op=True), recv)
+    return _Hop(dist.all_to_all_single(recv, send, group=groups.intra_node, async_op=True), recv, wire)
 
 
 def _reduce_in_node(reduction: Reduction, stage: Stage, input: torch.Tensor, intra: _Hop,
-                    feedback: dict[str, Any] | None, out: torch.Tensor) -> torch.Tensor | None:  # fmt: skip
-    """Steps 3 (K > 1: returns the buffer for the rail) or 3 + 5 (K == 1: writes the output)."""
+                    feedback: dict[str, Any] | None, out: torch.Tensor,
+                    carried: vec.Carried | None) -> tuple[torch.Tensor, int] | None:  # fmt: skip
+    """Steps 3 (K > 1: returns the rows for the rail and their quantized bytes, the node's sums of the ``carried``
+    values after them) or 3 + 5 (K == 1: writes the output)."""
     topo, g = reduction.topology, reduction.gradients
     N, K = topo.ranks_per_node, topo.num_nodes
     start, size, backend = stage.start, stage.size, reduction.backend
     if intra.work is not None:
         intra.work.wait()
+    received, node = intra.recv, None  # node: (K, V), this node's fp32 sums of the values of the K chunks I forward
+    if carried is not None and N == 1:  # my own rows: chunk k (of W = K) goes to node k
+        node = carried.values.float()
+    elif carried is not None:
+        received, values = vec.detach(received, intra.wire, carried.values.dtype)
+        node = values.view(N, K, -1).float().sum(0)
     if K == 1:
         tk.dequantize_reduce(
-            intra.recv, size, g.intra_bits, g.block_size, multiplier=reduction.multiplier,
+            received, size, g.intra_bits, g.block_size, multiplier=reduction.multiplier,
             out=out[start : start + size], blocks=stage.blocks, backend=backend,
         )  # fmt: skip
+        if node is not None:
+            vec.write(out, carried.spans, node[0] * reduction.multiplier)
         return None
     feedback = feedback or {}
     if N == 1:  # nothing arrived from local peers: this rank's own K pieces go straight to the rail
         own = input.view(topo.world_size, reduction.chunk)[:, start : start + size]
-        return tk.quantize(own, g.inter_bits, g.block_size, blocks=stage.blocks, backend=backend,
+        rows = tk.quantize(own, g.inter_bits, g.block_size, blocks=stage.blocks, backend=backend,
                            stochastic=reduction.stochastic, seed=reduction.seed(1, stage),
                            rotation_seed=reduction.rotation_seed(stage), **feedback)  # fmt: skip
-    return tk.dequantize_reduce_quantize(
-        intra.recv.view(N, K, -1), size, g.intra_bits, g.inter_bits, g.block_size,
-        blocks=stage.blocks, backend=backend, stochastic=reduction.stochastic, seed=reduction.seed(1, stage),
-        rotation_seed=reduction.rotation_seed(stage), **feedback,
-    )  # fmt: skip
+    else:
+        rows = tk.dequantize_reduce_quantize(
+            received.view(N, K, -1), size, g.intra_bits, g.inter_bits, g.block_size,
+            blocks=stage.blocks, backend=backend, stochastic=reduction.stochastic, seed=reduction.seed(1, stage),
+            rotation_seed=reduction.rotation_seed(stage), **feedback,
+        )  # fmt: skip
+    wire = rows.shape[1]
+    if node is not None:  # rounded once to the reduce dtype for the wire
+        rows = vec.attach(rows, node.to(carried.values.dtype))
+    return rows, wire
 
 
-def _start_inter(send: torch.Tensor, groups: ProcessGroups, ledger: CommLedger) -> _Hop:
-    """Step 4: the all-to-all on the rail."""
+def _start_inter(send: torch.Tensor, wire: int, groups: ProcessGroups, ledger: CommLedger) -> _Hop:
+    """Step 4: the all-to-all on the rail (rows of ``wire`` quantized bytes, and any carried values after them)."""
     recv = torch.empty_like(send)
-    ledger.record_to_peers("gradient_all_to_all_inter", groups.topology.rail_ranks(), send.shape[1])
-    return _Hop(dist.all_to_all_single(recv, send, group=groups.inter_node, async_op=True), recv)
+    rail = groups.topology.rail_ranks()
+    ledger.record_to_peers("gradient_all_to_all_inter", rail, wire)
+    if send.shape[1] > wire:
+        ledger.record_carried(vec.KIND, rail, send.shape[1] - wire)
+    return _Hop(dist.all_to_all_single(recv, send, group=groups.inter_node, async_op=True), recv, wire)
 
 
-def _finish(reduction: Reduction, stage: Stage, inter: _Hop, out: torch.Tensor, noise: torch.Tensor | None = None,
-            noise_factor: float = 1 / 12) -> None:  # fmt: skip
-    """Step 5: sum the K pieces from the rail into the output (and, with ``noise``, their blocks' noise variance)."""
+def _finish(reduction: Reduction, stage: Stage, inter: _Hop, carried: vec.Carried | None, out: torch.Tensor,
+            noise: torch.Tensor | None = None, noise_factor: float = 1 / 12) -> None:  # fmt: skip
+    """Step 5: sum the K pieces from the rail into the output (and, with ``noise``, their blocks' noise variance);
+    with ``carried``, the K node sums of this rank's vectors, over their spans."""
     g = reduction.gradients
     inter.work.wait()
+    received, values = inter.recv, None
+    if carried is not None:
+        received, values = vec.detach(received, inter.wire, carried.values.dtype)
     if noise is not None:
         count = stage.block_count(g.block_size)
         bits = g.inter_bits
         offset = stage.blocks.scale_offset(bits) if stage.blocks is not None else tk.scale_offset(stage.size, bits)
-        scales = inter.recv[:, offset : offset + 4 * count].view(torch.float32)  # (K, count)
+        scales = received[:, offset : offset + 4 * count].view(torch.float32)  # (K, count)
         first = reduction.first_block(stage)
         variance = scales.square().sum(0)
         if reduction.rotation_seed(stage) is not None:
             variance = variance * _unrotated_share(stage, g.block_size, variance.device)
         noise[first : first + count] += variance * (noise_factor * reduction.multiplier**2)
     tk.dequantize_reduce(
-        inter.recv, stage.size, g.inter_bits, g.block_size, multiplier=reduction.multiplier,
+        received, stage.size, g.inter_bits, g.block_size, multiplier=reduction.multiplier,
         out=out[stage.start : stage.start + stage.size], blocks=stage.blocks, backend=reduction.backend,
         rotation_seed=reduction.rotation_seed(stage),
     )  # fmt: skip
+    if values is not None:
+        vec.write(out, carried.spans, values.float().sum(0) * reduction.multiplier)
 
 
 def _unrotated_share(stage: Stage, block_size: int, device: torch.device) -> torch.Tensor:

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from . import kernels as tk
+from . import vectors as vec
 from .commplan import GradientReduction
 from .ledger import CommLedger, all_reduce_chunks
 from .topology import Topology
@@ -131,11 +132,13 @@ def all_reduce(
     ledger: CommLedger,
     residuals: list[dict[str, Any]] | None = None,
     gather_residual: dict[str, Any] | None = None,
+    vectors: vec.Spans = (),
 ) -> None:
     """Replaces ``shard`` (this rank's node-reduced shard) by the mean (sum, as ``reduction.multiplier`` says) over the
     rail, in place, identical on every rail rank. ``residuals``: error feedback keywords per piece (``residual``
     ``(1, size)`` and so on; updated in place); ``gather_residual``: the same for the reduced piece this rank sends to
-    every rail rank (INT4 / INT8 gather: the owner keeps what its rounding lost)."""
+    every rail rank (INT4 / INT8 gather: the owner keeps what its rounding lost). ``vectors``: spans of the shard
+    all-reduced exactly, their values cut in K near-equal parts that ride the two all-to-alls after the pieces."""
     g, topo = reduction.gradients, reduction.topology
     flat = shard.view(-1)
     expected = sum(p.size for p in reduction.pieces)
@@ -144,30 +147,42 @@ def all_reduce(
             f"quantized HSDP: the shard has {flat.numel()} elements, but the reduction is for {expected}."
         )
     rail_ranks, block, bits = topo.rail_ranks(), g.block_size, g.inter_bits
-    mine = reduction.mine
-    # 2. quantize every piece for its owner; one all-to-all
+    K, mine = len(rail_ranks), reduction.mine
+    carried = vec.take(flat.view(1, -1), vectors) if vectors else None
+    # the vectors' part k (of K near-equal parts) is reduced by rail rank k, as an exact all-reduce cuts its buffer
+    V = carried.width if carried is not None else 0
+    parts = [carried.values[0, V * k // K : V * (k + 1) // K] if carried is not None else None for k in range(K)]
+    part_bytes = [V * (k + 1) // K - V * k // K for k in range(K)]
+    if carried is not None:
+        part_bytes = [n * carried.values.element_size() for n in part_bytes]
+        ledger.record_carried(vec.RAIL_KIND, rail_ranks, [n + part_bytes[topo.node] for n in part_bytes])
+    # 2. quantize every piece for its owner (the vectors' part for that owner after it); one all-to-all
     rows = []
     for p in reduction.pieces:
-        if not p.size:
-            rows.append(torch.empty(0, dtype=torch.uint8, device=flat.device))
-            continue
-        feedback = residuals[p.index] if residuals is not None else {}
-        rows.append(
-            tk.quantize(
+        row = torch.empty(0, dtype=torch.uint8, device=flat.device)
+        if p.size:
+            feedback = residuals[p.index] if residuals is not None else {}
+            row = tk.quantize(
                 flat[p.start : p.start + p.size].view(1, -1), bits, block, blocks=p.blocks, backend=reduction.backend,
                 stochastic=g.stochastic, seed=reduction.seed(p), rotation_seed=reduction.rotation_seed(p), **feedback,
-            ).view(-1)
-        )  # fmt: skip
+            ).view(-1)  # fmt: skip
+        rows.append(row if carried is None else vec.attach(row.view(1, -1), parts[p.index].view(1, -1)).view(-1))
     sent = [row.numel() for row in rows]
     wire = mine.wire(bits, block)
-    received = torch.empty(len(rail_ranks) * wire, dtype=torch.uint8, device=flat.device)
-    ledger.record_to_peers(REDUCE_KIND, rail_ranks, sent)
-    dist.all_to_all_single(received, torch.cat(rows), [wire] * len(rail_ranks), sent, group=rail)
+    width = wire + part_bytes[topo.node]
+    received = torch.empty(K * width, dtype=torch.uint8, device=flat.device)
+    ledger.record_to_peers(REDUCE_KIND, rail_ranks, [n - extra for n, extra in zip(sent, part_bytes)])
+    dist.all_to_all_single(received, torch.cat(rows), [width] * K, sent, group=rail)
+    received = received.view(K, width)
+    own_part = None  # my part of the vectors: the fp32 sum of its K copies, scaled, in the shard's dtype
+    if carried is not None:
+        received, values = vec.detach(received, wire, carried.values.dtype)
+        own_part = (values.float().sum(0) * reduction.multiplier).to(carried.values.dtype)
     # 3. my piece: the fp32 sum of K copies, scaled
     reduced = None
     if mine.size:
         reduced = tk.dequantize_reduce(
-            received.view(len(rail_ranks), wire), mine.size, bits, block, multiplier=reduction.multiplier,
+            received, mine.size, bits, block, multiplier=reduction.multiplier,
             dtype=torch.float32, blocks=mine.blocks, backend=reduction.backend,
             rotation_seed=reduction.rotation_seed(mine),
         )  # fmt: skip
@@ -180,16 +195,21 @@ def all_reduce(
     else:
         own = tk.quantize(reduced.view(1, -1), gather_bits, block, blocks=mine.blocks, backend=reduction.backend,
                           **(gather_residual or {})).view(-1)  # fmt: skip
-    gathered_sizes = [p.wire(gather_bits, block) for p in reduction.pieces]
-    gathered = torch.empty(sum(gathered_sizes), dtype=torch.uint8, device=flat.device)
     ledger.record_to_peers(GATHER_KIND, rail_ranks, own.numel())
-    dist.all_to_all_single(
-        gathered, own.repeat(len(rail_ranks)), gathered_sizes, [own.numel()] * len(rail_ranks), group=rail
-    )
-    # 5. every piece into the shard
-    at = 0
-    for p, size in zip(reduction.pieces, gathered_sizes):
+    if own_part is not None:
+        own = vec.attach(own.view(1, -1), own_part.view(1, -1)).view(-1)
+    wires = [p.wire(gather_bits, block) for p in reduction.pieces]
+    gathered_sizes = [n + extra for n, extra in zip(wires, part_bytes)]
+    gathered = torch.empty(sum(gathered_sizes), dtype=torch.uint8, device=flat.device)
+    dist.all_to_all_single(gathered, own.repeat(K), gathered_sizes, [own.numel()] * K, group=rail)
+    # 5. every piece into the shard (and every part of the vectors, the owner's included, as it was sent)
+    at, landed = 0, []
+    for p, size, n in zip(reduction.pieces, gathered_sizes, wires):
         row, at = gathered[at : at + size], at + size
+        if carried is not None:
+            row, part = vec.detach(row.view(1, -1), n, carried.values.dtype)
+            row = row.view(-1)
+            landed.append(part.view(-1))
         if not p.size:
             continue
         target = flat[p.start : p.start + p.size]
@@ -198,6 +218,8 @@ def all_reduce(
         else:
             tk.dequantize(row, p.size, gather_bits, block, target.dtype, out=target, blocks=p.blocks,
                           backend=reduction.backend)  # fmt: skip
+    if carried is not None:
+        vec.write(flat, carried.spans, torch.cat(landed))
 
 
 def exact_all_reduce(shard: torch.Tensor, multiplier: float, rail: dist.ProcessGroup, topology: Topology,

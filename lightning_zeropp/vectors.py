@@ -1,29 +1,33 @@
-"""Norm gains and biases reduced exactly beside qgZ (``gradient_quantization_scope="matrices"``).
+"""Norm gains and biases reduced exactly inside qgZ's own collectives (``gradient_quantization_scope="matrices"``).
 
 A norm's gain sums its gradient over every token, so one block of it holds a few large coordinates and many that INT4
 rounds to noise; Adam's second moment then grows with that noise and the gain's steps shorten. Parameters of fewer
 than two dimensions are a small share of a model's elements (a few per mille in a transformer), so their gradients
-can travel exactly at a few bytes more per step.
+can travel exactly at a few bytes more per step, and they travel as raw bytes appended to the rows qgZ sends anyway:
+no collective more (on a slow link every collective costs a latency, whatever its size).
 
 Every rank's chunk of FSDP's reduce-scatter input lays the parameters out the same way, so the vectors' spans
-(:meth:`~lightning_zeropp.blocks.UnitBlocks.vector_spans`) are the same columns of every chunk. As qgZ's, their
-reduction takes two hops, so that each vector element crosses nodes once per node, not once per rank::
+(:meth:`~lightning_zeropp.blocks.UnitBlocks.vector_spans`) are the same columns of every chunk. In qgZ
+(:func:`~lightning_zeropp.qgz.quantized_reduce_scatter`), the last pipeline stage carries them (its output is
+written last)::
 
-    1. copy those columns of the W chunks into one (W, V) buffer, and zero them in the input
-    2. reduce-scatter inside the node (N ranks): local rank l receives the node's sum of the K rows of the ranks
-       with local rank l (rank k * N + l on node k), a (K, V) buffer
-    3. start the reduce-scatter on the rail (K ranks, one per node): the rank on node k receives the sum of row k,
-       its own chunk's vectors (exact, in FSDP's reduce dtype; AVG's 1 / W and PREMUL_SUM's factor applied once)
-    4. qgZ reduces the input: the zeroed spans are whole blocks of zeros (blocks follow the parameters), which
-       quantize to zero, leave no error feedback residual and add no noise to the second-moment estimate
-    5. wait, and write this rank's V reduced elements over the spans of the output
+    1. copy those columns of the W chunks into one (W, V) buffer, and zero them in the input (:func:`take`): with
+       parameter-aligned blocks they are whole blocks of zeros, which quantize to zero, leave no error feedback
+       residual and add no noise to the second-moment estimate
+    2. intra-node all-to-all: the row for slot l*K + k (chunk k*N + l) carries chunk k*N + l's V values after its
+       quantized piece (:func:`attach`); local rank l sums the N copies of each of its K rows in fp32
+    3. inter-node all-to-all: the row for node k carries the node's sum of chunk k*N + l's values, rounded to the
+       reduce dtype; the K sums of this rank's chunk are summed in fp32, scaled once (AVG's 1 / W, PREMUL_SUM's
+       factor) and written over the spans of the output (:func:`write`)
 
-Bytes (``gradient_reduce_scatter_vectors``): K x V elements in the reduce dtype to each of the N - 1 node peers,
-and V to each of the K - 1 rail peers; the zeroed blocks still cross qgZ's hops as INT4 zeros and their scales.
+So a vector element crosses nodes once per node, not once per rank: K x V elements in the reduce dtype to each of the
+N - 1 node peers, and V to each of the K - 1 rail peers (``gradient_reduce_scatter_vectors``, recorded as bytes
+carried by qgZ's calls, with no call of their own).
 
-Quantized HSDP does the same on its rail (:func:`start_on_rail`): after the exact reduce-scatter inside the node, the
-vectors' spans of the node's shard are all-reduced exactly across the K nodes (``gradient_all_reduce_vectors``),
-while the rail's INT4 / INT8 all-reduce carries the rest.
+Quantized HSDP (:func:`~lightning_zeropp.rail.all_reduce`) carries them on its rail the same way: after the exact
+reduce-scatter inside the node, the V values of the node's shard are cut in K near-equal pieces, piece k rides the
+reduce all-to-all to rail rank k, which sums the K copies in fp32 and sends the result with its gathered piece to
+every rail rank (``gradient_all_reduce_vectors``: an exact all-reduce's bytes), so replicas stay bit-identical.
 """
 
 from __future__ import annotations
@@ -31,11 +35,6 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
-
-from .collectives import reduce_scatter_flat
-from .ledger import CommLedger, all_reduce_chunks
-from .topology import ProcessGroups, Topology
 
 KIND = "gradient_reduce_scatter_vectors"
 RAIL_KIND = "gradient_all_reduce_vectors"
@@ -43,81 +42,42 @@ RAIL_KIND = "gradient_all_reduce_vectors"
 Spans = tuple[tuple[int, int], ...]
 
 
-class VectorReduction(NamedTuple):
-    """An exact reduction of the vectors' columns in flight: the spans, its work handle, its output (this rank's
-    reduced vectors, in span order) and what the output is scaled by once it arrives."""
+class Carried(NamedTuple):
+    """The vectors' columns of a reduction's rows, taken out of its input: ``spans`` of a row, ``values`` ``(R, V)``
+    in the input's dtype (qgZ: the W chunks in rank order; the rail: the one node-reduced shard)."""
 
     spans: Spans
-    work: dist.Work | None
-    reduced: torch.Tensor
-    multiplier: float = 1.0
+    values: torch.Tensor
+
+    @property
+    def width(self) -> int:
+        """V: the values of one row."""
+        return self.values.shape[1]
 
 
-def _take(rows: torch.Tensor, spans: Spans) -> torch.Tensor:
-    """The ``spans`` columns of ``rows`` (R, chunk) as one (R, V) tensor; zeroed in ``rows``."""
-    taken = torch.cat([rows[:, a:b] for a, b in spans], dim=1)
+def take(rows: torch.Tensor, spans: Spans) -> Carried:
+    """The ``spans`` columns of ``rows`` ``(R, row)`` as one ``(R, V)`` tensor; zeroed in ``rows``."""
+    values = torch.cat([rows[:, a:b] for a, b in spans], dim=1)
     for a, b in spans:
         rows[:, a:b].zero_()
-    return taken
+    return Carried(spans, values)
 
 
-def start(
-    input: torch.Tensor,
-    chunk: int,
-    spans: Spans,
-    base_op,
-    premul: float | None,
-    groups: ProcessGroups,
-    ledger: CommLedger,
-) -> VectorReduction:
-    """Steps 1 to 3: takes the ``spans`` columns out of the W chunks of ``input`` (zeroing them there), reduces them
-    inside the node and starts their reduction on the rail, for FSDP's ``base_op`` (AVG or SUM; ``premul``:
-    PREMUL_SUM's factor)."""
-    topology = groups.topology
-    N, K = topology.ranks_per_node, topology.num_nodes
-    taken = _take(input.view(-1, chunk), spans)  # (W, V), row k * N + l for the rank on node k with local rank l
-    V = taken.shape[1]
-    multiplier = (premul if premul is not None else 1.0) / (topology.world_size if base_op == dist.ReduceOp.AVG else 1)
-    node = taken
-    if N > 1:  # rows regrouped by local rank: block l (K rows) goes to local peer l
-        send = taken.view(K, N, V).transpose(0, 1).contiguous()
-        node = send.new_empty(K, V)
-        ledger.record_to_peers(KIND, topology.intra_node_ranks(), K * V * taken.element_size())
-        reduce_scatter_flat(node.view(-1), send.view(-1), groups.intra_node, dist.ReduceOp.SUM)
-    if K == 1:
-        return VectorReduction(spans, None, node.view(-1), multiplier)
-    reduced = node.new_empty(V)
-    ledger.record_to_peers(KIND, topology.rail_ranks(), V * taken.element_size())
-    work = reduce_scatter_flat(reduced, node.view(-1), groups.inter_node, dist.ReduceOp.SUM, async_op=True)
-    return VectorReduction(spans, work, reduced, multiplier)
+def attach(wire: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``wire`` rows ``(R, B)`` (uint8) with ``values`` ``(R, V)`` appended as their raw bytes: ``(R, B + V x
+    element)``."""
+    return torch.cat([wire, values.contiguous().view(torch.uint8)], dim=1)
 
 
-def start_on_rail(
-    shard: torch.Tensor,
-    spans: Spans,
-    multiplier: float,
-    rail: dist.ProcessGroup,
-    topology: Topology,
-    ledger: CommLedger,
-) -> VectorReduction:
-    """Quantized HSDP: takes the ``spans`` of this rank's node-reduced ``shard`` out (zeroing them there) and starts
-    their exact all-reduce on the ``rail`` (the K nodes' sum, scaled by ``multiplier`` when it arrives)."""
-    taken = _take(shard.view(1, -1), spans).view(-1)
-    ranks = topology.rail_ranks()
-    chunks = all_reduce_chunks(taken.numel(), taken.element_size(), len(ranks), ranks.index(topology.rank))
-    ledger.record_to_peers(RAIL_KIND, ranks, chunks)
-    work = dist.all_reduce(taken, op=dist.ReduceOp.SUM, group=rail, async_op=True)
-    return VectorReduction(spans, work, taken, multiplier)
+def detach(received: torch.Tensor, wire: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`attach` for received rows ``(R, wire + V x element)``: the wire rows ``(R, wire)`` (contiguous,
+    for the kernels) and the values ``(R, V)`` of ``dtype``."""
+    return received[:, :wire].contiguous(), received[:, wire:].contiguous().view(dtype)
 
 
-def finish(reduction: VectorReduction, output: torch.Tensor) -> None:
-    """Step 5: waits for the exact reduction and writes this rank's reduced vectors over their spans of ``output``
-    (the reduce-scatter's output chunk, or the rail's shard)."""
-    if reduction.work is not None:
-        reduction.work.wait()
-    if reduction.multiplier != 1.0:
-        reduction.reduced.mul_(reduction.multiplier)
+def write(output: torch.Tensor, spans: Spans, reduced: torch.Tensor) -> None:
+    """``reduced`` (V values, in span order) written over the ``spans`` of ``output`` (flat)."""
     out, offset = output.view(-1), 0
-    for a, b in reduction.spans:
-        out[a:b].copy_(reduction.reduced[offset : offset + b - a])
+    for a, b in spans:
+        out[a:b].copy_(reduced[offset : offset + b - a])
         offset += b - a

@@ -47,7 +47,7 @@ LAYERS = {
     "feedback": 2,
     "moments": 2,
     "qgz": 2,
-    "vectors": 2,  # norm gains and biases reduced exactly beside qgZ
+    "vectors": 1,  # norm gains and biases carried exactly in qgZ's and the rail's all-to-alls
     "rail": 2,
     "qwz": 2,
     "hpz": 2,

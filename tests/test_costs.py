@@ -308,7 +308,13 @@ def test_collective_buffers_are_the_largest_units_quantized_rows():
     assert qhsdp == pytest.approx(block / 2 * (2 * int4 + 2 * int8), rel=0.002)
     qhsdp_bf16 = collective_buffers(units, ZeroPPConfig(**CONFIGS["qhsdp_bf16"], ranks_per_node=2), 8, 2)
     assert qhsdp_bf16 == pytest.approx(block / 2 * (2 * int4 + 2 * 2), rel=0.002)
-    # with norm gains and biases all-reduced exactly beside the rail: their part of the node shard, fp32 at most
+    # with norm gains and biases carried exactly by the rail's rows: every row copied once more, and the vectors'
+    # parts of the node shard, fp32 at most
     vectors = collective_buffers(units, ZeroPPConfig(**CONFIGS["qhsdp"], ranks_per_node=2,
                                                      gradient_quantization_scope="matrices"), 8, 2)  # fmt: skip
-    assert vectors == qhsdp + 4 * units[0].vector_shard(2)
+    assert vectors == 2 * qhsdp + 6 * 4 * units[0].vector_shard(2)
+    # and by qgZ's: the last stage's rows copied once more on both hops (two pieces: half the rows), and the
+    # vectors' columns of the W chunks, fp32 at most
+    carried = collective_buffers(units, ZeroPPConfig(quantize_weights=False, gradient_quantization_scope="matrices"),
+                                 8, 2)  # fmt: skip
+    assert carried - qgz == pytest.approx(qgz / 2 + (4 * 8 + 3 * 4 + 1) * 4 * units[0].vector_shard(8), rel=0.02)

@@ -126,11 +126,11 @@ def _around_the_rail(mp: pytest.MonkeyPatch, change) -> None:
 
     real_all_reduce, real_reduce = rail.all_reduce, rail.tk.dequantize_reduce
 
-    def all_reduce(shard, plan, group, ledger, residuals=None, gather_residual=None):
+    def all_reduce(shard, plan, group, ledger, residuals=None, gather_residual=None, vectors=()):
         reduce, after = change(plan, real_reduce)
         with pytest.MonkeyPatch.context() as inner:
             inner.setattr(rail.tk, "dequantize_reduce", reduce)
-            real_all_reduce(shard, plan, group, ledger, residuals, gather_residual)
+            real_all_reduce(shard, plan, group, ledger, residuals, gather_residual, vectors)
         after(shard, plan)
 
     mp.setattr(rail, "all_reduce", all_reduce)
