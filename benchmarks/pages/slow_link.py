@@ -115,13 +115,13 @@ LINK_FACTOR = {
     "weight_all_gather": 0.75,
     "weight_all_gather_backward": 0.75,
     "gradient_reduce_scatter": 1.5,
-    "gradient_reduce_scatter_vectors": 2.0,
+    "gradient_reduce_scatter_vectors": 1.0,
     "gradient_all_to_all_inter": 1.0,
 }
 """What the wire carries per ledger byte, by collective (gloo, 4 ranks as 2 x 2): a ring all-gather crosses the node
 boundary on two edges with 3 shards each against the ledger's 2 ranks x 2 other-node peers (3/4); gloo's
-``reduce_scatter_tensor`` moves twice a ring's bytes (6/4), and on the rail, where every edge crosses nodes, the
-vectors' reduce-scatter twice the ledger's (2); an all-to-all sends what the ledger counts."""
+``reduce_scatter_tensor`` moves twice a ring's bytes (6/4); an all-to-all sends what the ledger counts, the norm
+gains' and biases' bytes it carries included."""
 
 
 # --- reading the rows ------------------------------------------------------------------------------------------------
