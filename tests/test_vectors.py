@@ -46,9 +46,10 @@ def test_no_spans_without_vectors_and_none_when_the_layout_is_unknown(monkeypatc
 
 @pytest.mark.parametrize(("nodes", "per_node"), [(2, 2), (3, 4), (2, 1), (1, 4)])
 def test_the_planner_counts_the_vectors_in_two_hops_in_the_reduce_dtype(nodes, per_node):
-    """Per unit, carried by qgZ's two hops (no call of their own): K x V elements of a rank's shard to each of its N - 1 node peers, then V to each of
-    its K - 1 rail peers, at the reduce dtype's width (so a vector element crosses nodes once per node, not once per
-    rank); a hop with no peer is skipped; no such bytes where every gradient is quantized, or reduced exactly."""
+    """Per unit, carried by qgZ's two hops (no call of their own): K x V elements of a rank's shard to each of its
+    N - 1 node peers, then V to each of its K - 1 rail peers, at the reduce dtype's width (so a vector element crosses
+    nodes once per node, not once per rank); a hop with no peer is skipped; no such bytes where every gradient is
+    quantized, or reduced exactly."""
     model = TinyLM()
     model.configure_model()
     units = units_of(model)

@@ -77,6 +77,10 @@ def _quantize_uniform(
     usable = torch.isfinite(scale) & (scale >= _FLT_MIN_NORMAL)
     every_block_usable = bool(usable.all())
     inv = 1.0 / (scale if every_block_usable else torch.where(usable, scale, torch.ones_like(scale)))
+    # An unusable block codes 0. A finite one (an all-zero block is the common case: the spans of norm gains and
+    # biases qgZ carries apart) is below qmax times the smallest normal float, so times 1 it rounds to 0 anyway; only
+    # non-finite values, or stochastic rounding's floor of a tiny negative value, need the full-size mask.
+    masked = not every_block_usable and (stochastic or not bool(torch.isfinite(scale).all()))
     codes = out[:, :pb].view(torch.int8) if bits == 8 else torch.zeros(R, 2 * pb, dtype=torch.int8, device=x.device)
     noise = _per_block(_uniform((R, n), seed, x.device), block_size) if stochastic else [None] * len(parts)
     if not every_block_usable:
@@ -94,7 +98,7 @@ def _quantize_uniform(
         else:
             y.round_()  # round half to even
         y.clamp_(-qmax, qmax)
-        if not every_block_usable:  # a block with Inf or NaN codes 0 with scale NaN: dequantizes to NaN
+        if masked:  # a block with Inf or NaN codes 0 with scale NaN: dequantizes to NaN
             y.masked_fill_(~usable[:, blocks].unsqueeze(2), 0.0)
         code.copy_(y)
         if loss is not None:  # after the code is taken: ``loss`` may be ``part`` itself

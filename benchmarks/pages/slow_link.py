@@ -36,6 +36,7 @@ SOURCES_1D = [
     "slow_link/cluster_ef_smc_rows.json",
     "slow_link/cluster_plan.json",
     "slow_link/cluster_vectors.json",
+    "slow_link/cluster_matrices.json",
 ]
 """The example GPT's runs on 2 nodes x 2 ranks, each against ZeRO-3."""
 PATH_2D = "slow_link/cluster_2d.json"
@@ -43,10 +44,13 @@ PATH_2D = "slow_link/cluster_2d.json"
 PATH_2D_LOADED = "archive/cluster_2d_2026-12-07a.json"
 """The same command's earlier run, on the machine while a study ran beside it: what a loaded machine does to the
 goal (the CPU-bound part of each step grows, the link's part does not)."""
+PATH_2D_MATRICES = "slow_link/cluster_2d_matrices.json"
+"""The same Llama with norm gains and biases carried exactly in qgZ's all-to-alls (``zeropp_matrices``), paired by
+round with the defaults and ModelParallelStrategy."""
 PATH_2D_VECTORS = "archive/cluster_2d_2026-12-07c.json"
 """The same command's quiet run with norm gains and biases reduced exactly (the default from 2026-12-07 12:08 until
 this run and ``cluster_vectors.json`` measured its step)."""
-SOURCES = [*SOURCES_1D, PATH_2D, PATH_2D_LOADED, PATH_2D_VECTORS]
+SOURCES = [*SOURCES_1D, PATH_2D, PATH_2D_MATRICES, PATH_2D_LOADED, PATH_2D_VECTORS]
 
 FIGURES = "../../benchmarks/data/slow_link"
 """The PNGs beside the data, relative to ``docs/results/``."""
@@ -64,6 +68,8 @@ MEANING = {
               "without it before; every gradient quantized in every run before 2026-12-07 12:08 (since then norm "
               "gains and biases cross nodes exactly, in `cluster_vectors.json` and "
               "`archive/cluster_2d_2026-12-07c.json`)",
+    "zeropp_matrices": 'the defaults with `gradient_quantization_scope="matrices"`: norm gains and biases cross'
+                       " nodes exactly, carried in qgZ's own all-to-alls (since commit `fbfc772`)",
     "zeropp_nosmc": "the defaults without the second-moment correction",
     "zeropp_smc": "the defaults (of that day) with `second_moment_correction=True`",
     "zeropp_deltas": "the defaults with `weight_deltas=True` (INT4 deltas)",
@@ -91,6 +97,7 @@ CANDIDATES = [
     ("slow_link/cluster_ef_smc.json", "zeropp_ef", "zeropp"),
     ("slow_link/cluster_ef_smc_rows.json", "zeropp_ef", "zeropp"),
     ("slow_link/cluster_vectors.json", "zeropp", "zeropp_quantized_vectors"),  # `zeropp` there: vectors exact
+    ("slow_link/cluster_matrices.json", "zeropp_matrices", "zeropp"),  # the vectors carried in qgZ's all-to-alls
 ]
 """The rule's applications: (file, candidate, the defaults it is paired with)."""
 
@@ -514,15 +521,15 @@ def _tp_table(sources: dict[str, Source], path: str = PATH_2D) -> str:
     return table(header, out)
 
 
-def _goals_2d(sources: dict[str, Source], path: str = PATH_2D) -> list[str]:
-    """The goal's verdict for each tensor-parallel size in the file."""
+def _goals_2d(sources: dict[str, Source], path: str = PATH_2D, config: str = "zeropp") -> list[str]:
+    """The goal's verdict for ``config`` at each tensor-parallel size in the file."""
     meta, rows = _meta(sources, path), _rows(sources, path)
     out = []
     for t in sorted({r["tensor_parallel_size"] for r in rows}):
         at = [r for r in rows if r["tensor_parallel_size"] == t and r["rate"] == GOAL_2D_RATE]
-        pp = next((r for r in at if r["config"] == "zeropp"), None)
+        pp = next((r for r in at if r["config"] == config), None)
         base = next((r for r in at if r["config"] == TP_BASELINE), None)
-        head = (f"- t = {t}: `zeropp` at least {GOAL_2D:g}x faster than `{TP_BASELINE}` at {_link(GOAL_2D_RATE)},"
+        head = (f"- t = {t}: `{config}` at least {GOAL_2D:g}x faster than `{TP_BASELINE}` at {_link(GOAL_2D_RATE)},"
                 " the step intervals apart")  # fmt: skip
         if pp is None or base is None:
             out.append(f"{head}: **not measured** (`{path.split('/')[-1]}` has no such pair)")
@@ -574,9 +581,35 @@ as their pure-torch twins), and whatever the link loses below its nominal rate. 
 
 {chr(10).join(_goals_2d(sources, path))}
 
+{_tp_matrices(sources)}
+
 {_tp_vectors(sources, path)}
 
 {_tp_loaded(sources, path)}"""
+
+
+def _tp_matrices(sources: dict[str, Source], path: str = PATH_2D_MATRICES) -> str:
+    """The run with norm gains and biases carried exactly: its table, ``zeropp_matrices``' step over the defaults'
+    (paired by round), and the goal for both."""
+    meta, rows = _meta(sources, path), _rows(sources, path)
+    lines = []
+    for t in sorted({r["tensor_parallel_size"] for r in rows}):
+        at = {r["config"]: r for r in rows if r["tensor_parallel_size"] == t and r["rate"] == GOAL_2D_RATE}
+        if "zeropp" in at and "zeropp_matrices" in at:
+            med, lo, hi = _paired(_repeats(at["zeropp_matrices"], meta), _repeats(at["zeropp"], meta))
+            lines.append(f"- t = {t}: `zeropp_matrices`' step over `zeropp`'s, paired by round: {med:.3f} [{lo:.3f},"
+                         f" {hi:.3f}]")  # fmt: skip
+    return (
+        "### With norm gains and biases carried exactly\n\n"
+        f"{_run_line(sources, path)}\n\n"
+        f'`zeropp_matrices` is the defaults with `gradient_quantization_scope="matrices"`: the gradients of norm gains'
+        " and biases cross nodes exactly, as raw bytes carried in qgZ's own all-to-alls (no collective of their own)."
+        " Every configuration runs once per round, so each is paired with the others' repeat of the same round.\n\n"
+        f"{_tp_table(sources, path)}\n\n"
+        + "\n".join(lines)
+        + "\n\nThe goal, as this run judges it:\n\n"
+        + "\n".join(_goals_2d(sources, path, "zeropp_matrices") + _goals_2d(sources, path))
+    )
 
 
 def _tp_vectors(sources: dict[str, Source], path: str = PATH_2D, other: str = PATH_2D_VECTORS) -> str:
@@ -741,6 +774,16 @@ The summary's rule table pairs each candidate with the defaults of its run.
 `cluster_ef_smc_rows.json` is the same command as `cluster_ef_smc.json` after the torch twin's re-quantization took
 a unit's rows at once with a residual (bit for bit the same results).
 
+### Norm gains and biases exact
+
+`gradient_quantization_scope="matrices"`. In `cluster_vectors.json` (`zeropp` there, the default of that day) the
+vectors took two collectives of their own per unit beside qgZ; in `cluster_matrices.json` (`zeropp_matrices`) they ride
+qgZ's own all-to-alls.
+
+{_detail(sources, "slow_link/cluster_vectors.json", "zeropp_quantized_vectors")}
+
+{_detail(sources, "slow_link/cluster_matrices.json", "zeropp")}
+
 ## The planner's run: four configurations at four rates
 
 The data [How right the planner is](planner.md) predicts: every configuration on the unshaped link (its compute) and
@@ -798,7 +841,9 @@ def _tp_speedup(sources: dict[str, Source], t: int, path: str = PATH_2D) -> str:
 HEADLINES = {PATH_2D: [("t = 2, speedup vs ModelParallelStrategy", "tp_speedup_t2"),
                        ("t = 4", "tp_speedup_t4")],
              "slow_link/cluster_vectors.json": [("norm gains and biases exact, step vs the defaults (paired)",
-                                                 "vectors_step_ratio")]}  # fmt: skip
+                                                 "vectors_step_ratio")],
+             "slow_link/cluster_matrices.json": [("norm gains and biases carried exactly, step vs the defaults"
+                                                  " (paired)", "matrices_step_ratio")]}  # fmt: skip
 """Per data file, the figures ``benchmarks/RESULTS.md`` shows beside its newest run (snippet names)."""
 
 
@@ -816,6 +861,7 @@ def snippets(sources: dict[str, Source]) -> dict[str, str]:
         "smc_step_ratio": _x(rule[("slow_link/cluster_smc_default.json", "zeropp")], digits=3),
         "feedback_step_ratio": _x(rule[("slow_link/cluster_ef_smc_rows.json", "zeropp_ef")]),
         "vectors_step_ratio": _x(rule[("slow_link/cluster_vectors.json", "zeropp")], digits=2),
+        "matrices_step_ratio": _x(rule[("slow_link/cluster_matrices.json", "zeropp_matrices")], digits=2),
         "qgz8_step_ratio": _x(rule[("slow_link/cluster_candidates.json", "zeropp_qgz8")]),
         "qgz8_bytes_ratio": _x(
             _row(sources, cand, "zeropp_qgz8")["ledger_inter_bytes_per_step"]
