@@ -76,6 +76,7 @@ CANDIDATES = {
     "zeropp_qgz8": dict(gradient_bits=8),  # the inter-node gradient hop in INT8: 1.195x the defaults' cross-node bytes
     "zeropp_smc": dict(second_moment_correction=True),  # what "auto" (the default) does here; the same bytes
     "zeropp_nosmc": dict(second_moment_correction=False),  # ZeRO++ without the correction (the defaults before it)
+    "zeropp_quantized_vectors": dict(gradient_quantization_scope="all"),  # cluster_vectors.json's pair, set outright
 }
 STRATEGIES = {**ZEROPP_CONFIGS, **CANDIDATES}
 CONFIG_NAMES = (*STRATEGIES, FSDP_BASELINE)  # hsdp among them: the baseline users would pick instead

@@ -48,7 +48,6 @@ CONFIGS = {
     "hpz": dict(quantize_weights=False, hpz_partition_size="auto", quantize_gradients=False),
     "qgz": dict(quantize_weights=False, hpz_partition_size=1, quantize_gradients=True),
     "zeropp": dict(),
-    "zeropp_quantized_vectors": dict(gradient_quantization_scope="all"),
     "zeropp_matrices": dict(gradient_quantization_scope="matrices"),
     "zeropp_ef": dict(gradient_error_feedback=True),
     "zeropp_deltas": dict(weight_deltas=True),
@@ -65,7 +64,6 @@ TENSOR_PARALLEL_CONFIGS = {
     "hpz": dict(quantize_weights=False, hpz_partition_size="auto", quantize_gradients=False),
     "qgz": dict(quantize_weights=False, hpz_partition_size=1, quantize_gradients=True),
     "zeropp": dict(),
-    "zeropp_quantized_vectors": dict(gradient_quantization_scope="all"),
     "zeropp_matrices": dict(gradient_quantization_scope="matrices"),
 }
 LLAMA_MODEL = dict(vocab_size=256, n_layer=4, dim=128, n_head=8, n_kv_head=4, ffn_hidden=344, max_seq_len=64)

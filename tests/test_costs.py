@@ -35,7 +35,7 @@ CONFIGS = {
     "hpz": dict(quantize_weights=False, hpz_partition_size="auto", quantize_gradients=False),
     "qgz": dict(quantize_weights=False, hpz_partition_size=1, quantize_gradients=True),
     "zeropp": dict(),
-    "zeropp_quantized_vectors": dict(gradient_quantization_scope="all"),
+    "zeropp_matrices": dict(gradient_quantization_scope="matrices"),
     "zeropp_ef": dict(gradient_error_feedback=True),
     "zeropp_deltas": dict(weight_deltas=True),
     "zeropp_deltas8": dict(weight_deltas=True, weight_delta_bits=8),

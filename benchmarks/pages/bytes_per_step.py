@@ -22,7 +22,7 @@ VECTORS_SOURCES = SOURCES[2:]
 their ``zeropp`` rows are that configuration, the rule's bytes half reads them."""
 
 ORDER = ["zero3", "hsdp", "qhsdp", "qhsdp_bf16", "qhsdp_int4", "qhsdp_ef", "qwz", "hpz", "qgz", "zeropp",
-         "zeropp_quantized_vectors", "zeropp_ef", "zeropp_deltas", "zeropp_deltas8"]  # fmt: skip
+         "zeropp_quantized_vectors", "zeropp_matrices", "zeropp_ef", "zeropp_deltas", "zeropp_deltas8"]  # fmt: skip
 
 MEANING = {
     "zero3": "exact ZeRO-3 (FSDP2 `FULL_SHARD`), every technique off",
@@ -37,6 +37,8 @@ MEANING = {
     "zeropp": "the defaults: qwZ + hpZ + qgZ",
     "zeropp_quantized_vectors": '`gradient_quantization_scope="all"` set outright: the defaults (every gradient'
     " quantized), measured beside them as the rule of 2026-12-07 12:08 needed",
+    "zeropp_matrices": 'the defaults with `gradient_quantization_scope="matrices"`: norm gains and biases cross'
+    " nodes exactly, carried in qgZ's all-to-alls",
     "zeropp_ef": "the defaults with `gradient_error_feedback=True`",
     "zeropp_deltas": "the defaults with `weight_deltas=True` (INT4 deltas)",
     "zeropp_deltas8": "the defaults with `weight_deltas=True, weight_delta_bits=8`",
@@ -46,7 +48,7 @@ GOALS = [("zeropp", 0.26), ("zeropp_deltas", 0.12)]
 """The goals set when the techniques were built: a configuration's cross-node bytes at most this share of ZeRO-3's."""
 
 
-TWO_D_ORDER = ["exact_2d", "qwz", "hpz", "qgz", "zeropp", "zeropp_quantized_vectors"]
+TWO_D_ORDER = ["exact_2d", "qwz", "hpz", "qgz", "zeropp", "zeropp_quantized_vectors", "zeropp_matrices"]
 TWO_D_MEANING = {
     "exact_2d": "every technique off: the collectives ModelParallelStrategy runs on the same mesh (bit-identical"
     " training, tests/test_tensor_parallel_llama.py)",
@@ -55,6 +57,7 @@ TWO_D_MEANING = {
     "qgz": "qgZ alone",
     "zeropp": "the defaults",
     "zeropp_quantized_vectors": 'the defaults with every gradient quantized (`gradient_quantization_scope="all"`)',
+    "zeropp_matrices": 'the defaults with `gradient_quantization_scope="matrices"` (norm gains and biases exact)',
 }
 VECTORS_BOUND = 1.02
 """The decisions log's rule of 2026-12-07 12:08, its bytes half: with norm gains and biases reduced exactly, the
