@@ -72,11 +72,11 @@ class GradientReduction:
     :mod:`~lightning_zeropp.moments`) and ``second_moment_strict`` (it was asked for outright,
     ``second_moment_correction=True``: an optimizer it cannot correct is refused, not left alone), and
     ``second_moment_scope`` (``"matrices"``: only parameters of two or more dimensions corrected), and
-    ``exact_vectors`` (the gradients of parameters of fewer than two dimensions reduce-scattered exactly beside qgZ,
-    :mod:`~lightning_zeropp.vectors`). A quantized rail
-    has the same fields but ``intra_bits``, ``pieces`` (its pieces are the K rail ranks') and the second-moment
-    fields (``exact_vectors``: the vectors all-reduced exactly on the rail), and ``gather_bits``: the reduced
-    pieces' width on the rail's all-gather (8: INT8 blocks, 16: bf16)."""
+    ``exact_vectors`` (the gradients of parameters of fewer than two dimensions reduced exactly, carried in qgZ's
+    all-to-alls, :mod:`~lightning_zeropp.vectors`). A quantized rail has the same fields but ``intra_bits``,
+    ``pieces`` (its pieces are the K rail ranks') and the second-moment fields (``exact_vectors``: the vectors
+    all-reduced exactly in the rail's all-to-alls), and ``gather_bits``: the reduced pieces' width on the rail's
+    all-gather (8: INT8 blocks, 16: bf16)."""
 
     kind: GradientKind
     group: Group

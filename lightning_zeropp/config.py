@@ -415,17 +415,16 @@ class ZeroPPConfig:
     gradient_quantization_scope: SecondMomentScope = argument(
         "all",
         'qgZ and quantized HSDP: the parameters whose gradients are quantized: "all", or "matrices" (parameters of'
-        " two or more dimensions); the gradients of norm gains and biases then cross nodes exactly, in FSDP's reduce"
-        " dtype (reduce-scattered beside qgZ, all-reduced beside quantized HSDP's rail), at a few bytes more per step"
-        ' (their elements times the reduce dtype\'s width); with block_alignment="flat" every gradient is quantized.'
-        " A"
-        " norm's gain sums its gradient over every token: its blocks hold a few large coordinates and many that"
-        " INT4 rounds to noise, and its steps are shortened by that noise (docs: Accuracy).",
+        " two or more dimensions); the gradients of norm gains and biases then cross nodes exactly, summed in fp32 and"
+        " sent in FSDP's reduce dtype as raw bytes inside qgZ's (or quantized HSDP's rail's) own all-to-alls: no"
+        " collective more, a few bytes more per step (their elements times the reduce dtype's width); with"
+        ' block_alignment="flat" every gradient is quantized. A norm\'s gain sums its gradient over every token: its'
+        " blocks hold a few large coordinates and many that INT4 rounds to noise, and its steps are shortened by that"
+        " noise (docs: Accuracy).",
         check=_one_of(_SECOND_MOMENT_SCOPES),
-        when='"matrices" where the last fraction of a percent of loss matters more than the step: it brought a'
-        " Llama's final loss with tensor parallelism closer to the exact run's, but each sharded unit takes two small"
-        " collectives more, and on the emulated cluster the step grew beyond what the rule for a default allows"
-        " (docs: Accuracy, Decisions).",
+        when='"matrices" where the last fraction of a percent of loss matters: it brought a Llama\'s final loss with'
+        " tensor parallelism closer to the exact run's. Not yet the default: the rule for a default has not been"
+        " met on the emulated cluster's step (docs: Accuracy, Decisions).",
     )
     block_alignment: BlockAlignment = argument(
         "parameter",

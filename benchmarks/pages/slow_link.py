@@ -37,6 +37,7 @@ SOURCES_1D = [
     "slow_link/cluster_plan.json",
     "slow_link/cluster_vectors.json",
     "slow_link/cluster_matrices.json",
+    "slow_link/cluster_matrices_twin.json",
 ]
 """The example GPT's runs on 2 nodes x 2 ranks, each against ZeRO-3."""
 PATH_2D = "slow_link/cluster_2d.json"
@@ -98,6 +99,7 @@ CANDIDATES = [
     ("slow_link/cluster_ef_smc_rows.json", "zeropp_ef", "zeropp"),
     ("slow_link/cluster_vectors.json", "zeropp", "zeropp_quantized_vectors"),  # `zeropp` there: vectors exact
     ("slow_link/cluster_matrices.json", "zeropp_matrices", "zeropp"),  # the vectors carried in qgZ's all-to-alls
+    ("slow_link/cluster_matrices_twin.json", "zeropp_matrices", "zeropp"),  # ... after the twin's zero-block fix
 ]
 """The rule's applications: (file, candidate, the defaults it is paired with)."""
 
@@ -778,11 +780,14 @@ a unit's rows at once with a residual (bit for bit the same results).
 
 `gradient_quantization_scope="matrices"`. In `cluster_vectors.json` (`zeropp` there, the default of that day) the
 vectors took two collectives of their own per unit beside qgZ; in `cluster_matrices.json` (`zeropp_matrices`) they ride
-qgZ's own all-to-alls.
+qgZ's own all-to-alls; `cluster_matrices_twin.json` is the same command after the torch twin stopped masking every
+element of a row that holds an all-zero block (the carried spans leave such blocks).
 
 {_detail(sources, "slow_link/cluster_vectors.json", "zeropp_quantized_vectors")}
 
 {_detail(sources, "slow_link/cluster_matrices.json", "zeropp")}
+
+{_detail(sources, "slow_link/cluster_matrices_twin.json", "zeropp")}
 
 ## The planner's run: four configurations at four rates
 
@@ -843,7 +848,9 @@ HEADLINES = {PATH_2D: [("t = 2, speedup vs ModelParallelStrategy", "tp_speedup_t
              "slow_link/cluster_vectors.json": [("norm gains and biases exact, step vs the defaults (paired)",
                                                  "vectors_step_ratio")],
              "slow_link/cluster_matrices.json": [("norm gains and biases carried exactly, step vs the defaults"
-                                                  " (paired)", "matrices_step_ratio")]}  # fmt: skip
+                                                  " (paired)", "matrices_step_ratio")],
+             "slow_link/cluster_matrices_twin.json": [("the same after the twin's zero-block fix",
+                                                       "matrices_twin_step_ratio")]}  # fmt: skip
 """Per data file, the figures ``benchmarks/RESULTS.md`` shows beside its newest run (snippet names)."""
 
 
@@ -862,6 +869,7 @@ def snippets(sources: dict[str, Source]) -> dict[str, str]:
         "feedback_step_ratio": _x(rule[("slow_link/cluster_ef_smc_rows.json", "zeropp_ef")]),
         "vectors_step_ratio": _x(rule[("slow_link/cluster_vectors.json", "zeropp")], digits=2),
         "matrices_step_ratio": _x(rule[("slow_link/cluster_matrices.json", "zeropp_matrices")], digits=2),
+        "matrices_twin_step_ratio": _x(rule[("slow_link/cluster_matrices_twin.json", "zeropp_matrices")], digits=2),
         "qgz8_step_ratio": _x(rule[("slow_link/cluster_candidates.json", "zeropp_qgz8")]),
         "qgz8_bytes_ratio": _x(
             _row(sources, cand, "zeropp_qgz8")["ledger_inter_bytes_per_step"]
