@@ -600,7 +600,8 @@ def _tp_matrices(sources: dict[str, Source], path: str = PATH_2D_MATRICES) -> st
         if "zeropp" in at and "zeropp_matrices" in at:
             med, lo, hi = _paired(_repeats(at["zeropp_matrices"], meta), _repeats(at["zeropp"], meta))
             lines.append(f"- t = {t}: `zeropp_matrices`' step over `zeropp`'s, paired by round: {med:.3f} [{lo:.3f},"
-                         f" {hi:.3f}]")  # fmt: skip
+                         f" {hi:.3f}]; within 5% (the rule for a default, by the median):"
+                         f" **{_met(med <= RULE)}**")  # fmt: skip
     return (
         "### With norm gains and biases carried exactly\n\n"
         f"{_run_line(sources, path)}\n\n"
