@@ -38,6 +38,7 @@ SOURCES_1D = [
     "slow_link/cluster_vectors.json",
     "slow_link/cluster_matrices.json",
     "slow_link/cluster_matrices_twin.json",
+    "slow_link/cluster_matrices_2.json",
 ]
 """The example GPT's runs on 2 nodes x 2 ranks, each against ZeRO-3."""
 PATH_2D = "slow_link/cluster_2d.json"
@@ -100,6 +101,7 @@ CANDIDATES = [
     ("slow_link/cluster_vectors.json", "zeropp", "zeropp_quantized_vectors"),  # `zeropp` there: vectors exact
     ("slow_link/cluster_matrices.json", "zeropp_matrices", "zeropp"),  # the vectors carried in qgZ's all-to-alls
     ("slow_link/cluster_matrices_twin.json", "zeropp_matrices", "zeropp"),  # ... after the twin's zero-block fix
+    ("slow_link/cluster_matrices_2.json", "zeropp_matrices", "zeropp"),  # the decisions log's second trial (16:14)
 ]
 """The rule's applications: (file, candidate, the defaults it is paired with)."""
 
@@ -782,13 +784,18 @@ a unit's rows at once with a residual (bit for bit the same results).
 `gradient_quantization_scope="matrices"`. In `cluster_vectors.json` (`zeropp` there, the default of that day) the
 vectors took two collectives of their own per unit beside qgZ; in `cluster_matrices.json` (`zeropp_matrices`) they ride
 qgZ's own all-to-alls; `cluster_matrices_twin.json` is the same command after the torch twin stopped masking every
-element of a row that holds an all-zero block (the carried spans leave such blocks).
+element of a row that holds an all-zero block (the carried spans leave such blocks), and so is
+`cluster_matrices_2.json`.
 
 {_detail(sources, "slow_link/cluster_vectors.json", "zeropp_quantized_vectors")}
 
 {_detail(sources, "slow_link/cluster_matrices.json", "zeropp")}
 
 {_detail(sources, "slow_link/cluster_matrices_twin.json", "zeropp")}
+
+{_detail(sources, "slow_link/cluster_matrices_2.json", "zeropp")}
+
+`cluster_matrices_2.json` is the 1-D half of the decisions log's second trial (16:14), the same command again.
 
 ## The planner's run: four configurations at four rates
 
@@ -851,7 +858,9 @@ HEADLINES = {PATH_2D: [("t = 2, speedup vs ModelParallelStrategy", "tp_speedup_t
              "slow_link/cluster_matrices.json": [("norm gains and biases carried exactly, step vs the defaults"
                                                   " (paired)", "matrices_step_ratio")],
              "slow_link/cluster_matrices_twin.json": [("the same after the twin's zero-block fix",
-                                                       "matrices_twin_step_ratio")]}  # fmt: skip
+                                                       "matrices_twin_step_ratio")],
+             "slow_link/cluster_matrices_2.json": [("the second trial's 1-D half",
+                                                    "matrices_2_step_ratio")]}  # fmt: skip
 """Per data file, the figures ``benchmarks/RESULTS.md`` shows beside its newest run (snippet names)."""
 
 
@@ -871,6 +880,7 @@ def snippets(sources: dict[str, Source]) -> dict[str, str]:
         "vectors_step_ratio": _x(rule[("slow_link/cluster_vectors.json", "zeropp")], digits=2),
         "matrices_step_ratio": _x(rule[("slow_link/cluster_matrices.json", "zeropp_matrices")], digits=2),
         "matrices_twin_step_ratio": _x(rule[("slow_link/cluster_matrices_twin.json", "zeropp_matrices")], digits=2),
+        "matrices_2_step_ratio": _x(rule[("slow_link/cluster_matrices_2.json", "zeropp_matrices")], digits=3),
         "qgz8_step_ratio": _x(rule[("slow_link/cluster_candidates.json", "zeropp_qgz8")]),
         "qgz8_bytes_ratio": _x(
             _row(sources, cand, "zeropp_qgz8")["ledger_inter_bytes_per_step"]
