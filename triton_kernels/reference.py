@@ -74,17 +74,18 @@ def _quantize_uniform(
     absmax = torch.cat([torch.maximum(p.amax(dim=2), p.amin(dim=2).neg_()).abs_() for p in parts], dim=1)
     scale = absmax * RECIPROCAL_QMAX[bits]  # one fp32 rounding, as the kernels' multiply
     # below the smallest normal float a block's reciprocal would overflow: such a block codes 0
-    usable = torch.isfinite(scale) & (scale >= _FLT_MIN_NORMAL)
+    finite = torch.isfinite(scale)
+    usable = finite & (scale >= _FLT_MIN_NORMAL)
     every_block_usable = bool(usable.all())
     inv = 1.0 / (scale if every_block_usable else torch.where(usable, scale, torch.ones_like(scale)))
     # An unusable block codes 0. A finite one (an all-zero block is the common case: the spans of norm gains and
     # biases qgZ carries apart) is below qmax times the smallest normal float, so times 1 it rounds to 0 anyway; only
     # non-finite values, or stochastic rounding's floor of a tiny negative value, need the full-size mask.
-    masked = not every_block_usable and (stochastic or not bool(torch.isfinite(scale).all()))
+    masked = not every_block_usable and (stochastic or not bool(finite.all()))
     codes = out[:, :pb].view(torch.int8) if bits == 8 else torch.zeros(R, 2 * pb, dtype=torch.int8, device=x.device)
     noise = _per_block(_uniform((R, n), seed, x.device), block_size) if stochastic else [None] * len(parts)
     if not every_block_usable:
-        wire_scale = torch.where(torch.isfinite(scale), scale, torch.full_like(scale, float("nan")))
+        wire_scale = torch.where(finite, scale, torch.full_like(scale, float("nan")))
     else:
         wire_scale = scale
     losses = _per_block(lost.view(R, n), block_size) if lost is not None else [None] * len(parts)
