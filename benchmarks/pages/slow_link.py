@@ -870,6 +870,8 @@ def snippets(sources: dict[str, Source]) -> dict[str, str]:
     return {
         "tp_speedup_t2": _tp_speedup(sources, 2),
         "tp_speedup_t4": _tp_speedup(sources, 4),
+        "tp_speedup_t2_later": _tp_speedup(sources, 2, PATH_2D_MATRICES),
+        "tp_speedup_t4_later": _tp_speedup(sources, 4, PATH_2D_MATRICES),
         "zeropp_speedup_50": _x(_row(sources, main, "zeropp", 50.0)["speedup_vs_zero3"]),
         "zeropp_speedup_200": _x(_row(sources, main, "zeropp", 200.0)["speedup_vs_zero3"]),
         "zeropp_speedup_unshaped": _x(_row(sources, main, "zeropp", None)["speedup_vs_zero3"]),
