@@ -169,7 +169,7 @@ def quantized_reduce_scatter(
     keywords ``residual`` (``(K, size)``), ``residual_scales`` (INT8 codes only) and ``decay``; updated in place.
     ``noise``: the second-moment correction's accumulator, one fp32 per block of the chunk, into which each block's
     noise variance (``noise_factor`` times its K pieces' squared scales, times the multiplier squared) is added.
-    ``vectors``: spans of a chunk reduced exactly (zeroed in ``input``), carried by the first stage's hops."""
+    ``vectors``: spans of a chunk reduced exactly (zeroed in ``input``), carried by the last stage's hops."""
     W, chunk = reduction.topology.world_size, output.numel()
     if chunk != reduction.chunk:
         raise RuntimeError(

@@ -70,9 +70,11 @@ def attach(wire: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
 
 
 def detach(received: torch.Tensor, wire: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of :func:`attach` for received rows ``(R, wire + V x element)``: the wire rows ``(R, wire)`` (contiguous,
-    for the kernels) and the values ``(R, V)`` of ``dtype``."""
-    return received[:, :wire].contiguous(), received[:, wire:].contiguous().view(dtype)
+    """Inverse of :func:`attach` for received rows ``(R, wire + V x element)``: the wire rows ``(R, wire)`` and the
+    values ``(R, V)`` of ``dtype``, each a fresh copy, so that each starts at an aligned address (the kernels view the
+    scales in a wire row as fp32; a row cut from a buffer of such rows can start anywhere)."""
+    fresh = torch.contiguous_format
+    return received[:, :wire].clone(memory_format=fresh), received[:, wire:].clone(memory_format=fresh).view(dtype)
 
 
 def write(output: torch.Tensor, spans: Spans, reduced: torch.Tensor) -> None:

@@ -195,3 +195,25 @@ def test_the_page_sets_a_loaded_machines_run_beside_the_quiet_one_with_its_own_v
     assert "`2x4t2` `zeropp`: 1.000 s of each step besides the link, against 0.400 s in the run above" in text
     assert text.count("**NOT met**") == 2 and "**met**" not in text
     assert slow_link._tp_loaded(quiet) == ""
+
+
+def test_the_carried_vectors_run_is_judged_against_the_defaults_of_its_own_rounds():
+    """``zeropp_matrices`` beside the defaults in one run: its step over theirs, paired by round, within 5% or not
+    at each t, and issue 60's goal judged for both; no such section without the file."""
+    base = _page_sources([0.4, 0.8, 0.6], [0.4, 0.8, 0.6], [1.0, 2.0, 1.5])[slow_link.PATH_2D]
+    rows = [dict(r) for r in base.data["rows"]]
+    for t, topology, factors in ((2, T2, [1.02, 1.04, 1.0]), (4, T4, [1.1, 1.2, 1.06])):
+        zeropp = next(r for r in rows if r["config"] == "zeropp" and r["tensor_parallel_size"] == t)
+        rows.append(_summary("zeropp_matrices", [s * f for s, f in zip(zeropp["step_s_repeats"], factors)], topology,
+                             True, 5.0))  # fmt: skip
+    cluster.add_ratios(rows)
+    path = slow_link.PATH_2D_MATRICES
+    sources = {path: Source(path, {"meta": base.data["meta"], "rows": rows}, base.runs)}
+    text = slow_link._tp_matrices(sources)
+    assert "- t = 2: `zeropp_matrices`' step over `zeropp`'s, paired by round: 1.020 [1.000, 1.040]" in text
+    assert "t = 2" in text and text.split("- t = 4: `zeropp_matrices`")[0].endswith("**met**\n")
+    assert (
+        "paired by round: 1.100 [1.060, 1.200]; within 5% (the rule for a default, by the median): **NOT met**" in text
+    )
+    assert "- t = 2: `zeropp_matrices` at least 2x faster" in text and "- t = 4: `zeropp` at least 2x faster" in text
+    assert slow_link._tp_matrices({}) == ""

@@ -297,11 +297,13 @@ def _front_doors_worker(rank, world, init_path, data_path, runs):
 
 
 def _three_nodes_worker(rank, world, init_path, data_path, kwargs, runs):
-    """3 nodes x 2 on one machine, quantized HSDP with ``kwargs``, clean and with each fault of ``runs``."""
+    """3 nodes x 2 on one machine, quantized HSDP with ``kwargs``, clean and with each fault of ``runs`` (or, for
+    ``"matrices"``, clean with norm gains and biases carried exactly in the rail's all-to-alls)."""
     out = {}
     for fault in (None, *runs):
-        strategy = ZeroPPStrategy(ranks_per_node=2, **QHSDP, **kwargs)
-        out[fault or "clean"] = _trainer_run(rank, world, strategy, init_path, data_path, fault)
+        scope = {"gradient_quantization_scope": "matrices"} if fault == "matrices" else {}
+        strategy = ZeroPPStrategy(ranks_per_node=2, **QHSDP, **kwargs, **scope)
+        out[fault or "clean"] = _trainer_run(rank, world, strategy, init_path, data_path, None if scope else fault)
     return out
 
 
@@ -401,7 +403,8 @@ def three_nodes(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("qhsdp_3x2")
     init_path, data_path, x, y = save_inputs(tmp, 6 * BATCH * STEPS)
     kwargs = dict(FEEDBACK, hsdp_gather_bits=16)
-    results = spawn(_three_nodes_worker, 6, init_path, data_path, kwargs, ["owner_keeps_sum", "rotation_per_rank"])
+    runs = ["owner_keeps_sum", "rotation_per_rank", "matrices"]
+    results = spawn(_three_nodes_worker, 6, init_path, data_path, kwargs, runs)
     ref, _ = reference_training(init_path, x, y, 6 * BATCH, STEPS)
     return results, ref, _init(init_path)
 
@@ -409,6 +412,7 @@ def three_nodes(tmp_path_factory):
 def test_replicas_stay_bit_identical_3x2_with_feedback(three_nodes):
     results, _, _ = three_nodes
     assert rail_replica_problems(results, "clean", 2) == []
+    assert rail_replica_problems(results, "matrices", 2) == []  # the vectors' uneven parts, written by every rank
     assert rail_replica_problems(results, "owner_keeps_sum", 2), "an owner keeping its fp32 sum must be caught"
 
 

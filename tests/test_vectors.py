@@ -187,3 +187,74 @@ def test_vectors_beside_error_feedback_and_rotation_in_bf16(tmp_path):
 def test_a_bad_scope_is_refused_in_one_line_naming_the_choices():
     with pytest.raises(ValueError, match=r"`gradient_quantization_scope='vectors'` is not allowed; choose one of"):
         ZeroPPConfig(gradient_quantization_scope="vectors")
+
+
+def _carriage_worker(rank, world, per_node, pieces, dtype):
+    """One qgZ reduce-scatter of a chunk laid out as a few parameters (matrices and vectors), with and without the
+    vectors carried: this rank's output both ways and the exact (fp64) reduction of its chunk."""
+    import torch.distributed as dist
+
+    from lightning_zeropp import kernels as tk
+    from lightning_zeropp.commplan import two_hop
+    from lightning_zeropp.ledger import CommLedger
+    from lightning_zeropp.qgz import Reduction, quantized_reduce_scatter
+    from lightning_zeropp.topology import ProcessGroups, Topology
+
+    dist.init_process_group("gloo")
+    topology = Topology(world, per_node, rank)
+    groups = ProcessGroups.build(topology)
+    # a weight, a gain and a bias (adjacent: one span), a weight, a bias, a weight, a lone scalar: odd sizes
+    segments, is_vector = [300, 7, 5, 259, 13, 140, 1], [False, True, True, False, True, False, True]
+    spans, at = [], 0
+    for size, vector in zip(segments, is_vector, strict=True):
+        if vector and spans and spans[-1][1] == at:
+            spans[-1] = (spans[-1][0], at + size)
+        elif vector:
+            spans.append((at, at + size))
+        at += size
+    chunk = sum(segments)
+    every = []
+    for r in range(world):
+        g = torch.Generator().manual_seed(7 + r)
+        scales = torch.logspace(-2, 1, world * chunk, dtype=torch.float64)[torch.randperm(world * chunk, generator=g)]
+        every.append((torch.randn(world * chunk, generator=g, dtype=torch.float64) * scales).to(dtype))
+    exact = sum(e.double().view(world, chunk)[rank] for e in every) / world
+    config = ZeroPPConfig(ranks_per_node=per_node, gradient_pieces=pieces)
+    blocks = tk.Blocks.of_segments(segments, 128)
+    outputs = {}
+    for name, vectors in (("carried", tuple(spans)), ("quantized", ())):
+        reduction = Reduction.of(topology, two_hop(config), chunk, dist.ReduceOp.AVG, None, blocks=blocks,
+                                 backend="torch")  # fmt: skip
+        out = torch.empty(chunk, dtype=dtype)
+        quantized_reduce_scatter(out, every[rank].clone(), reduction, groups, CommLedger(topology), vectors=vectors)
+        outputs[name] = out
+    dist.destroy_process_group()
+    return {"spans": spans, "exact": exact, **outputs}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("nodes", "per_node", "pieces", "dtype"),
+    [(3, 2, 3, torch.bfloat16), (2, 2, 1, torch.float32), (3, 1, 2, torch.float32), (1, 4, 2, torch.float32)],
+    ids=["3x2-3-pieces-bf16", "2x2-1-piece", "3x1-rail-alone", "1x4-node-alone"],
+)
+def test_the_carriage_reduces_the_spans_exactly_and_leaves_the_matrices_alone(nodes, per_node, pieces, dtype):
+    """qgZ's reduce-scatter alone on gloo ranks, in each layout its hops take (both hops, the rail alone, the node
+    alone), with the spans of several vectors in different pipeline stages: on every rank, the spans of the output
+    are the exact mean to the dtype's rounding (INT4 or INT8 misses them by far more: the check can fail), and every
+    other element is bit for bit what qgZ gives without the carriage (zeroed spans change no other block)."""
+    world = nodes * per_node
+    results = spawn(_carriage_worker, world, per_node, pieces, dtype)
+    tolerance = 1e-6 if dtype == torch.float32 else 1e-2
+    for rank, r in enumerate(results):
+        on = torch.zeros(r["exact"].numel(), dtype=torch.bool)
+        for a, b in r["spans"]:
+            on[a:b] = True
+        exact = r["exact"][on]
+
+        def error(out: torch.Tensor, exact: torch.Tensor = exact) -> float:
+            return float((out.double() - exact).norm() / exact.norm())
+
+        assert error(r["carried"][on]) < tolerance, (rank, error(r["carried"][on]))
+        assert error(r["quantized"][on]) > 3 * tolerance, (rank, error(r["quantized"][on]))
+        assert torch.equal(r["carried"][~on], r["quantized"][~on]), rank

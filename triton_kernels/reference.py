@@ -80,8 +80,9 @@ def _quantize_uniform(
     inv = 1.0 / (scale if every_block_usable else torch.where(usable, scale, torch.ones_like(scale)))
     # An unusable block codes 0. A finite one (an all-zero block is the common case: the spans of norm gains and
     # biases qgZ carries apart) is below qmax times the smallest normal float, so times 1 it rounds to 0 anyway; only
-    # non-finite values, or stochastic rounding's floor of a tiny negative value, need the full-size mask.
-    masked = not every_block_usable and (stochastic or not bool(finite.all()))
+    # non-finite values, stochastic rounding's floor of a tiny negative value, or ``lost`` (whose sign of zero must be
+    # the kernels': x - (+0)) need the full-size mask.
+    masked = not every_block_usable and (stochastic or lost is not None or not bool(finite.all()))
     codes = out[:, :pb].view(torch.int8) if bits == 8 else torch.zeros(R, 2 * pb, dtype=torch.int8, device=x.device)
     noise = _per_block(_uniform((R, n), seed, x.device), block_size) if stochastic else [None] * len(parts)
     if not every_block_usable:

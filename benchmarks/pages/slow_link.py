@@ -595,6 +595,8 @@ as their pure-torch twins), and whatever the link loses below its nominal rate. 
 def _tp_matrices(sources: dict[str, Source], path: str = PATH_2D_MATRICES) -> str:
     """The run with norm gains and biases carried exactly: its table, ``zeropp_matrices``' step over the defaults'
     (paired by round), and the goal for both."""
+    if path not in sources:
+        return ""
     meta, rows = _meta(sources, path), _rows(sources, path)
     lines = []
     for t in sorted({r["tensor_parallel_size"] for r in rows}):
