@@ -29,6 +29,7 @@ def _worker(rank: int, world: int, per_node: int, params: int, reps: int) -> dic
     import torch
     import torch.distributed as dist
 
+    from lightning_zeropp import kernels as tk
     from lightning_zeropp import qgz, qwz
     from lightning_zeropp.collectives import all_gather_flat
     from lightning_zeropp.comm import exact_reduce_scatter
@@ -70,11 +71,28 @@ def _worker(rank: int, world: int, per_node: int, params: int, reps: int) -> dic
 
         return call
 
+    # a transformer block's layout, scaled to the unit (width e: 12 e^2 + 13 e parameters), for parameter-aligned blocks
+    # with and without its norm gains and biases carried exactly (gradient_quantization_scope="matrices")
+    e = int((params / 12) ** 0.5)
+    shapes = [(e,), (e,), (e, 3 * e), (3 * e,), (e, e), (e,), (e,), (e,), (e, 4 * e), (4 * e,), (4 * e, e), (e,)]
+    segments = [-(-torch.Size(shape).numel() // world) for shape in shapes]
+    starts = [sum(segments[:i]) for i in range(len(segments))]
+    spans = tuple((a, a + n) for a, n, shape in zip(starts, segments, shapes) if len(shape) < 2)
+    blocks, aligned_chunk = tk.Blocks.of_segments(segments, 128), sum(segments)
+    aligned_grads, aligned_out = torch.randn(world * aligned_chunk).bfloat16(), torch.empty(aligned_chunk).bfloat16()
+
+    def qgz_aligned(vectors: tuple[tuple[int, int], ...]):
+        reduction = qgz.Reduction.of(topo, two_hop(ZeroPPConfig()), aligned_chunk, avg, None, blocks=blocks)
+        return lambda: qgz.quantized_reduce_scatter(aligned_out, aligned_grads.clone(), reduction, groups, ledger,
+                                                    vectors=vectors)  # fmt: skip
+
     cases = {
         "reduce-scatter exact": lambda: exact_reduce_scatter(out, grads.clone(), avg, None, groups, ledger),
         "reduce-scatter qgZ (2 stages)": lambda: qgz.quantized_reduce_scatter(
             out, grads.clone(), qgz.Reduction.of(topo, two_hop(ZeroPPConfig()), chunk, avg, None), groups, ledger
         ),
+        "reduce-scatter qgZ (2 stages), a block's parameter-aligned layout": qgz_aligned(()),
+        "reduce-scatter qgZ (2 stages), the same + norm gains and biases carried exactly": qgz_aligned(spans),
         "reduce-scatter qgZ (2 stages) + error feedback, INT8 residual": qgz_with_feedback(8),
         "reduce-scatter qgZ (2 stages) + error feedback, fp32 residual": qgz_with_feedback(32),
         "reduce-scatter qgZ (1 stage)": lambda: qgz.quantized_reduce_scatter(
