@@ -18,11 +18,15 @@ def reduce_scatter_flat(output: torch.Tensor, input: torch.Tensor, group: dist.P
     return reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
 
 
-def split_reduce_op(op) -> tuple[dist.ReduceOp.RedOpType, float | None]:
-    """``(AVG | SUM, premultiplier or None)`` for an op FSDP passes: AVG, SUM or PREMUL_SUM(factor)."""
+def split_reduce_op(op, divide_factor: float | None = None) -> tuple[dist.ReduceOp.RedOpType, float | None]:
+    """``(AVG | SUM, premultiplier or None)`` for an op FSDP passes: AVG, SUM or PREMUL_SUM(factor). FSDP makes its
+    PREMUL_SUM from the module's gradient divide factor (1 / factor); where the op object does not expose its factor
+    (torch 2.9's NCCL-made op), ``divide_factor``, read from the module, gives it."""
     kind = getattr(op, "op", op)  # PREMUL_SUM(factor) is a ReduceOp object holding .op and .factor
     if kind == dist.ReduceOp.PREMUL_SUM:
         factor = getattr(op, "factor", None)
+        if factor is None and divide_factor is not None:
+            factor = 1.0 / divide_factor
         if factor is None:
             raise ValueError("ZeroPPStrategy: got ReduceOp.PREMUL_SUM without a factor; cannot reduce gradients.")
         return dist.ReduceOp.SUM, float(factor)

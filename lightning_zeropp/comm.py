@@ -41,7 +41,7 @@ from . import hpz, qgz, qwz, rail
 from .blocks import UnitBlocks
 from .collectives import all_gather_flat, reduce_scatter_flat, split_reduce_op
 from .commplan import CommPlan, resolve
-from .compat.torch import in_backward
+from .compat.torch import in_backward, unit_gradient_divide_factor
 from .config import ZeroPPConfig
 from .deltas import WeightDeltas
 from .feedback import ErrorFeedback
@@ -201,7 +201,7 @@ class ZeroPPComms:
                 f"ZeroPPStrategy: FSDP asked to reduce gradients over the {role} group {groups.ranks(role)}"
                 f" instead of {groups.ranks(expected)}; the model was sharded with a mesh other than the strategy's."
             )
-        base_op, premul = split_reduce_op(op)
+        base_op, premul = split_reduce_op(op, unit_gradient_divide_factor(unit.module) if unit is not None else None)
         if self.plan.gradients.quantized_rail:  # quantized HSDP (exact HSDP: FSDP all-reduces on its 2-D mesh)
             if len(groups.ranks(role)) == 1:
                 # One rank per node. torch 2.9 still calls this hook on the node's group of one, then the all-reduce
@@ -237,10 +237,21 @@ class ZeroPPComms:
             return
         exact_reduce_scatter(output, input, base_op, premul, groups, self.ledger, role)
 
+    def _rail_multiplier(self, base_op, unit: UnitBlocks | None) -> float:
+        """What the rail scales the K nodes' sum by. FSDP's mesh here is the node, so FSDP divides by the node's N
+        ranks (by AVG, or around a SUM in fp16 or with summed comms) unless ``set_gradient_divide_factor`` was
+        called: then by that factor, which already makes the whole job's sum right. So 1 / K without a factor, 1
+        with one; the op alone cannot tell (AVG when the factor equals N, SUM in fp16 without one). Without the
+        unit (no module to ask): by the op, as FSDP's AVG means."""
+        if unit is None:
+            return 1.0 / self.topology.num_nodes if base_op == dist.ReduceOp.AVG else 1.0
+        return 1.0 / self.topology.num_nodes if unit_gradient_divide_factor(unit.module) is None else 1.0
+
     def _reduce_on_rail(self, output: torch.Tensor, base_op, unit: UnitBlocks | None, groups: ProcessGroups) -> None:
-        """Quantized HSDP: the node-reduced shard all-reduced across nodes on this rank's rail (the K nodes' mean
-        for AVG), quantized until the plan's step, exactly after."""
-        multiplier = 1.0 / self.topology.num_nodes if base_op == dist.ReduceOp.AVG else 1.0
+        """Quantized HSDP: the node-reduced shard all-reduced across nodes on this rank's rail (the K nodes' mean,
+        or their sum where the user set FSDP's divide factor: :meth:`_rail_multiplier`), quantized until the plan's
+        step, exactly after."""
+        multiplier = self._rail_multiplier(base_op, unit)
         if not self.quantizes_gradients():
             rail.exact_all_reduce(output, multiplier, groups.inter_node, self.topology, self.ledger)
             return

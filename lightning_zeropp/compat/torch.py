@@ -182,6 +182,13 @@ def unit_mesh_sizes(module: nn.Module) -> tuple[int | None, int | None]:
     return group.mesh_info.shard_mesh_size, (None if post is None else post.shard_mesh_size)
 
 
+def unit_gradient_divide_factor(module: nn.Module) -> float | None:
+    """For a sharded module: the factor set by ``set_gradient_divide_factor`` (FSDP then divides the gradients' sum by
+    it, over its own mesh's reduction), or None (FSDP averages over its mesh)."""
+    group = module._get_fsdp_state()._fsdp_param_group
+    return None if group is None else group.gradient_divide_factor
+
+
 def unit_versions(module: nn.Module) -> tuple[tuple[int, int], ...]:
     """For a sharded module: per parameter it manages, ``(id, version)`` of its sharded parameter. The version counter
     (``Tensor._version``) counts in-place writes (an optimizer step, ``copy_`` under ``no_grad``, ``load_state_dict``,
@@ -197,6 +204,10 @@ def _probe_unit_parameters() -> None:
     from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
 
     require(hasattr(FSDPModule, "_get_fsdp_state"), "torch", "reading a sharded module's parameter layout")
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    require("gradient_divide_factor" in FSDPParamGroup.__init__.__code__.co_names, "torch",
+            "reading a sharded module's gradient divide factor (FSDPParamGroup.gradient_divide_factor)")  # fmt: skip
     require(
         "padded_sharded_param_size" in getattr(FSDPParam, "__annotations__", {}),
         "torch",
