@@ -12,7 +12,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_zeropp import ZeroPPStrategy
-from lightning_zeropp.core import QUANTIZED_HSDP_ARGUMENTS
+from lightning_zeropp.core import HSDP_ARGUMENTS, QUANTIZED_HSDP_ARGUMENTS
 from lightning_zeropp.testing.distributed import lightning_trainer, spawn
 from lightning_zeropp.testing.models import TinyLM
 from lightning_zeropp.testing.workers import save_inputs
@@ -33,20 +33,22 @@ class DivideBy(Callback):
                 module.set_gradient_divide_factor(self.factor)
 
 
-def _worker(rank, world, per_node, arguments, factors, init_path, data_path):
+def _worker(rank, world, per_node, arguments, factors, init_path, data_path, precision="32-true"):
     """One SGD step per divide factor (None: FSDP's default mean); this rank's momentum shards after it (the first
-    step's momentum buffer is the reduced gradient)."""
+    step's momentum buffer is the reduced gradient), in fp32."""
     x, y = torch.load(data_path, weights_only=True)
     loader = DataLoader(TensorDataset(x[rank::world], y[rank::world]), batch_size=BATCH, shuffle=False)
     out = {}
     for factor in factors:
         strategy = ZeroPPStrategy(ranks_per_node=per_node, **arguments)
         callbacks = [] if factor is None else [DivideBy(factor)]
-        trainer = lightning_trainer(world, strategy, max_steps=1, callbacks=callbacks, use_distributed_sampler=False)
+        trainer = lightning_trainer(world, strategy, max_steps=1, callbacks=callbacks, use_distributed_sampler=False,
+                                    precision=precision)  # fmt: skip
         model = TinyLM(init_path)
         trainer.fit(model, loader)
         optimizer = trainer.optimizers[0]
-        out[factor] = {n: optimizer.state[p]["momentum_buffer"].to_local().clone() for n, p in model.named_parameters()}
+        state = optimizer.state
+        out[factor] = {n: state[p]["momentum_buffer"].to_local().float() for n, p in model.named_parameters()}
     return out
 
 
@@ -91,3 +93,23 @@ def test_the_premultiplier_comes_from_the_op_or_else_from_the_module(divide_fact
         assert split_reduce_op(bare, divide_factor) == (dist.ReduceOp.SUM, 0.125)
     carried = types.SimpleNamespace(op=dist.ReduceOp.PREMUL_SUM, factor=0.5)
     assert split_reduce_op(carried, divide_factor) == (dist.ReduceOp.SUM, 0.5)
+
+
+@pytest.mark.parametrize("per_node", [2, 1], ids=["2x2", "2x1"])
+def test_fp16_gradients_are_the_mean_over_every_node(tmp_path, per_node):
+    """``precision="16-true"``: FSDP reduces fp16 gradients with SUM and divides around it by its own mesh's size
+    (the node's N ranks), passing no AVG; the rail must still take the K nodes' mean. Quantized HSDP's reduced
+    gradient against exact HSDP's (FSDP's own all-reduce), per parameter: the same size to INT4's error (a rail that
+    summed the nodes gave K = 2 times it)."""
+    world = 2 * per_node
+    init_path, data_path, *_ = save_inputs(tmp_path, world * BATCH)
+    runs = {}
+    for name, arguments in (("quantized", QUANTIZED_HSDP_ARGUMENTS), ("exact", HSDP_ARGUMENTS)):
+        runs[name] = spawn(_worker, world, per_node, arguments, [None], init_path, data_path, "16-true")
+    for rank in range(world):
+        quantized, exact = runs["quantized"][rank][None], runs["exact"][rank][None]
+        for name, want in exact.items():
+            if want.norm() < 1e-3:
+                continue
+            ratio = float(quantized[name].norm() / want.norm())
+            assert 0.75 < ratio < 1.33, (rank, name, ratio)
