@@ -237,7 +237,26 @@ def snippets(sources: dict[str, Source]) -> dict[str, str]:
         "deltas_ratio": _span(_ratios(data, "zeropp_deltas")),
         "topologies": _topologies(data),
         "two_d_ratio": _span(_two_d_ratios(sources[SOURCES[1]].data)),
+        "zeropp_share": _span(_ratios(data, "zeropp")),
+        "matrices_share": _span(_ratios(data, "zeropp_matrices")),
+        "two_d_shares": _two_d_shares(sources[SOURCES[1]].data, "zeropp"),
+        "two_d_matrices_shares": _two_d_shares(sources[SOURCES[1]].data, "zeropp_matrices"),
     }
+
+
+def _two_d_shares(data: list[dict], config: str) -> str:
+    """``config``'s cross-node bytes over the exact 2-D run's, per tensor-parallel size."""
+    rows = sorted((r["tensor_parallel_size"], r["ratio_vs_zero3"]) for r in data if r["config"] == config)
+    return ", ".join(f"t = {t} {ratio:.4f}" for t, ratio in rows)
+
+
+HEADLINES = {
+    SOURCES[0]: [("share of ZeRO-3's cross-node bytes, defaults", "zeropp_share"),
+                 ("with norm gains and biases carried exactly", "matrices_share")],
+    SOURCES[1]: [("share of the exact 2-D run's, defaults", "two_d_shares"),
+                 ("with norm gains and biases carried exactly", "two_d_matrices_shares")],
+}  # fmt: skip
+"""Per data file, the figures ``benchmarks/RESULTS.md`` shows beside its newest run (snippet names)."""
 
 
 def _two_d_ratios(data: list[dict]) -> list[float]:

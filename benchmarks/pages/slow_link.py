@@ -853,8 +853,23 @@ def _tp_speedup(sources: dict[str, Source], t: int, path: str = PATH_2D) -> str:
     return _x(*_paired(_repeats(at[TP_BASELINE], meta), _repeats(at["zeropp"], meta)))
 
 
+def _tp_over_defaults(sources: dict[str, Source], t: int, path: str = PATH_2D_MATRICES) -> str:
+    """``zeropp_matrices``' step over the defaults' at tensor-parallel size ``t``, paired by round (median [min,
+    max])."""
+    meta, rows = _meta(sources, path), _rows(sources, path)
+    at = {r["config"]: r for r in rows if r["tensor_parallel_size"] == t and r["rate"] == GOAL_2D_RATE}
+    if "zeropp" not in at or "zeropp_matrices" not in at:
+        return "-"
+    med, lo, hi = _paired(_repeats(at["zeropp_matrices"], meta), _repeats(at["zeropp"], meta))
+    return f"{med:.3f} [{lo:.3f}, {hi:.3f}]"
+
+
 HEADLINES = {PATH_2D: [("t = 2, speedup vs ModelParallelStrategy", "tp_speedup_t2"),
                        ("t = 4", "tp_speedup_t4")],
+             PATH_2D_MATRICES: [("defaults vs ModelParallelStrategy, t = 2", "tp_speedup_t2_later"),
+                                ("t = 4", "tp_speedup_t4_later"),
+                                ("norm gains and biases carried, step over the defaults', t = 2", "matrices_tp_t2"),
+                                ("t = 4", "matrices_tp_t4")],
              "slow_link/cluster_vectors.json": [("norm gains and biases exact, step vs the defaults (paired)",
                                                  "vectors_step_ratio")],
              "slow_link/cluster_matrices.json": [("norm gains and biases carried exactly, step vs the defaults"
@@ -874,6 +889,8 @@ def snippets(sources: dict[str, Source]) -> dict[str, str]:
         "tp_speedup_t4": _tp_speedup(sources, 4),
         "tp_speedup_t2_later": _tp_speedup(sources, 2, PATH_2D_MATRICES),
         "tp_speedup_t4_later": _tp_speedup(sources, 4, PATH_2D_MATRICES),
+        "matrices_tp_t2": _tp_over_defaults(sources, 2),
+        "matrices_tp_t4": _tp_over_defaults(sources, 4),
         "zeropp_speedup_50": _x(_row(sources, main, "zeropp", 50.0)["speedup_vs_zero3"]),
         "zeropp_speedup_200": _x(_row(sources, main, "zeropp", 200.0)["speedup_vs_zero3"]),
         "zeropp_speedup_unshaped": _x(_row(sources, main, "zeropp", None)["speedup_vs_zero3"]),
