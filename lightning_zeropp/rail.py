@@ -150,11 +150,10 @@ def all_reduce(
     K, mine = len(rail_ranks), reduction.mine
     carried = vec.take(flat.view(1, -1), vectors) if vectors else None
     # the vectors' part k (of K near-equal parts) is reduced by rail rank k, as an exact all-reduce cuts its buffer
-    V = carried.width if carried is not None else 0
-    parts = [carried.values[0, V * k // K : V * (k + 1) // K] if carried is not None else None for k in range(K)]
-    part_bytes = [V * (k + 1) // K - V * k // K for k in range(K)]
+    V, element = (carried.width, carried.values.element_size()) if carried is not None else (0, 0)
+    cuts = [V * k // K for k in range(K + 1)]
+    part_bytes = [(b - a) * element for a, b in zip(cuts, cuts[1:])]  # all 0 without vectors
     if carried is not None:
-        part_bytes = [n * carried.values.element_size() for n in part_bytes]
         ledger.record_carried(vec.RAIL_KIND, rail_ranks, [n + part_bytes[topo.node] for n in part_bytes])
     # 2. quantize every piece for its owner (the vectors' part for that owner after it); one all-to-all
     rows = []
@@ -166,7 +165,10 @@ def all_reduce(
                 flat[p.start : p.start + p.size].view(1, -1), bits, block, blocks=p.blocks, backend=reduction.backend,
                 stochastic=g.stochastic, seed=reduction.seed(p), rotation_seed=reduction.rotation_seed(p), **feedback,
             ).view(-1)  # fmt: skip
-        rows.append(row if carried is None else vec.attach(row.view(1, -1), parts[p.index].view(1, -1)).view(-1))
+        if carried is not None:
+            part = carried.values[:, cuts[p.index] : cuts[p.index + 1]]
+            row = vec.attach(row.view(1, -1), part).view(-1)
+        rows.append(row)
     sent = [row.numel() for row in rows]
     wire = mine.wire(bits, block)
     width = wire + part_bytes[topo.node]
