@@ -32,6 +32,7 @@ every rail rank (``gradient_all_reduce_vectors``: an exact all-reduce's bytes), 
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -55,11 +56,18 @@ class Carried(NamedTuple):
         return self.values.shape[1]
 
 
+@functools.lru_cache(maxsize=256)
+def columns(spans: Spans, device: torch.device) -> torch.Tensor:
+    """The columns of ``spans``, in span order, as one index (int64 on ``device``; made once per layout and device:
+    a unit's spans repeat every step, and one indexed copy costs a host launch where a copy per span costs one each)."""
+    return torch.cat([torch.arange(a, b, dtype=torch.int64) for a, b in spans]).to(device)
+
+
 def take(rows: torch.Tensor, spans: Spans) -> Carried:
     """The ``spans`` columns of ``rows`` ``(R, row)`` as one ``(R, V)`` tensor; zeroed in ``rows``."""
-    values = torch.cat([rows[:, a:b] for a, b in spans], dim=1)
-    for a, b in spans:
-        rows[:, a:b].zero_()
+    index = columns(spans, rows.device)
+    values = rows.index_select(1, index)
+    rows.index_fill_(1, index, 0)
     return Carried(spans, values)
 
 
@@ -78,8 +86,6 @@ def detach(received: torch.Tensor, wire: int, dtype: torch.dtype) -> tuple[torch
 
 
 def write(output: torch.Tensor, spans: Spans, reduced: torch.Tensor) -> None:
-    """``reduced`` (V values, in span order) written over the ``spans`` of ``output`` (flat)."""
-    out, offset = output.view(-1), 0
-    for a, b in spans:
-        out[a:b].copy_(reduced[offset : offset + b - a])
-        offset += b - a
+    """``reduced`` (V values, in span order) written over the ``spans`` of ``output`` (flat), rounded once to its
+    dtype."""
+    output.view(-1).index_copy_(0, columns(spans, output.device), reduced.to(output.dtype))

@@ -221,15 +221,16 @@ def _carriage_worker(rank, world, per_node, pieces, dtype):
     exact = sum(e.double().view(world, chunk)[rank] for e in every) / world
     config = ZeroPPConfig(ranks_per_node=per_node, gradient_pieces=pieces)
     blocks = tk.Blocks.of_segments(segments, 128)
-    outputs = {}
+    outputs, noise = {}, {}
     for name, vectors in (("carried", tuple(spans)), ("quantized", ())):
         reduction = Reduction.of(topology, two_hop(config), chunk, dist.ReduceOp.AVG, None, blocks=blocks,
                                  backend="torch")  # fmt: skip
-        out = torch.empty(chunk, dtype=dtype)
-        quantized_reduce_scatter(out, every[rank].clone(), reduction, groups, CommLedger(topology), vectors=vectors)
+        out, noise[name] = torch.empty(chunk, dtype=dtype), torch.zeros(blocks.count)
+        quantized_reduce_scatter(out, every[rank].clone(), reduction, groups, CommLedger(topology),
+                                 noise=noise[name], vectors=vectors)  # fmt: skip
         outputs[name] = out
     dist.destroy_process_group()
-    return {"spans": spans, "exact": exact, **outputs}
+    return {"spans": spans, "exact": exact, "starts": blocks.starts, "noise": noise, **outputs}
 
 
 @pytest.mark.multiprocess
@@ -258,3 +259,10 @@ def test_the_carriage_reduces_the_spans_exactly_and_leaves_the_matrices_alone(no
         assert error(r["carried"][on]) < tolerance, (rank, error(r["carried"][on]))
         assert error(r["quantized"][on]) > 3 * tolerance, (rank, error(r["quantized"][on]))
         assert torch.equal(r["carried"][~on], r["quantized"][~on]), rank
+        # the second-moment correction's noise: none from the vectors' blocks (their spans were zeroed before
+        # quantization), the matrices' blocks as without the carriage (the rail's INT4 hop adds it; no rail, no noise)
+        vector_block = torch.tensor([bool(on[a]) for a in r["starts"][:-1]])
+        carried, quantized = r["noise"]["carried"], r["noise"]["quantized"]
+        assert torch.all(carried[vector_block] == 0), rank
+        assert torch.equal(carried[~vector_block], quantized[~vector_block]), rank
+        assert bool((quantized[vector_block] > 0).all()) == (nodes > 1), rank
