@@ -243,7 +243,7 @@ def _reduce_in_node(reduction: Reduction, stage: Stage, input: torch.Tensor, int
         node = carried.values.float()
     elif carried is not None:
         received, values = vec.detach(received, intra.wire, carried.values.dtype)
-        node = values.view(N, K, -1).float().sum(0)
+        node = torch.sum(values.view(N, K, -1), 0, dtype=torch.float32)
     if K == 1:
         tk.dequantize_reduce(
             received, size, g.intra_bits, g.block_size, multiplier=reduction.multiplier,
@@ -305,7 +305,7 @@ def _finish(reduction: Reduction, stage: Stage, inter: _Hop, carried: vec.Carrie
         rotation_seed=reduction.rotation_seed(stage),
     )  # fmt: skip
     if values is not None:
-        vec.write(out, carried.spans, values.float().sum(0) * reduction.multiplier)
+        vec.write(out, carried.spans, torch.sum(values, 0, dtype=torch.float32).mul_(reduction.multiplier))
 
 
 def _unrotated_share(stage: Stage, block_size: int, device: torch.device) -> torch.Tensor:

@@ -78,11 +78,14 @@ def attach(wire: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
 
 
 def detach(received: torch.Tensor, wire: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of :func:`attach` for received rows ``(R, wire + V x element)``: the wire rows ``(R, wire)`` and the
-    values ``(R, V)`` of ``dtype``, each a fresh copy, so that each starts at an aligned address (the kernels view the
-    scales in a wire row as fp32; a row cut from a buffer of such rows can start anywhere)."""
-    fresh = torch.contiguous_format
-    return received[:, :wire].clone(memory_format=fresh), received[:, wire:].clone(memory_format=fresh).view(dtype)
+    """Inverse of :func:`attach` for received rows ``(R, wire + V x element)``: the wire rows ``(R, wire)``, a fresh
+    contiguous copy (the kernels view the scales in a wire row as fp32, and a row cut from a buffer of such rows can
+    start anywhere), and the values ``(R, V)`` of ``dtype``: a view where every row's values start at a multiple of
+    their width (qgZ's rows: ``wire`` is whole 16-byte lines), else a copy."""
+    values, width = received[:, wire:], torch.empty(0, dtype=dtype).element_size()
+    if values.storage_offset() % width or values.stride(0) % width:
+        values = values.clone(memory_format=torch.contiguous_format)
+    return received[:, :wire].clone(memory_format=torch.contiguous_format), values.view(dtype)
 
 
 def write(output: torch.Tensor, spans: Spans, reduced: torch.Tensor) -> None:

@@ -77,18 +77,16 @@ def _quantize_uniform(
     finite = torch.isfinite(scale)
     usable = finite & (scale >= _FLT_MIN_NORMAL)
     every_block_usable = bool(usable.all())
-    inv = 1.0 / (scale if every_block_usable else torch.where(usable, scale, torch.ones_like(scale)))
+    every_block_finite = every_block_usable or bool(finite.all())
+    inv = 1.0 / (scale if every_block_usable else torch.where(usable, scale, 1.0))
     # An unusable block codes 0. A finite one (an all-zero block is the common case: the spans of norm gains and
     # biases qgZ carries apart) is below qmax times the smallest normal float, so times 1 it rounds to 0 anyway; only
     # non-finite values, stochastic rounding's floor of a tiny negative value, or ``lost`` (whose sign of zero must be
     # the kernels': x - (+0)) need the full-size mask.
-    masked = not every_block_usable and (stochastic or lost is not None or not bool(finite.all()))
+    masked = not every_block_usable and (stochastic or lost is not None or not every_block_finite)
     codes = out[:, :pb].view(torch.int8) if bits == 8 else torch.zeros(R, 2 * pb, dtype=torch.int8, device=x.device)
     noise = _per_block(_uniform((R, n), seed, x.device), block_size) if stochastic else [None] * len(parts)
-    if not every_block_usable:
-        wire_scale = torch.where(finite, scale, torch.full_like(scale, float("nan")))
-    else:
-        wire_scale = scale
+    wire_scale = scale if every_block_finite else torch.where(finite, scale, float("nan"))
     losses = _per_block(lost.view(R, n), block_size) if lost is not None else [None] * len(parts)
     first = 0
     for part, code, u, loss in zip(parts, _per_block(codes[:, :n], block_size), noise, losses):
