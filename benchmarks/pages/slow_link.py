@@ -52,7 +52,11 @@ round with the defaults and ModelParallelStrategy."""
 PATH_2D_VECTORS = "archive/cluster_2d_2026-12-07c.json"
 """The same command's quiet run with norm gains and biases reduced exactly (the default from 2026-12-07 12:08 until
 this run and ``cluster_vectors.json`` measured its step)."""
-SOURCES = [*SOURCES_1D, PATH_2D, PATH_2D_MATRICES, PATH_2D_LOADED, PATH_2D_VECTORS]
+PATH_2D_THIRD = "slow_link/cluster_2d_matrices_2.json"
+"""The decisions log's 2-D run of 2026-12-07 18:45: the same three configurations, paired by round; ``zeropp`` there
+is every gradient quantized (the defaults of that hour), ``zeropp_matrices`` what "auto" runs with tensor
+parallelism."""
+SOURCES = [*SOURCES_1D, PATH_2D, PATH_2D_MATRICES, PATH_2D_THIRD, PATH_2D_LOADED, PATH_2D_VECTORS]
 
 FIGURES = "../../benchmarks/data/slow_link"
 """The PNGs beside the data, relative to ``docs/results/``."""
@@ -587,12 +591,42 @@ as their pure-torch twins), and whatever the link loses below its nominal rate. 
 
 {_tp_matrices(sources)}
 
+{_tp_auto(sources)}
+
 {_tp_vectors(sources, path)}
 
 {_tp_loaded(sources, path)}"""
 
 
-def _tp_matrices(sources: dict[str, Source], path: str = PATH_2D_MATRICES) -> str:
+def _tp_auto(sources: dict[str, Source], path: str = PATH_2D_THIRD) -> str:
+    """The decisions log's rule of 18:45 (its step half) and the third measurement of the 2-D goal."""
+    if path not in sources:
+        return ""
+    ratios = [_over_defaults(sources, t, path) for t in (2, 4)]
+    held = all(r is not None and r[0] <= RULE for r in ratios)
+    title = "The decisions log's run of 18:45: norm gains and biases exact where tensor parallelism runs"
+    return (
+        _tp_matrices(sources, path, title)
+        + "\n\nThe [decisions log](../decisions.md) (2026-12-07 18:45) fixed before this run that"
+        ' `gradient_quantization_scope="auto"` (`"matrices"` with tensor parallelism, `"all"` without) becomes the'
+        " default if, among other things, `zeropp_matrices`' step here is within 5% of `zeropp`'s at t = 2 and at"
+        f" t = 4 (by the median of the ratios paired by round): the step half **{_met(held)}**. Its accuracy half"
+        " is on [Loss with tensor parallelism](tensor_parallel_accuracy.md)."
+    )
+
+
+def _over_defaults(sources: dict[str, Source], t: int, path: str) -> tuple[float, float, float] | None:
+    """``zeropp_matrices``' step over ``zeropp``'s at tensor-parallel size ``t``, paired by round: (median, min,
+    max)."""
+    meta, rows = _meta(sources, path), _rows(sources, path)
+    at = {r["config"]: r for r in rows if r["tensor_parallel_size"] == t and r["rate"] == GOAL_2D_RATE}
+    if "zeropp" not in at or "zeropp_matrices" not in at:
+        return None
+    return _paired(_repeats(at["zeropp_matrices"], meta), _repeats(at["zeropp"], meta))
+
+
+def _tp_matrices(sources: dict[str, Source], path: str = PATH_2D_MATRICES,
+                 title: str = "With norm gains and biases carried exactly") -> str:  # fmt: skip
     """The run with norm gains and biases carried exactly: its table, ``zeropp_matrices``' step over the defaults'
     (paired by round), and the goal for both."""
     if path not in sources:
@@ -607,7 +641,7 @@ def _tp_matrices(sources: dict[str, Source], path: str = PATH_2D_MATRICES) -> st
                          f" {hi:.3f}]; within 5% (the rule for a default, by the median):"
                          f" **{_met(med <= RULE)}**")  # fmt: skip
     return (
-        "### With norm gains and biases carried exactly\n\n"
+        f"### {title}\n\n"
         f"{_run_line(sources, path)}\n\n"
         f'`zeropp_matrices` is the defaults with `gradient_quantization_scope="matrices"`: the gradients of norm gains'
         " and biases cross nodes exactly, as raw bytes carried in qgZ's own all-to-alls (no collective of their own)."
@@ -844,24 +878,20 @@ def _detail(sources: dict[str, Source], path: str, defaults: str) -> str:
     return f"{_run_line(sources, path)}\n\n{table(header, out)}"
 
 
-def _tp_speedup(sources: dict[str, Source], t: int, path: str = PATH_2D) -> str:
-    """``zeropp``'s paired speedup over ``model_parallel`` at tensor-parallel size ``t`` and the goal's rate."""
+def _tp_speedup(sources: dict[str, Source], t: int, path: str = PATH_2D, config: str = "zeropp") -> str:
+    """``config``'s paired speedup over ``model_parallel`` at tensor-parallel size ``t`` and the goal's rate."""
     meta, rows = _meta(sources, path), _rows(sources, path)
     at = {r["config"]: r for r in rows if r["tensor_parallel_size"] == t and r["rate"] == GOAL_2D_RATE}
-    if "zeropp" not in at or TP_BASELINE not in at:
+    if config not in at or TP_BASELINE not in at:
         return "-"
-    return _x(*_paired(_repeats(at[TP_BASELINE], meta), _repeats(at["zeropp"], meta)))
+    return _x(*_paired(_repeats(at[TP_BASELINE], meta), _repeats(at[config], meta)))
 
 
 def _tp_over_defaults(sources: dict[str, Source], t: int, path: str = PATH_2D_MATRICES) -> str:
     """``zeropp_matrices``' step over the defaults' at tensor-parallel size ``t``, paired by round (median [min,
     max])."""
-    meta, rows = _meta(sources, path), _rows(sources, path)
-    at = {r["config"]: r for r in rows if r["tensor_parallel_size"] == t and r["rate"] == GOAL_2D_RATE}
-    if "zeropp" not in at or "zeropp_matrices" not in at:
-        return "-"
-    med, lo, hi = _paired(_repeats(at["zeropp_matrices"], meta), _repeats(at["zeropp"], meta))
-    return f"{med:.3f} [{lo:.3f}, {hi:.3f}]"
+    paired = _over_defaults(sources, t, path)
+    return "-" if paired is None else "{:.3f} [{:.3f}, {:.3f}]".format(*paired)
 
 
 HEADLINES = {PATH_2D: [("t = 2, speedup vs ModelParallelStrategy", "tp_speedup_t2"),
@@ -870,6 +900,14 @@ HEADLINES = {PATH_2D: [("t = 2, speedup vs ModelParallelStrategy", "tp_speedup_t
                                 ("t = 4", "tp_speedup_t4_later"),
                                 ("norm gains and biases carried, step over the defaults', t = 2", "matrices_tp_t2"),
                                 ("t = 4", "matrices_tp_t4")],
+             PATH_2D_THIRD: [("every gradient quantized vs ModelParallelStrategy, t = 2", "tp_speedup_t2_third"),
+                             ("t = 4", "tp_speedup_t4_third"),
+                             ("norm gains and biases exact vs ModelParallelStrategy, t = 2",
+                              "tp_matrices_speedup_t2_third"),
+                             ("t = 4", "tp_matrices_speedup_t4_third"),
+                             ("norm gains and biases exact, step over every gradient quantized, t = 2",
+                              "matrices_tp_t2_third"),
+                             ("t = 4", "matrices_tp_t4_third")],
              "slow_link/cluster_vectors.json": [("norm gains and biases exact, step vs the defaults (paired)",
                                                  "vectors_step_ratio")],
              "slow_link/cluster_matrices.json": [("norm gains and biases carried exactly, step vs the defaults"
@@ -891,6 +929,12 @@ def snippets(sources: dict[str, Source]) -> dict[str, str]:
         "tp_speedup_t4_later": _tp_speedup(sources, 4, PATH_2D_MATRICES),
         "matrices_tp_t2": _tp_over_defaults(sources, 2),
         "matrices_tp_t4": _tp_over_defaults(sources, 4),
+        "tp_speedup_t2_third": _tp_speedup(sources, 2, PATH_2D_THIRD),
+        "tp_speedup_t4_third": _tp_speedup(sources, 4, PATH_2D_THIRD),
+        "tp_matrices_speedup_t2_third": _tp_speedup(sources, 2, PATH_2D_THIRD, "zeropp_matrices"),
+        "tp_matrices_speedup_t4_third": _tp_speedup(sources, 4, PATH_2D_THIRD, "zeropp_matrices"),
+        "matrices_tp_t2_third": _tp_over_defaults(sources, 2, PATH_2D_THIRD),
+        "matrices_tp_t4_third": _tp_over_defaults(sources, 4, PATH_2D_THIRD),
         "zeropp_speedup_50": _x(_row(sources, main, "zeropp", 50.0)["speedup_vs_zero3"]),
         "zeropp_speedup_200": _x(_row(sources, main, "zeropp", 200.0)["speedup_vs_zero3"]),
         "zeropp_speedup_unshaped": _x(_row(sources, main, "zeropp", None)["speedup_vs_zero3"]),
