@@ -63,8 +63,9 @@ TENSOR_PARALLEL_CONFIGS = {
     "qwz": dict(quantize_weights=True, hpz_partition_size=1, quantize_gradients=False),
     "hpz": dict(quantize_weights=False, hpz_partition_size="auto", quantize_gradients=False),
     "qgz": dict(quantize_weights=False, hpz_partition_size=1, quantize_gradients=True),
-    "zeropp": dict(),
-    "zeropp_matrices": dict(gradient_quantization_scope="matrices"),
+    "zeropp": dict(),  # since 2026-12-07 19:10 norm gains and biases exact ("auto" with t > 1)
+    "zeropp_quantized_vectors": dict(gradient_quantization_scope="all"),  # every gradient: the defaults until then
+    "zeropp_matrices": dict(gradient_quantization_scope="matrices"),  # set outright: the defaults' 2-D reduction
 }
 LLAMA_MODEL = dict(vocab_size=256, n_layer=4, dim=128, n_head=8, n_kv_head=4, ffn_hidden=344, max_seq_len=64)
 

@@ -318,11 +318,13 @@ def two_hop(config: ZeroPPConfig, precision: str | None = None) -> GradientReduc
 
 def exact_vectors(config: ZeroPPConfig) -> bool:
     """Whether norm gains and biases cross nodes exactly (:mod:`~lightning_zeropp.vectors`):
-    ``gradient_quantization_scope="matrices"`` with parameter-aligned blocks. Flat blocks can hold a vector's and a
-    matrix's elements together, so the vectors' spans are not whole blocks there: zeroing them would leave a rotated
-    block's residual or a shared block's noise estimate on coordinates reduced exactly; the ablation quantizes every
-    gradient, as it did."""
-    return config.gradient_quantization_scope == "matrices" and config.block_alignment == "parameter"
+    ``gradient_quantization_scope="matrices"``, or ``"auto"`` with tensor parallelism, with parameter-aligned blocks.
+    Flat blocks can hold a vector's and a matrix's elements together, so the vectors' spans are not whole blocks
+    there: zeroing them would leave a rotated block's residual or a shared block's noise estimate on coordinates
+    reduced exactly; the ablation quantizes every gradient, as it did."""
+    scope = config.gradient_quantization_scope
+    matrices = scope == "matrices" or (scope == "auto" and config.tensor_parallel_size > 1)
+    return matrices and config.block_alignment == "parameter"
 
 
 def quantized_rail(config: ZeroPPConfig) -> GradientReduction:

@@ -137,13 +137,16 @@ def test_a_tensor_parallel_job_sends_what_its_data_parallel_job_sends():
     local = tensor_parallel_units(SMALL, 2)
     for kwargs in (CONFIGS["zero3"], CONFIGS["zeropp"]):
         tp = step_bytes(local, ZeroPPConfig(**kwargs, tensor_parallel_size=2), 8, 4, 5)
-        dp = step_bytes(local, ZeroPPConfig(**kwargs), 4, 2, 2)
+        # the defaults' "auto" scope: norm gains and biases exact with tensor parallelism, as "matrices" does in 1-D
+        dp = step_bytes(local, ZeroPPConfig(**kwargs, gradient_quantization_scope="matrices"), 4, 2, 2)
         assert tp == dp
+    assert "gradient_reduce_scatter_vectors" in tp
     hpz = step_bytes(local, ZeroPPConfig(tensor_parallel_size=2), 8, 4, 5)
     assert hpz["weight_all_gather_secondary"][1] == 0 < hpz["weight_all_gather_secondary"][0]
     assert "weight_all_gather_backward" not in hpz
     filled = step_bytes(tensor_parallel_units(SMALL, 4), ZeroPPConfig(tensor_parallel_size=4), 8, 4, 5)
-    assert sorted(filled) == ["gradient_all_to_all_inter", "weight_all_gather", "weight_all_gather_backward"]
+    assert sorted(filled) == ["gradient_all_to_all_inter", "gradient_reduce_scatter_vectors", "weight_all_gather",
+                             "weight_all_gather_backward"]  # fmt: skip
     assert all(intra == 0 and inter > 0 for intra, inter, _ in filled.values())
 
 
@@ -270,9 +273,11 @@ MEDIUM = gpt_units(50304, 128, 2, 2048)  # 0.2B parameters, two thirds of them i
 
 def test_the_planner_recommends_tensor_parallelism_where_the_model_does_not_fit_without_it():
     """0.9 GiB per GPU, 8 GPUs: the two largest units gathered in bf16 (each twice: the one computing, the one
-    prefetched) take most of it at t = 1; at t = 4 a quarter of their matrices. Nothing fits at t = 1, the ZeRO++
-    defaults fit at t = 2 and t = 4; t = 2 keeps two data-parallel ranks per node, so hpZ's backward gather stays in
-    the node (at t = 4 it crosses nodes), and its step is the shorter."""
+    prefetched) take most of it at t = 1; at t = 4 a quarter of their matrices. Nothing fits at t = 1; at t = 2 the
+    ZeRO++ defaults' bound is just over (with tensor parallelism they carry norm gains and biases exactly, whose copies
+    of qgZ's last rows the bound counts), so the planner takes t = 4, where they fit. With 0.96 GiB they fit at t = 2,
+    which keeps two data-parallel ranks per node, so hpZ's backward gather stays in the node (at t = 4 it crosses
+    nodes), and its step is the shorter: t = 2 wins, also over ZeRO-3 at t = 1 (which fits there)."""
     cluster = Cluster(2, 4, 100.0, 3600.0, gpu_memory_gib=0.9)
     by_size, refused, verdicts = compare_tensor_parallel(MEDIUM, cluster, Workload(16), [1, 2, 4], n_embd=2048)
     root1 = 50304 * 2048 + 128 * 2048 + 2 * 2048
@@ -284,21 +289,27 @@ def test_the_planner_recommends_tensor_parallelism_where_the_model_does_not_fit_
     assert by_size[1][0].memory_gib["unsharded_units"] * 2**30 == 2 * 2 * (root1 + block1)
     assert by_size[4][0].memory_gib["unsharded_units"] * 2**30 == 2 * 2 * (root4 + block4)
     assert not any(r.fits for r in by_size[1]) and verdicts[1].config is None
-    v = choose_tensor_parallel(verdicts, by_size, cluster)
-    assert (v.config, v.tensor_parallel_size) == ("zeropp", 2) and verdicts[4].config == "zeropp"
     t2, t4 = (next(r for r in by_size[t] if r.config == "zeropp") for t in (2, 4))
+    assert not t2.fits and t4.fits and 0.9 < t2.memory_gib["total"] < 0.96
+    v = choose_tensor_parallel(verdicts, by_size, cluster)
+    assert (v.config, v.tensor_parallel_size) == ("zeropp", 4)
+    assert v.tensor_parallel.startswith("t = 4: nothing fits without tensor parallelism (t = 1 needs 1.0 GiB per GPU"
+                                        " of 0.9)")  # fmt: skip
     assert t2.step_s < t4.step_s and t2.memory_gib["hpz_copy"] > 0 == t4.memory_gib["hpz_copy"]
     assert "weight_all_gather_backward" in t4.bytes_by_kind and "weight_all_gather_backward" not in t2.bytes_by_kind
-    assert v.tensor_parallel.startswith("t = 2: nothing fits without tensor parallelism (t = 1 needs 1.0 GiB per GPU"
-                                        " of 0.9)")  # fmt: skip
+    assert label("zeropp", 4, 4) == (
+        "ZeRO++ (INT8 weights, INT4 gradients across nodes; lossy), with tensor parallelism 4 inside each node"
+    )
+    roomier = Cluster(2, 4, 100.0, 3600.0, gpu_memory_gib=0.96)
+    by_size, _, verdicts = compare_tensor_parallel(MEDIUM, roomier, Workload(16), [1, 2, 4], n_embd=2048)
+    v = choose_tensor_parallel(verdicts, by_size, roomier)
+    assert (v.config, v.tensor_parallel_size) == ("zeropp", 2) and verdicts[4].config == "zeropp"
+    assert verdicts[1].config == "zero3"
     assert v.label == (
         "ZeRO++ (INT8 weights, hpZ, INT4 gradients across nodes; lossy), with tensor parallelism 2 inside each node"
     )
     assert v.python.endswith("strategy=ZeroPPStrategy(tensor_parallel_size=2))")
     assert "tensor parallel 2: " in v.reason and " GB of activation all-reduces per GPU per step inside" in v.reason
-    assert label("zeropp", 4, 4) == (
-        "ZeRO++ (INT8 weights, INT4 gradients across nodes; lossy), with tensor parallelism 4 inside each node"
-    )
     # the same model with room for it: nothing larger is enough faster, and t = 1 keeps weight deltas and hpZ
     roomy = Cluster(2, 4, 100.0, 3600.0)
     by_size, _, verdicts = compare_tensor_parallel(MEDIUM, roomy, Workload(16), [1, 2, 4], n_embd=2048)

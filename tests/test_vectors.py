@@ -89,7 +89,28 @@ def test_the_plan_reduces_vectors_exactly_only_with_parameter_aligned_blocks():
             plan = resolve(config, topology)
             assert plan.gradients.exact_vectors is exact, (alignment, kwargs)
             assert ("norm gains and biases exact" in plan.describe()) is exact, plan.describe()
-    assert not resolve(ZeroPPConfig(), topology).gradients.exact_vectors  # the default: every gradient quantized
+    assert not resolve(ZeroPPConfig(), topology).gradients.exact_vectors  # the default in 1-D: every gradient quantized
+
+
+def test_auto_reduces_vectors_exactly_where_tensor_parallelism_runs():
+    """The default, "auto": "matrices" with a tensor-parallel dimension, "all" without one; the startup line says so.
+    Set outright, either scope holds whatever the tensor-parallel size (and flat blocks quantize every gradient)."""
+    from lightning_zeropp.commplan import job_topology, resolve
+
+    def plan(world: int, t: int, **kwargs):
+        config = ZeroPPConfig(tensor_parallel_size=t, **kwargs)
+        return resolve(config, job_topology(config, world, 4, 0), "32-true")
+
+    assert ZeroPPConfig().gradient_quantization_scope == "auto"
+    for world, t, kwargs, exact in [
+        (8, 1, {}, False), (8, 2, {}, True), (8, 4, {}, True), (16, 2, {}, True),
+        (8, 2, {"gradient_quantization_scope": "all"}, False),
+        (8, 1, {"gradient_quantization_scope": "matrices"}, True),
+        (8, 2, {"block_alignment": "flat"}, False),
+    ]:  # fmt: skip
+        p = plan(world, t, **kwargs)
+        assert p.gradients.exact_vectors is exact, (world, t, kwargs)
+        assert ("norm gains and biases exact" in p.describe()) is exact, p.describe()
 
 
 def _worker(rank, world, configs, *args):

@@ -55,9 +55,12 @@ TWO_D_MEANING = {
     "qwz": "qwZ alone",
     "hpz": "hpZ alone (over the node's data-parallel ranks; none where t fills the node)",
     "qgz": "qgZ alone",
-    "zeropp": "the defaults",
-    "zeropp_quantized_vectors": 'the defaults with every gradient quantized (`gradient_quantization_scope="all"`)',
-    "zeropp_matrices": 'the defaults with `gradient_quantization_scope="matrices"` (norm gains and biases exact)',
+    "zeropp": "the defaults (since 2026-12-07 19:10 with t > 1: norm gains and biases exact, carried in qgZ's"
+    " all-to-alls; every gradient quantized in runs before)",
+    "zeropp_quantized_vectors": 'every gradient quantized (`gradient_quantization_scope="all"`): the 2-D defaults'
+    " until 2026-12-07 19:10",
+    "zeropp_matrices": '`gradient_quantization_scope="matrices"` set outright (norm gains and biases exact): with t > 1'
+    " what the defaults run since 2026-12-07 19:10",
 }
 VECTORS_BOUND = 1.02
 """The decisions log's rule of 2026-12-07 12:08, its bytes half: with norm gains and biases reduced exactly, the
@@ -241,6 +244,7 @@ def snippets(sources: dict[str, Source]) -> dict[str, str]:
         "matrices_share": _span(_ratios(data, "zeropp_matrices")),
         "two_d_shares": _two_d_shares(sources[SOURCES[1]].data, "zeropp"),
         "two_d_matrices_shares": _two_d_shares(sources[SOURCES[1]].data, "zeropp_matrices"),
+        "two_d_quantized_shares": _two_d_shares(sources[SOURCES[1]].data, "zeropp_quantized_vectors"),
     }
 
 
@@ -254,7 +258,7 @@ HEADLINES = {
     SOURCES[0]: [("share of ZeRO-3's cross-node bytes, defaults", "zeropp_share"),
                  ("with norm gains and biases carried exactly", "matrices_share")],
     SOURCES[1]: [("share of the exact 2-D run's, defaults", "two_d_shares"),
-                 ("with norm gains and biases carried exactly", "two_d_matrices_shares")],
+                 ("with every gradient quantized", "two_d_quantized_shares")],
 }  # fmt: skip
 """Per data file, the figures ``benchmarks/RESULTS.md`` shows beside its newest run (snippet names)."""
 
