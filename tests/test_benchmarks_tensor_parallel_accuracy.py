@@ -154,13 +154,14 @@ def test_the_smallest_run_writes_the_rows_the_page_reads(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     data = json.loads(path.read_text())
     runs = {r["config"]: r for r in data["runs"]}
-    assert sorted(runs) == ["model_parallel", "zeropp-matrices"] and not any("error" in r for r in runs.values())
+    assert sorted(runs) == ["model_parallel", "zeropp-vectors"] and not any("error" in r for r in runs.values())
     for r in runs.values():
         assert [s for s, _ in r["train_curve"]] == [1, 2] and [s for s, _ in r["val_curve"]] == [2]
         assert all(math.isfinite(v) and 4 < v < 7 for _, v in r["train_curve"] + r["val_curve"])  # about ln 256
     assert runs["model_parallel"]["describe"] is None
-    assert "INT8" in runs["zeropp-matrices"]["describe"] and "INT4" in runs["zeropp-matrices"]["describe"]
-    assert "correction on matrices" in runs["zeropp-matrices"]["describe"]
+    described = runs["zeropp-vectors"]["describe"]
+    assert "INT8" in described and "INT4" in described and "correction on matrices" in described
+    assert "norm gains and biases exact" in described  # the defaults with tensor parallelism
     # the first step's loss is the same weights on the same batch: only qwZ's rounding of the weights differs
     first = [r["train_curve"][0][1] for r in runs.values()]
     assert first[0] != first[1] and first[0] == pytest.approx(first[1], rel=1e-2)
