@@ -503,7 +503,9 @@ def _tp_setup(sources: dict[str, Source], path: str = PATH_2D) -> str:
         f" {m['reduce_dtype']} gradients, the policy Lightning's tensor-parallel example passes (the Llama of"
         " [Bytes per step](bytes_per_step.md#with-tensor-parallelism) gathers fp32 weights: its ratios measure"
         " another baseline and are not comparable with these). `zeropp` is"
-        " `ZeroPPStrategy(tensor_parallel_size=t)` with its defaults (the ranks per node from the launch). Every"
+        " `ZeroPPStrategy(tensor_parallel_size=t)` with its defaults of the run's day (the ranks per node from the"
+        " launch; every gradient quantized in the runs on this page, the defaults until 2026-12-07 19:10: since then"
+        " the defaults with tensor parallelism carry norm gains and biases exactly, as `zeropp_matrices` does). Every"
         " configuration of both topologies runs once per round, so each speedup is paired with `model_parallel`'s"
         " repeat of the same round."
     )
