@@ -61,7 +61,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.overrides import TorchFunctionMode
 
-from .compat.torch import replace_meta_tensors, reset_function
+from .compat.torch import replace_meta_tensors, reset_function, strided_shard_factor
 
 __all__ = ["WholeDraws", "materialize_meta_tensors", "has_meta_tensors"]
 
@@ -328,24 +328,33 @@ def _any_untracked(args: tuple, kwargs: dict[str, Any]) -> bool:
 
 def _local_region(tensor: DTensor, where: str) -> tuple[slice, ...]:
     """The slice of the global tensor that this rank's local tensor holds (``torch.chunk`` along each sharded dim, in
-    the order of the mesh dimensions, as DTensor's ``Shard`` splits)."""
+    the order of the mesh dimensions, as DTensor's ``Shard`` splits). A strided shard (FSDP2 over a tensor-parallel
+    plan: ``(_StridedShard(d, split_factor=t), Shard(d))``) splits after the later mesh dims' shards of its dim: this
+    rank's tensor-parallel piece, then its data-parallel part of that piece, still one contiguous slice."""
     bounds = [(0, n) for n in tensor.shape]
     coordinate = tensor.device_mesh.get_coordinate()
-    for mesh_dim, placement in enumerate(tensor.placements):
+    placements = tensor.placements
+    order = sorted(range(len(placements)), key=lambda m: (strided_shard_factor(placements[m]) is not None, m))
+    done: dict[int, int] = {}  # tensor dim -> how many pieces it is split into so far
+    for mesh_dim in order:
+        placement = placements[mesh_dim]
         if isinstance(placement, Replicate):
             continue
-        if type(placement) is not Shard:  # Partial, _StridedShard (tensor parallel + FSDP): no contiguous slice
-            raise ValueError(
+        factor = strided_shard_factor(placement)
+        dim = placement.dim % tensor.ndim if type(placement) is Shard or factor is not None else None
+        if dim is None or (factor is not None and factor != done.get(dim, 1)):  # Partial; a stride not of the later
+            raise ValueError(  # shards (the only one FSDP2 over tensor parallelism makes): no contiguous slice
                 f"ZeroPPStrategy: a random initializer in `reset_parameters()` of {where} ran on a tensor placed as"
-                f" {tuple(tensor.placements)}; materializing from the meta device draws whole tensors only for"
-                " Shard and Replicate placements. Initialize that tensor before sharding it (build it outside the"
-                " meta device) or load it from a checkpoint."
+                f" {tuple(placements)}; materializing from the meta device draws whole tensors only for Shard and"
+                " Replicate placements, and for FSDP's strided shard over a tensor-parallel split. Initialize that"
+                " tensor before sharding it (build it outside the meta device) or load it from a checkpoint."
             )
-        dim = placement.dim % tensor.ndim
         start, stop = bounds[dim]
-        chunk = -(-(stop - start) // tensor.device_mesh.size(mesh_dim))
+        size = tensor.device_mesh.size(mesh_dim)
+        chunk = -(-(stop - start) // size)
         low = min(start + coordinate[mesh_dim] * chunk, stop)
         bounds[dim] = (low, min(low + chunk, stop))
+        done[dim] = done.get(dim, 1) * size
     local_shape = tuple(hi - lo for lo, hi in bounds)
     if local_shape != tuple(tensor.to_local().shape):
         raise AssertionError(f"local shard {tuple(tensor.to_local().shape)} != computed {local_shape} ({where})")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from lightning.pytorch import LightningModule
+from lightning.pytorch import Callback, LightningModule
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -551,3 +551,49 @@ def test_two_data_parallel_ranks_per_node_exact_and_with_the_defaults():
             assert "weight_all_gather_backward" not in kinds, kinds
         assert result["kept_after_fit"] == 0  # the pieces go when the backward ends
     assert "hpZ backward gather inside 2 ranks" in results[0]["describe"], results[0]["describe"]
+
+
+# ------------------------------------------------------------------------------------------------ the big-model path
+class _AtStart(Callback):
+    """Every parameter gathered whole when training starts (materialized, no step yet), and its placements; then
+    stops."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.weights = {n: p.full_tensor().detach().clone() for n, p in pl_module.named_parameters()}
+        self.placements = {n: tuple(map(str, p.placements)) for n, p in pl_module.named_parameters()}
+        trainer.should_stop = True
+
+
+def _meta_worker(rank: int, world: int) -> dict:
+    """The ModelParallelStrategy ``configure_model`` on a model built under ``trainer.init_module(empty_init=True)``:
+    materialized by ZeroPPStrategy (t = 2; column-parallel weights are then FSDP's strided shards of the
+    tensor-parallel pieces), then 3 steps with the defaults from the meta device."""
+    start = _AtStart()
+    trainer = lightning_trainer(world, ZeroPPStrategy(tensor_parallel_size=2, ranks_per_node=2), max_steps=STEPS,
+                                callbacks=[start])  # fmt: skip
+    with trainer.init_module(empty_init=True):
+        module = ModelParallelModule()
+    meta = all(p.is_meta for p in module.parameters())
+    trainer.fit(module, DataLoader(_data(), batch_size=BATCH, shuffle=False))
+    trainer = lightning_trainer(world, ZeroPPStrategy(tensor_parallel_size=2, ranks_per_node=2), max_steps=STEPS)
+    with trainer.init_module(empty_init=True):
+        trained = ModelParallelModule()
+    trainer.fit(trained, DataLoader(_data(), batch_size=BATCH, shuffle=False))
+    after = {n: p.full_tensor().detach().clone() for n, p in trained.named_parameters()}
+    return {"meta": meta, "placements": start.placements, "start": start.weights, "after": after}
+
+
+@pytest.mark.multiprocess
+def test_a_model_built_on_the_meta_device_materializes_as_one_built_on_the_cpu_and_trains():
+    """Every parameter, tensor-parallel and strided-sharded ones included, equals on every rank, bit for bit, the same
+    seed's on a model built on the CPU (one draw of the whole tensor, each rank keeping its slice); the defaults then
+    move every parameter, finite."""
+    init = _initial()
+    for rank, out in enumerate(spawn(_meta_worker, WORLD, timeout=600)):
+        assert out["meta"], rank
+        assert out["placements"]["model.blocks.0.w1.weight"] == ("_S(0, 2)", "S(0)"), out["placements"]  # strided
+        assert sorted(out["start"]) == sorted(init), rank
+        differ = [n for n in init if not torch.equal(out["start"][n], init[n])]
+        assert differ == [], (rank, differ)
+        unmoved = [n for n in init if torch.equal(out["after"][n], init[n])]
+        assert unmoved == [] and all(torch.isfinite(t).all() for t in out["after"].values()), (rank, unmoved)

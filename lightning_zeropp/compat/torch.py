@@ -31,8 +31,18 @@ foreach_mul_ = torch._foreach_mul_
 foreach_minimum_ = torch._foreach_minimum_
 foreach_sub_ = torch._foreach_sub_
 foreach_norm = torch._foreach_norm
-# A mode that sees every operator dispatched (the benchmarks count the correction's with it).
+# FSDP2 over a tensor-parallel plan places a parameter sharded twice along one dim as (_StridedShard, Shard): the
+# tensor-parallel split first, then FSDP's split of each piece (DTensor keeps that placement class private); and a
+# mode that sees every operator dispatched (the benchmarks count the correction's with it).
+from torch.distributed.tensor.placement_types import _StridedShard  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+
+def strided_shard_factor(placement: object) -> int | None:
+    """For a ``_StridedShard`` placement (sharded after ``split_factor`` splits by later mesh dims along its dim): its
+    split factor; None for any other placement."""
+    return placement.split_factor if isinstance(placement, _StridedShard) else None
+
 
 # torch 2.13 deprecates the *_into_tensor / *_tensor names; torch 2.11 and older lack the *_single ones.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
