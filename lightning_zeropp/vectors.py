@@ -82,7 +82,7 @@ def detach(received: torch.Tensor, wire: int, dtype: torch.dtype) -> tuple[torch
     contiguous copy (the kernels view the scales in a wire row as fp32, and a row cut from a buffer of such rows can
     start anywhere), and the values ``(R, V)`` of ``dtype``: a view where every row's values start at a multiple of
     their width (qgZ's rows: ``wire`` is whole 16-byte lines), else a copy."""
-    values, width = received[:, wire:], torch.empty(0, dtype=dtype).element_size()
+    values, width = received[:, wire:], dtype.itemsize
     if values.storage_offset() % width or values.stride(0) % width:
         values = values.clone(memory_format=torch.contiguous_format)
     return received[:, :wire].clone(memory_format=torch.contiguous_format), values.view(dtype)
